@@ -1,0 +1,1 @@
+"""deltaboard: board role (see docs/contract.md)."""

@@ -1,0 +1,1 @@
+"""deltaboard: clients role (see docs/contract.md)."""

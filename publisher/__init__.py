@@ -1,0 +1,1 @@
+"""deltaboard: publisher role (see docs/contract.md)."""

@@ -1,0 +1,1 @@
+"""deltaboard: services role (see docs/contract.md)."""

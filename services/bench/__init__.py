@@ -1,0 +1,1 @@
+"""Benchmarks behind `deltaboard bench ...`: each prints its figures and can write JSON."""

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MANIFEST_FORMAT = "deltaboard/manifest/v1"
+MANIFEST_FORMAT: Literal["deltaboard/manifest/v1"] = "deltaboard/manifest/v1"
 
 # Names that end up in object-store keys and file paths: no traversal, no separators.
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -213,4 +213,3 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
-

@@ -1,0 +1,134 @@
+"""encode / apply / decode: the codec's public operations on raw tensor bytes.
+
+`encode_changes` codes a `Changes` with every candidate encoding that can pay off for its
+changed fraction (sparse always; dense above 1/8 changed; whole-tensor replacement above
+1/4 when the old bytes are at hand) and keeps the smallest.
+
+Context and the device path: the codec's only context is the *old bits at the changed
+positions* (ULP steps are new - old), which `Changes.old_bits` already carries, so the
+publisher's torch diff needs to mirror nothing beyond producing `Changes`. `old` is used
+only for the base digest when `old_digest` is not given and for the replacement candidate.
+
+Verification: `apply`/`decode` check the base digest (trusting `old_digest` if given, so the
+cost stays O(changed)), then the result digest, updated from the base in O(changed) through
+the additive digest; a whole-tensor payload is checked with a full digest.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from board.codec import dense, replace, sparse
+from board.codec.changes import Changes, diff
+from board.codec.digest import digest, digest_bits, digest_update, parse_digest
+from board.codec.dtypes import as_bits, uint_dtype, width
+from board.codec.errors import PatchError
+from board.codec.header import PatchHeader, pack, unpack
+
+_DENSE_FROM = 8  # try dense when more than numel / 8 changed
+_REPLACE_FROM = 4  # try replacement when more than numel / 4 changed
+
+
+def read_header(patch: bytes | memoryview) -> PatchHeader:
+    """The verified header of a patch (checksum included)."""
+    return unpack(patch)[0]
+
+
+def keyframe(new: np.ndarray, dtype: str) -> bytes:
+    bits = as_bits(new, dtype, "new")
+    header = PatchHeader(dtype, int(bits.size), "keyframe", None, digest_bits(bits), int(bits.size), 0)
+    return pack(header, replace.encode(bits.view(np.uint8), width(dtype)))
+
+
+def _materialize(old: np.ndarray, changes: Changes) -> np.ndarray:
+    new = old.copy()
+    new.view(uint_dtype(changes.dtype))[changes.positions] = changes.new_bits
+    return new
+
+
+def encode_changes(
+    changes: Changes, old: np.ndarray | None, dtype: str, *, old_digest: str | None = None
+) -> bytes:
+    """A patch from `changes` against `old` (whose digest may be given to save a full pass)."""
+    if changes.dtype != dtype:
+        raise PatchError(f"changes are {changes.dtype}, patch asked for {dtype}")
+    changes.validate()
+    if old is not None and as_bits(old, dtype, "old").size != changes.numel:
+        raise PatchError(f"old has {old.size // width(dtype)} elements, changes say {changes.numel}")
+    if old_digest is None:
+        if old is None:
+            raise PatchError("encode_changes needs old or old_digest for the base digest")
+        old_digest = digest(old, dtype)
+    parse_digest(old_digest)
+    n, numel = changes.count, changes.numel
+    candidates = [("sparse", sparse.encode(changes))]
+    if n * _DENSE_FROM > numel:
+        candidates.append(("dense", dense.encode(changes)))
+    if old is not None and n * _REPLACE_FROM > numel:
+        candidates.append(("replace", replace.encode(_materialize(old, changes), width(dtype))))
+    encoding, payload = min(candidates, key=lambda c: len(c[1]))
+    header = PatchHeader(dtype, numel, encoding, old_digest, digest_update(old_digest, changes), n, 0)
+    return pack(header, payload)
+
+
+def encode(old: np.ndarray | None, new: np.ndarray, dtype: str, *, old_digest: str | None = None) -> bytes:
+    """A patch turning `old` into `new`; `old=None` gives a keyframe (the whole tensor)."""
+    if old is None:
+        return keyframe(new, dtype)
+    return encode_changes(diff(old, new, dtype), old, dtype, old_digest=old_digest)
+
+
+def _check_base(header: PatchHeader, old: np.ndarray | None, old_digest: str | None) -> np.ndarray:
+    if old is None:
+        raise PatchError(f"a {header.encoding} patch needs the old tensor it was made against")
+    bits = as_bits(old, header.dtype, "old")
+    if bits.size != header.numel:
+        raise PatchError(f"wrong base: old has {bits.size} elements, the patch is for {header.numel}")
+    held = old_digest if old_digest is not None else digest_bits(bits)
+    if held != header.base_digest:
+        raise PatchError(f"wrong base: old tensor digest {held} is not the patch's base {header.base_digest}")
+    return bits
+
+
+def _whole(header: PatchHeader, payload: memoryview) -> np.ndarray:
+    new = replace.decode(payload, header.numel, width(header.dtype))
+    if digest(new, header.dtype) != header.result_digest:
+        raise PatchError("corrupted patch: result digest mismatch")
+    return new
+
+
+def decode(patch: bytes | memoryview, old: np.ndarray | None, old_digest: str | None = None) -> Changes:
+    """The verified changes a patch makes to `old` (all elements for a keyframe)."""
+    header, payload = unpack(patch)
+    if header.encoding == "keyframe":
+        new_bits = as_bits(_whole(header, payload), header.dtype)
+        old_bits = np.zeros_like(new_bits) if old is None else as_bits(old, header.dtype, "old")
+        if old_bits.size != new_bits.size:
+            raise PatchError(f"old has {old_bits.size} elements, the keyframe has {new_bits.size}")
+        positions = np.arange(new_bits.size, dtype=np.int64)
+        return Changes(header.dtype, header.numel, positions, old_bits.copy(), new_bits)
+    bits = _check_base(header, old, old_digest)
+    assert header.base_digest is not None and old is not None
+    if header.encoding == "replace":
+        changes = diff(old, _whole(header, payload), header.dtype)
+        if changes.count != header.changed:
+            raise PatchError("corrupted patch: changed count mismatch")
+        return changes
+    decoder = sparse.decode if header.encoding == "sparse" else dense.decode
+    decoded: Changes = decoder(payload, header.dtype, header.changed, bits)
+    if digest_update(header.base_digest, decoded) != header.result_digest:
+        raise PatchError("corrupted patch: result digest mismatch")
+    return decoded
+
+
+def apply(old: np.ndarray | None, patch: bytes | memoryview, old_digest: str | None = None) -> np.ndarray:
+    """The new tensor bytes, bit-exact, or PatchError. `old` is not modified."""
+    header, payload = unpack(patch)
+    if header.encoding == "keyframe":
+        return _whole(header, payload)
+    if header.encoding == "replace":
+        _check_base(header, old, old_digest)
+        return _whole(header, payload)
+    changes = decode(patch, old, old_digest)
+    assert old is not None
+    return _materialize(old, changes)

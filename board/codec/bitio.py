@@ -1,0 +1,155 @@
+"""Byte sections and vectorised Rice coding: the codec's only entropy coder.
+
+A payload is a sequence of fields (u64) and length-prefixed byte sections; `Reader` checks
+every bound so that truncated or corrupted input raises PatchError, never IndexError.
+
+Rice coding with parameter k writes `v >> k` in unary and the low k bits verbatim. For the
+geometric-like gaps between changed positions it is within a few hundredths of a bit of
+the entropy when k is chosen from the mean, and, unlike an arithmetic coder, it vectorises:
+the unary parts go to one bit stream (q zeros then a one, so the terminators are found with
+one `flatnonzero`) and the remainders to another (fixed width), so coding and decoding cost a
+handful of numpy passes over the *changed* elements only.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from board.codec.errors import PatchError
+
+_U64 = struct.Struct("<Q")
+# Unary parts longer than this many bits per value mean k was chosen badly; widen k instead.
+_MAX_UNARY_PER_VALUE = 32
+
+
+class Writer:
+    """Accumulates fields and sections of a payload."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def u64(self, value: int) -> None:
+        self._parts.append(_U64.pack(value))
+
+    def section(self, data: bytes) -> None:
+        self.u64(len(data))
+        self._parts.append(data)
+
+    def getvalue(self) -> bytes:
+        return b"".join(self._parts)
+
+
+class Reader:
+    """Reads fields and sections back, refusing to run past the end."""
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        self._data = memoryview(data)
+        self._pos = 0
+
+    def u64(self) -> int:
+        if self._pos + 8 > len(self._data):
+            raise PatchError("patch is truncated (field past the end)")
+        (value,) = _U64.unpack_from(self._data, self._pos)
+        self._pos += 8
+        return int(value)
+
+    def section(self) -> memoryview:
+        n = self.u64()
+        if n > len(self._data) - self._pos:
+            raise PatchError("patch is truncated (section past the end)")
+        out = self._data[self._pos : self._pos + n]
+        self._pos += n
+        return out
+
+    def done(self) -> None:
+        if self._pos != len(self._data):
+            raise PatchError("patch has trailing bytes after its payload")
+
+
+def best_k(values: np.ndarray) -> int:
+    """The Rice parameter minimising the coded size, searched around log2 of the mean."""
+    if values.size == 0:
+        return 0
+    n = values.size
+    k0 = max(0, int(float(values.mean())).bit_length() - 1)
+    best, best_cost = k0, None
+    for k in range(max(0, k0 - 1), min(63, k0 + 2) + 1):
+        cost = n * (k + 1) + int((values >> np.uint64(k)).sum(dtype=np.uint64))
+        if best_cost is None or cost < best_cost:
+            best, best_cost = k, cost
+    while int((values >> np.uint64(best)).sum(dtype=np.uint64)) > _MAX_UNARY_PER_VALUE * n:
+        best += 1
+    return best
+
+
+def rice_size(values: np.ndarray, k: int) -> int:
+    """Bytes `rice_encode(values, k)` writes (used to choose between codings)."""
+    unary_bits = values.size + int((values >> np.uint64(k)).sum(dtype=np.uint64))
+    return 8 * 3 + (unary_bits + 7) // 8 + (values.size * k + 7) // 8
+
+
+def rice_encode(w: Writer, values: np.ndarray, k: int | None = None) -> None:
+    """Append uint64 `values` Rice-coded (k chosen if not given)."""
+    values = values.astype(np.uint64, copy=False)
+    if k is None:
+        k = best_k(values)
+    w.u64(k)
+    q = (values >> np.uint64(k)).astype(np.int64)
+    ends = np.cumsum(q + 1) - 1
+    unary = np.zeros(int(ends[-1]) + 1 if ends.size else 0, dtype=np.uint8)
+    unary[ends] = 1
+    w.section(np.packbits(unary).tobytes())
+    if k:
+        shifts = np.arange(k - 1, -1, -1, dtype=np.uint64)
+        low = ((values[:, None] >> shifts[None, :]) & np.uint64(1)).astype(np.uint8)
+        w.section(np.packbits(low.reshape(-1)).tobytes())
+    else:
+        w.section(b"")
+
+
+def rice_decode(r: Reader, count: int) -> np.ndarray:
+    """Read `count` Rice-coded values back as uint64."""
+    k = r.u64()
+    if k > 63:
+        raise PatchError(f"corrupted patch: Rice parameter {k}")
+    unary = r.section()
+    low = r.section()
+    ends = np.flatnonzero(np.unpackbits(np.frombuffer(unary, dtype=np.uint8)))
+    if ends.size < count:
+        raise PatchError("patch is truncated or corrupted (too few coded values)")
+    ends = ends[:count]
+    q = np.diff(ends, prepend=-1) - 1
+    values = q.astype(np.uint64) << np.uint64(k)
+    if k:
+        if len(low) * 8 < count * k:
+            raise PatchError("patch is truncated or corrupted (remainder bits missing)")
+        bits = np.unpackbits(np.frombuffer(low, dtype=np.uint8), count=count * k).reshape(count, k)
+        for j in range(k):
+            values |= bits[:, j].astype(np.uint64) << np.uint64(k - 1 - j)
+    return values
+
+
+def encode_index_set(w: Writer, positions: np.ndarray) -> None:
+    """Strictly increasing int64 positions as Rice-coded gaps (`p_j - p_{j-1} - 1`)."""
+    gaps = np.diff(positions, prepend=-1) - 1
+    rice_encode(w, gaps.astype(np.uint64))
+
+
+def index_set_size(positions: np.ndarray) -> int:
+    gaps = (np.diff(positions, prepend=-1) - 1).astype(np.uint64)
+    return rice_size(gaps, best_k(gaps))
+
+
+def decode_index_set(r: Reader, count: int, limit: int) -> np.ndarray:
+    """Positions written by `encode_index_set`, checked to lie in [0, limit)."""
+    gaps = rice_decode(r, count)
+    if count == 0:
+        return np.empty(0, dtype=np.int64)
+    if int(gaps.max()) >= limit:
+        raise PatchError("corrupted patch: a position lies outside the tensor")
+    positions = np.cumsum(gaps + np.uint64(1), dtype=np.uint64) - np.uint64(1)
+    if int(positions[-1]) >= limit:
+        raise PatchError("corrupted patch: a position lies outside the tensor")
+    return positions.astype(np.int64)

@@ -1,0 +1,19 @@
+"""`replace` and `keyframe`: the whole tensor, byte planes shuffled, zstd-compressed.
+
+A keyframe has no base; a replacement is the same payload used as a delta when so much
+changed that coding the changes costs more than the tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from board.codec import zstd
+
+
+def encode(new: np.ndarray, width: int) -> bytes:
+    return zstd.compress(zstd.shuffle(new, width))
+
+
+def decode(payload: memoryview, numel: int, width: int) -> np.ndarray:
+    return zstd.unshuffle(zstd.decompress_exact(payload, numel * width), width)

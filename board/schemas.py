@@ -124,7 +124,16 @@ class RunInfo(Strict):
 
 
 class LeaseRequest(Strict):
+    """`steal`: take the lease even while another holder's is live (a replacement trainer)."""
+
     holder: str = Field(min_length=1, max_length=256)
+    ttl_s: float = Field(default=60.0, gt=0, le=3600)
+    steal: bool = False
+
+
+class LeaseRenew(Strict):
+    holder: str = Field(min_length=1, max_length=256)
+    epoch: int = Field(ge=0)
     ttl_s: float = Field(default=60.0, gt=0, le=3600)
 
 

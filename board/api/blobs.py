@@ -1,0 +1,96 @@
+"""Routes for content-addressed blobs: upload targets (deduplicated by sha256), the
+board-proxied streaming upload, and downloads with Range, ETag and immutable caching
+(a redirect to a presigned URL when the store has one)."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import FileResponse, RedirectResponse
+
+from board.api.state import BoardState, Publisher, Reader, check_sha
+from board.api.uploads import receive_to_file
+from board.errors import BoardError, bad_request, not_found
+from board.schemas import BlobUploadTarget
+from board.storage import blob_key
+
+router = APIRouter(prefix="/v1/runs/{run}/blobs")
+
+IMMUTABLE = "public, max-age=31536000, immutable"
+
+
+class BlobFileResponse(FileResponse):
+    """Larger reads than Starlette's 64 KiB default: fewer event-loop turns per GB."""
+
+    chunk_size = 1024 * 1024
+
+
+def blob_url(run: str, sha256: str) -> str:
+    return f"/v1/runs/{run}/blobs/{sha256}"
+
+
+@router.post("/{sha256}/upload", response_model=BlobUploadTarget)
+async def upload_target(
+    run: str, sha256: str, size: int = Query(ge=0), state: BoardState = Publisher
+) -> BlobUploadTarget:
+    check_sha(sha256)
+    await state.require_run(run)
+    if size > state.settings.max_blob_bytes:
+        raise BoardError(413, "BodyTooLarge", f"blobs are limited to {state.settings.max_blob_bytes} bytes")
+    key = blob_key(run, sha256)
+    info = await state.blocking(state.store.stat, key)
+    if info is not None:
+        await state.index.touch_blob(run, sha256, time.time())
+        return BlobUploadTarget(sha256=sha256, exists=True, url=None)
+    url = await state.blocking(state.store.presign, key, "PUT", state.settings.presign_expiry_s)
+    if url is None:
+        return BlobUploadTarget(sha256=sha256, exists=False, url=blob_url(run, sha256))
+    checksum = base64.b64encode(bytes.fromhex(sha256)).decode()
+    return BlobUploadTarget(sha256=sha256, exists=False, url=url, headers={"x-amz-checksum-sha256": checksum})
+
+
+@router.put("/{sha256}", status_code=201)
+async def put_blob(
+    run: str, sha256: str, request: Request, state: BoardState = Publisher
+) -> dict[str, object]:
+    check_sha(sha256)
+    await state.require_run(run)
+    received = await receive_to_file(request, state.settings.tmp_dir, state.settings.max_blob_bytes)
+    try:
+        if received.sha256 != sha256:
+            raise bad_request("DigestMismatch", f"body hashes to {received.sha256}, not {sha256}")
+        key = blob_key(run, sha256)
+        if await state.blocking(state.store.stat, key) is None:
+            await state.blocking(state.store.put_file, key, received.path)
+        state.metrics.blob_bytes_in.inc(received.size)
+    finally:
+        received.path.unlink(missing_ok=True)
+    return {"sha256": sha256, "size": received.size}
+
+
+@router.get("/{sha256}", response_model=None)
+@router.head("/{sha256}", response_model=None, operation_id="head_blob")
+async def get_blob(run: str, sha256: str, request: Request, state: BoardState = Reader) -> Response:
+    check_sha(sha256)
+    await state.require_run(run)
+    key = blob_key(run, sha256)
+    etag = f'"{sha256}"'
+    path = state.store.local_path(key)
+    if path is None:
+        if await state.blocking(state.store.stat, key) is None:
+            raise not_found("UnknownBlob", f"blob {sha256} is not stored")
+        url = await state.blocking(state.store.presign, key, "GET", state.settings.presign_expiry_s)
+        assert url is not None
+        return RedirectResponse(url, status_code=307, headers={"ETag": etag})
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise not_found("UnknownBlob", f"blob {sha256} is not stored") from None
+    headers = {"ETag": etag, "Cache-Control": IMMUTABLE}
+    if request.headers.get("if-none-match") in (etag, "*"):
+        return Response(status_code=304, headers=headers)
+    if request.method == "GET" and "range" not in request.headers:
+        state.metrics.blob_bytes_out.inc(size)
+    return BlobFileResponse(path, media_type="application/octet-stream", headers=headers)

@@ -1,0 +1,257 @@
+"""The durable state machine of the board: every write of a record goes through here.
+
+It works on the object store only (synchronous; the API runs it in worker threads) and
+returns what the index must learn. The order of writes is what makes a commit safe:
+blobs are checked, the manifest is written create-if-absent, then head.json advances by
+compare-and-set on the ETag read before the checks. Granting a lease raises the epoch
+in head.json by compare-and-set too, so a writer fenced off mid-commit loses its head CAS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from board import rules
+from board.errors import conflict, not_found
+from board.records import HeadRecord, LeaseRecord, RunRecord, VersionRecord
+from board.schemas import Lease, LeaseRenew, LeaseRequest, Manifest, RunCreate
+from board.storage import (
+    ObjectNotFound,
+    ObjectStore,
+    PreconditionFailed,
+    blob_key,
+    head_key,
+    lease_key,
+    manifest_key,
+    manifest_version,
+    run_key,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+CAS_ATTEMPTS = 16
+
+
+def encode(model: BaseModel) -> bytes:
+    return model.model_dump_json().encode()
+
+
+class Ledger:
+    def __init__(self, store: ObjectStore, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.clock = clock
+
+    # ---- reading records ---------------------------------------------------------------
+
+    def _read(self, key: str, model: type[M]) -> tuple[M, str] | None:
+        try:
+            data, etag = self.store.get(key)
+        except ObjectNotFound:
+            return None
+        return model.model_validate_json(data), etag
+
+    def run(self, run: str) -> RunRecord | None:
+        found = self._read(run_key(run), RunRecord)
+        return None if found is None else found[0]
+
+    def head(self, run: str) -> tuple[HeadRecord, str]:
+        found = self._read(head_key(run), HeadRecord)
+        if found is None:
+            raise not_found("UnknownRun", f"run {run!r} does not exist")
+        return found
+
+    def lease(self, run: str) -> tuple[LeaseRecord, str] | None:
+        return self._read(lease_key(run), LeaseRecord)
+
+    def manifest_bytes(self, run: str, version: int) -> bytes | None:
+        try:
+            return self.store.get(manifest_key(run, version))[0]
+        except ObjectNotFound:
+            return None
+
+    def blob_size(self, run: str, sha256: str) -> int | None:
+        info = self.store.stat(blob_key(run, sha256))
+        return None if info is None else info.size
+
+    # ---- runs --------------------------------------------------------------------------
+
+    def create_run(self, req: RunCreate) -> tuple[RunRecord, bool]:
+        """Create the run (idempotent). Returns the record and whether it is new."""
+        record = RunRecord(name=req.name, created_at=self.clock(), meta=req.meta)
+        try:
+            self.store.put(run_key(req.name), encode(record), if_none_match=True)
+        except PreconditionFailed:
+            existing = self.run(req.name)
+            assert existing is not None
+            record, created = existing, False
+        else:
+            created = True
+        # The head record may be missing if a creator died between the two writes.
+        with contextlib.suppress(PreconditionFailed):
+            self.store.put(head_key(req.name), encode(HeadRecord()), if_none_match=True)
+        return record, created
+
+    # ---- leases ------------------------------------------------------------------------
+
+    def acquire_lease(self, run: str, req: LeaseRequest) -> tuple[Lease, HeadRecord]:
+        """Grant a new epoch unless another holder's lease is live (or `req.steal`); returns
+        the lease and the head record carrying the raised epoch."""
+        self.head(run)
+        for _ in range(CAS_ATTEMPTS):
+            now = self.clock()
+            found = self.lease(run)
+            current, etag = found if found is not None else (None, None)
+            if (
+                current is not None
+                and current.expires_at > now
+                and current.holder != req.holder
+                and not req.steal
+            ):
+                raise conflict(
+                    "LeaseHeld",
+                    f"lease held by {current.holder!r} until {current.expires_at:.0f}",
+                    holder=current.holder,
+                    expires_at=current.expires_at,
+                )
+            head, _ = self.head(run)
+            epoch = max(head.epoch, current.epoch if current else 0) + 1
+            record = LeaseRecord(holder=req.holder, epoch=epoch, expires_at=now + req.ttl_s)
+            try:
+                self.store.put(lease_key(run), encode(record), if_none_match=etag is None, if_match=etag)
+            except PreconditionFailed:
+                continue
+            lease = Lease(run=run, holder=record.holder, epoch=record.epoch, expires_at=record.expires_at)
+            return lease, self._raise_head_epoch(run, epoch)
+        raise conflict("Contended", "lease record kept changing; retry")
+
+    def _raise_head_epoch(self, run: str, epoch: int) -> HeadRecord:
+        for _ in range(CAS_ATTEMPTS):
+            head, etag = self.head(run)
+            if head.epoch >= epoch:
+                return head
+            raised = head.model_copy(update={"epoch": epoch})
+            try:
+                self.store.put(head_key(run), encode(raised), if_match=etag)
+                return raised
+            except PreconditionFailed:
+                continue
+        raise conflict("Contended", "head record kept changing; retry")
+
+    def _own_lease(self, run: str, holder: str, epoch: int) -> tuple[LeaseRecord, str]:
+        found = self.lease(run)
+        if found is None or found[0].holder != holder or found[0].epoch != epoch:
+            current = None if found is None else found[0].epoch
+            raise conflict(
+                "StaleEpoch", f"epoch {epoch} of {holder!r} is not the current lease", current_epoch=current
+            )
+        return found
+
+    def renew_lease(self, run: str, req: LeaseRenew) -> Lease:
+        self.head(run)
+        holder, epoch = req.holder, req.epoch
+        record, etag = self._own_lease(run, holder, epoch)
+        renewed = record.model_copy(update={"expires_at": self.clock() + req.ttl_s})
+        try:
+            self.store.put(lease_key(run), encode(renewed), if_match=etag)
+        except PreconditionFailed:
+            raise conflict("StaleEpoch", "the lease changed while renewing") from None
+        return Lease(run=run, holder=holder, epoch=epoch, expires_at=renewed.expires_at)
+
+    def release_lease(self, run: str, holder: str, epoch: int) -> None:
+        """Expire the lease now; the epoch stays, so the next lease gets a higher one."""
+        self.head(run)
+        record, etag = self._own_lease(run, holder, epoch)
+        try:
+            self.store.put(
+                lease_key(run), encode(record.model_copy(update={"expires_at": 0.0})), if_match=etag
+            )
+        except PreconditionFailed:
+            raise conflict("StaleEpoch", "the lease changed while releasing") from None
+
+    # ---- commit ------------------------------------------------------------------------
+
+    def commit(self, run: str, manifest: Manifest) -> tuple[HeadRecord, VersionRecord]:
+        head, head_etag = self.head(run)
+        found = self.lease(run)
+        rules.check_commit(manifest, run, head, None if found is None else found[0].epoch)
+        sizes = {sha: self.blob_size(run, sha) for sha in manifest.blob_shas()}
+        rules.check_blob_ranges(manifest, sizes)
+        self._write_manifest(run, manifest, head)
+        new_head = HeadRecord(version=manifest.version, kind=manifest.kind, epoch=manifest.epoch)
+        try:
+            self.store.put(head_key(run), encode(new_head), if_match=head_etag)
+        except PreconditionFailed:
+            now, _ = self.head(run)
+            if now.epoch > manifest.epoch:
+                raise conflict(
+                    "StaleEpoch", f"epoch {manifest.epoch} was fenced off", current_epoch=now.epoch
+                ) from None
+            raise conflict(
+                "NotHead", f"version {manifest.version} was committed concurrently", head=now.version
+            ) from None
+        return new_head, VersionRecord.of(manifest, {k: v for k, v in sizes.items() if v is not None})
+
+    def _write_manifest(self, run: str, manifest: Manifest, head: HeadRecord) -> None:
+        """Create-if-absent. A manifest already there above head is either our own retry
+        (same bytes: fine), a fenced writer's leftover (lower epoch: replace it by CAS), or a
+        concurrent commit of the same epoch (refused)."""
+        key = manifest_key(run, manifest.version)
+        data = encode(manifest)
+        try:
+            self.store.put(key, data, if_none_match=True)
+            return
+        except PreconditionFailed:
+            pass
+        try:
+            existing, etag = self.store.get(key)
+        except ObjectNotFound:
+            raise conflict("NotHead", "manifest slot changed concurrently; retry") from None
+        if existing == data:
+            return
+        try:
+            other = Manifest.model_validate_json(existing)
+        except ValidationError:
+            other = None
+        if other is None or other.epoch < manifest.epoch:
+            try:
+                self.store.put(key, data, if_match=etag)
+                return
+            except PreconditionFailed:
+                pass
+        raise conflict(
+            "NotHead", f"version {manifest.version} is being committed by another writer", head=head.version
+        )
+
+    # ---- rebuilding the index -----------------------------------------------------------
+
+    def runs(self) -> list[RunRecord]:
+        out = []
+        for info in self.store.list("runs/"):
+            parts = info.key.split("/")
+            if len(parts) == 3 and parts[2] == "run.json":
+                record = self.run(parts[1])
+                if record is not None:
+                    out.append(record)
+        return out
+
+    def committed_versions(self, run: str, head: int | None) -> list[VersionRecord]:
+        """Version records of the committed manifests still stored (for the index)."""
+        if head is None:
+            return []
+        records = []
+        for info in self.store.list(f"runs/{run}/manifests/"):
+            version = manifest_version(info.key)
+            if version is None or version > head:
+                continue
+            data = self.manifest_bytes(run, version)
+            if data is None:
+                continue
+            manifest = Manifest.model_validate_json(data)
+            sizes = {sha: self.blob_size(run, sha) or 0 for sha in manifest.blob_shas()}
+            records.append(VersionRecord.of(manifest, sizes))
+        return records

@@ -1,0 +1,40 @@
+"""Prometheus metrics of one board process (each replica exports its own)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class BoardMetrics:
+    """A registry per app, so that several apps in one process (tests) do not collide."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "deltaboard_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.commits = Counter("deltaboard_commits", "Committed versions", registry=self.registry)
+        self.commit_seconds = Histogram(
+            "deltaboard_commit_seconds",
+            "Commit latency inside the board",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "deltaboard_long_polls", "Long-polls and event streams waiting", registry=self.registry
+        )
+        self.blob_bytes_in = Counter(
+            "deltaboard_blob_bytes_in", "Blob bytes uploaded", registry=self.registry
+        )
+        self.blob_bytes_out = Counter(
+            "deltaboard_blob_bytes_out", "Blob bytes served (not redirected)", registry=self.registry
+        )
+        self.heartbeats = Counter(
+            "deltaboard_heartbeats", "Fleet heartbeats received", registry=self.registry
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,42 @@
+"""Board server settings: every field is a flag of `deltaboard board serve` and an
+environment variable `DELTABOARD_<FIELD>` (pydantic-settings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DELTABOARD_", extra="ignore")
+
+    data_dir: Path = Path("./deltaboard-data")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    store: str | None = Field(default=None, description="s3://bucket/prefix; default: <data_dir>/store")
+    s3_endpoint: str | None = None
+    s3_region: str = "us-east-1"
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    presign_expiry_s: int = Field(default=3600, gt=0)
+    redis: str | None = Field(default=None, description="redis://host:port/db for several replicas")
+    redis_namespace: str = "deltaboard"
+    auth_config: Path | None = None
+    tokens: str = Field(default="", description="comma-separated scope:token[:run-glob]")
+    anonymous_read: bool = False
+    max_blob_bytes: int = Field(default=64 * 2**30, gt=0)
+    max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="JSON bodies and assets")
+    max_wait_s: float = Field(default=60.0, gt=0)
+    fsync: bool = True
+    log_level: str = "warning"
+
+    @property
+    def tmp_dir(self) -> Path:
+        """Uploads stream here first; same filesystem as the local store, so storing is a rename."""
+        return self.data_dir / "tmp"
+
+    @property
+    def local_store_dir(self) -> Path:
+        return self.data_dir / "store"

@@ -1,0 +1,94 @@
+"""Storage port: the object store that holds the durable truth (docs/contract.md section 3).
+
+Adapters: `board.storage.local.LocalStore` (a directory, the embedded default) and
+`board.storage.s3.S3Store` (any S3 endpoint through boto3). Records are written with
+conditional puts (create-if-absent, compare-and-set on an ETag) so that several board
+replicas cannot lose each other's writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+
+class ObjectNotFound(KeyError):
+    """The key does not exist."""
+
+
+class PreconditionFailed(Exception):
+    """A conditional write lost: the key exists (create-if-absent) or changed (compare-and-set)."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    modified: float
+
+
+class ObjectStore(Protocol):
+    def get(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and ETag; `ObjectNotFound` when absent."""
+        ...
+
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        """Write and return the new ETag. `if_none_match`: only if absent; `if_match`: only if
+        the current ETag is this one. A lost condition raises `PreconditionFailed`."""
+        ...
+
+    def put_file(self, key: str, path: Path) -> None:
+        """Store a finished temporary file under `key` (replacing it) and consume the file."""
+        ...
+
+    def stat(self, key: str) -> ObjectInfo | None: ...
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def local_path(self, key: str) -> Path | None:
+        """A path the server may stream from, for stores on the local filesystem."""
+        ...
+
+    def presign(self, key: str, method: Literal["GET", "PUT"], expires_s: int) -> str | None:
+        """A URL that lets a client transfer the object without the board, if the store has one."""
+        ...
+
+
+def run_prefix(run: str) -> str:
+    return f"runs/{run}/"
+
+
+def run_key(run: str) -> str:
+    return f"runs/{run}/run.json"
+
+
+def head_key(run: str) -> str:
+    return f"runs/{run}/head.json"
+
+
+def lease_key(run: str) -> str:
+    return f"runs/{run}/lease.json"
+
+
+def asset_key(run: str, name: str) -> str:
+    return f"runs/{run}/assets/{name}"
+
+
+def blob_key(run: str, sha256: str) -> str:
+    return f"runs/{run}/blobs/{sha256}"
+
+
+def manifest_key(run: str, version: int) -> str:
+    return f"runs/{run}/manifests/{version:012d}.json"
+
+
+def manifest_version(key: str) -> int | None:
+    """The version a manifest key names, None for other keys."""
+    name = key.rsplit("/", 1)[-1]
+    if "/manifests/" not in key or not name.endswith(".json") or not name[:-5].isdigit():
+        return None
+    return int(name[:-5])

@@ -1,0 +1,373 @@
+"""`BoardClient`: the only HTTP code the publisher and the follower use to talk to a board.
+
+It wraps every route of docs/contract.md section 4 with a synchronous API, retries
+connection errors and 5xx answers with exponential backoff, turns error bodies back into
+`board.errors.BoardError` (branch on `.code`), and streams blob downloads to disk with
+Range resume and sha256 verification.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, TypeAdapter
+
+from board.errors import BoardError
+from board.schemas import (
+    BlobUploadTarget,
+    FleetNode,
+    Head,
+    Heartbeat,
+    Lease,
+    LeaseRenew,
+    LeaseRequest,
+    Manifest,
+    Plan,
+    RetentionPolicy,
+    RetentionReport,
+    RunCreate,
+    RunInfo,
+)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+CHUNK = 1024 * 1024
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+# A long-poll answers within `wait`; allow that much on top of the normal read timeout.
+LONG_POLL_SLACK_S = 10.0
+
+Body = bytes | Path | Callable[[], IO[bytes]]
+
+
+def sha256_of(source: bytes | Path) -> tuple[str, int]:
+    """The sha256 hex digest and size of bytes or a file (streamed)."""
+    if isinstance(source, bytes):
+        return hashlib.sha256(source).hexdigest(), len(source)
+    digest = hashlib.sha256()
+    size = 0
+    with open(source, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def _error_from(response: httpx.Response) -> BoardError:
+    try:
+        detail = response.json()["error"]
+        extra = {k: v for k, v in detail.items() if k not in ("code", "message")}
+        return BoardError(response.status_code, str(detail["code"]), str(detail["message"]), **extra)
+    except (ValueError, KeyError, TypeError):
+        return BoardError(response.status_code, "HTTPError", response.text[:500] or response.reason_phrase)
+
+
+class BoardClient:
+    """A synchronous client of one board. Thread-safe (httpx.Client is); close it when done."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=32)
+        self._http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=timeout, transport=transport, limits=limits
+        )
+        # Presigned URLs carry their own credentials: our bearer token must not travel there.
+        self._bare = httpx.Client(timeout=timeout, transport=transport, limits=limits)
+
+    def close(self) -> None:
+        self._http.close()
+        self._bare.close()
+
+    def __enter__(self) -> BoardClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- plumbing ----------------------------------------------------------------------
+
+    def _sleep(self, attempt: int) -> None:
+        time.sleep(min(self.backoff_s * 2**attempt, 5.0))
+
+    def _retrying(self, send: Callable[[], httpx.Response]) -> httpx.Response:
+        """Send, retrying transport errors and 5xx; raise `BoardError` for any other failure."""
+        for attempt in range(self.retries + 1):
+            try:
+                response = send()
+            except httpx.TransportError:
+                if attempt == self.retries:
+                    raise
+                self._sleep(attempt)
+                continue
+            if response.status_code in RETRY_STATUSES and attempt < self.retries:
+                self._sleep(attempt)
+                continue
+            if response.status_code >= 400:
+                raise _error_from(response)
+            return response
+        raise AssertionError("unreachable")
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        return self._retrying(lambda: self._http.request(method, path, **kwargs))
+
+    def _json(self, method: str, path: str, model: type[M], **kwargs: Any) -> M:
+        return model.model_validate_json(self._request(method, path, **kwargs).content)
+
+    def _list(self, path: str, item: type[T]) -> list[T]:
+        return TypeAdapter(list[item]).validate_json(self._request("GET", path).content)  # type: ignore[valid-type]
+
+    @staticmethod
+    def _body(model: BaseModel) -> dict[str, Any]:
+        return {"content": model.model_dump_json(), "headers": {"Content-Type": "application/json"}}
+
+    # ---- health and runs ---------------------------------------------------------------
+
+    def healthz(self) -> bool:
+        try:
+            return self._http.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def create_run(self, name: str, meta: dict[str, Any] | None = None) -> RunInfo:
+        return self._json("POST", "/v1/runs", RunInfo, **self._body(RunCreate(name=name, meta=meta or {})))
+
+    def list_runs(self) -> list[RunInfo]:
+        return self._list("/v1/runs", RunInfo)
+
+    def get_run(self, run: str) -> RunInfo:
+        return self._json("GET", f"/v1/runs/{run}", RunInfo)
+
+    def put_asset(self, run: str, name: str, source: bytes | Path) -> None:
+        self._upload(f"/v1/runs/{run}/assets/{name}", source, {})
+
+    def get_asset(self, run: str, name: str) -> bytes:
+        return self._request("GET", f"/v1/runs/{run}/assets/{name}").content
+
+    # ---- lease -------------------------------------------------------------------------
+
+    def acquire_lease(self, run: str, holder: str, ttl_s: float = 60.0, *, steal: bool = False) -> Lease:
+        body = LeaseRequest(holder=holder, ttl_s=ttl_s, steal=steal)
+        return self._json("POST", f"/v1/runs/{run}/lease", Lease, **self._body(body))
+
+    def renew_lease(self, run: str, holder: str, epoch: int, ttl_s: float = 60.0) -> Lease:
+        body = LeaseRenew(holder=holder, epoch=epoch, ttl_s=ttl_s)
+        return self._json("POST", f"/v1/runs/{run}/lease/renew", Lease, **self._body(body))
+
+    def release_lease(self, run: str, holder: str, epoch: int) -> None:
+        self._request("DELETE", f"/v1/runs/{run}/lease", params={"holder": holder, "epoch": epoch})
+
+    # ---- blobs -------------------------------------------------------------------------
+
+    def upload_target(self, run: str, sha256: str, size: int) -> BlobUploadTarget:
+        return self._json(
+            "POST", f"/v1/runs/{run}/blobs/{sha256}/upload", BlobUploadTarget, params={"size": size}
+        )
+
+    def _upload(self, url: str, source: Body, headers: dict[str, str]) -> None:
+        """PUT `source` to the board (relative `url`) or a presigned URL, re-reading it on retry."""
+        client = self._http if url.startswith("/") else self._bare
+
+        def send() -> httpx.Response:
+            if isinstance(source, bytes):
+                return client.put(url, content=source, headers=headers)
+            with source.open("rb") if isinstance(source, Path) else source() as f:
+                size = os.fstat(f.fileno()).st_size - f.tell()
+                return client.put(url, content=f, headers={**headers, "Content-Length": str(size)})
+
+        self._retrying(send)
+
+    def upload_blob(self, run: str, source: bytes | Path, sha256: str | None = None) -> str:
+        """Upload unless the board already holds it (dedup); returns the sha256."""
+        if sha256 is None:
+            sha256, size = sha256_of(source)
+        else:
+            size = len(source) if isinstance(source, bytes) else source.stat().st_size
+        target = self.upload_target(run, sha256, size)
+        if not target.exists:
+            assert target.url is not None
+            self._upload(target.url, source, dict(target.headers))
+        return sha256
+
+    def blob_size(self, run: str, sha256: str) -> int | None:
+        """The stored size, None when the blob is absent."""
+        try:
+            response = self._request("HEAD", f"/v1/runs/{run}/blobs/{sha256}", follow_redirects=True)
+        except BoardError as e:
+            if e.status == 404:
+                return None
+            raise
+        return int(response.headers["content-length"])
+
+    def get_blob(self, run: str, sha256: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes [start, end) of a blob (the whole blob by default), in memory."""
+        headers = {}
+        if start is not None or end is not None:
+            headers["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+        return self._request(
+            "GET", f"/v1/runs/{run}/blobs/{sha256}", headers=headers, follow_redirects=True
+        ).content
+
+    def download_blob(
+        self, run: str, sha256: str, dest: Path, *, progress: Callable[[int], None] | None = None
+    ) -> Path:
+        """Stream a blob to `dest`, resuming from `dest.part` with Range after interruptions
+        (in this call or a previous process), and verify its sha256 before renaming it into
+        place. `progress(n)` is called with each chunk's size."""
+        part = dest.with_name(dest.name + ".part")
+        digest = hashlib.sha256()
+        have = 0
+        if part.exists():
+            with open(part, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    digest.update(chunk)
+                    have += len(chunk)
+        for attempt in range(self.retries + 1):
+            try:
+                have, digest = self._download_into(run, sha256, part, have, digest, progress)
+                break
+            except httpx.TransportError:
+                if attempt == self.retries:
+                    raise
+                self._sleep(attempt)
+        if digest.hexdigest() != sha256:
+            part.unlink(missing_ok=True)
+            raise BoardError(
+                502, "DigestMismatch", f"downloaded blob hashes to {digest.hexdigest()}, not {sha256}"
+            )
+        os.replace(part, dest)
+        return dest
+
+    def _download_into(
+        self,
+        run: str,
+        sha256: str,
+        part: Path,
+        have: int,
+        digest: Any,
+        progress: Callable[[int], None] | None,
+    ) -> tuple[int, Any]:
+        headers = {"Range": f"bytes={have}-"} if have else {}
+        url = f"/v1/runs/{run}/blobs/{sha256}"
+        with self._http.stream("GET", url, headers=headers, follow_redirects=True) as response:
+            if response.status_code == 416 and have:
+                return have, digest  # the part file is already complete
+            if response.status_code >= 400:
+                response.read()
+                raise _error_from(response)
+            if response.status_code == 200 and have:
+                have, digest = 0, hashlib.sha256()  # the server ignored the range: start over
+            with open(part, "r+b" if have else "wb") as f:
+                f.seek(have)
+                f.truncate()
+                for chunk in response.iter_bytes(CHUNK):
+                    f.write(chunk)
+                    digest.update(chunk)
+                    have += len(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
+        return have, digest
+
+    # ---- versions ----------------------------------------------------------------------
+
+    def commit(self, run: str, manifest: Manifest) -> Head:
+        """Commit; a retried commit that had in fact landed is recognised and succeeds."""
+        try:
+            return self._json(
+                "POST",
+                f"/v1/runs/{run}/commit",
+                Head,
+                content=json.dumps({"manifest": manifest.model_dump(mode="json")}),
+                headers={"Content-Type": "application/json"},
+            )
+        except BoardError as e:
+            if e.code != "NotHead":
+                raise
+            head = self.head(run)
+            if head.version is None or head.version < manifest.version:
+                raise
+            with contextlib.suppress(BoardError):
+                if self.manifest(run, manifest.version) == manifest:
+                    return Head(run=run, version=manifest.version, kind=manifest.kind, epoch=manifest.epoch)
+            raise
+
+    def head(self, run: str, after: int | None = None, wait: float | None = None) -> Head:
+        """The head; with `after` and `wait`, a long-poll answering once head > after."""
+        params: dict[str, Any] = {}
+        if after is not None:
+            params["after"] = after
+        if wait is not None:
+            params["wait"] = wait
+        timeout = self._http.timeout.read or 30.0
+        return self._json(
+            "GET",
+            f"/v1/runs/{run}/head",
+            Head,
+            params=params,
+            timeout=timeout + (wait or 0.0) + LONG_POLL_SLACK_S,
+        )
+
+    def wait_for_head(self, run: str, after: int | None, timeout: float) -> Head:
+        """Long-poll until head > `after` or `timeout` passes; returns the last head seen."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            head = self.head(run, after=-1 if after is None else after, wait=max(0.0, min(remaining, 60.0)))
+            if head.version is not None and (after is None or head.version > after):
+                return head
+            if remaining <= 0:
+                return head
+
+    def events(self, run: str) -> Iterator[Head]:
+        """Heads from the server-sent event stream, first the current one; runs until closed."""
+        with self._http.stream(
+            "GET", f"/v1/runs/{run}/events", timeout=httpx.Timeout(30.0, read=None)
+        ) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise _error_from(response)
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    yield Head.model_validate_json(line[5:].strip())
+
+    def manifest(self, run: str, version: int) -> Manifest:
+        return self._json("GET", f"/v1/runs/{run}/manifests/{version}", Manifest)
+
+    def plan(self, run: str, from_version: int | None = None, to_version: int | None = None) -> Plan:
+        params = {k: v for k, v in (("from", from_version), ("to", to_version)) if v is not None}
+        return self._json("GET", f"/v1/runs/{run}/plan", Plan, params=params)
+
+    # ---- fleet, retention, metrics -----------------------------------------------------
+
+    def heartbeat(self, run: str, beat: Heartbeat) -> None:
+        self._request("POST", f"/v1/runs/{run}/fleet", **self._body(beat))
+
+    def fleet(self, run: str) -> list[FleetNode]:
+        return self._list(f"/v1/runs/{run}/fleet", FleetNode)
+
+    def retention(self, run: str, policy: RetentionPolicy | None = None) -> RetentionReport:
+        return self._json(
+            "POST", f"/v1/runs/{run}/retention", RetentionReport, **self._body(policy or RetentionPolicy())
+        )
+
+    def metrics(self) -> str:
+        return self._request("GET", "/metrics").text

@@ -1,0 +1,1 @@
+"""Helpers that start real servers (board, SeaweedFS, Valkey) on loopback for the tests."""

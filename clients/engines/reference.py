@@ -1,0 +1,26 @@
+"""Adapter for deltaboard's reference engine (`deltaboard engine`).
+
+Routes (see `services.engine.app`): `POST /pause`, `POST /reload {"model", "weight_version"}`,
+`POST /resume`, `GET /health`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clients.engines.base import CommitMode, EngineAdapter
+
+
+class ReferenceAdapter(EngineAdapter):
+    kind = "reference"
+
+    def pause(self, mode: CommitMode) -> None:
+        if mode == "in_place":
+            self._call("POST", "/pause")
+
+    def reload(self, model_dir: Path, version: int) -> None:
+        self._call("POST", "/reload", json={"model": str(model_dir), "weight_version": version})
+
+    def resume(self, mode: CommitMode) -> None:
+        if mode == "in_place":
+            self._call("POST", "/resume")

@@ -1,0 +1,235 @@
+"""The reference engine's HTTP app: OpenAI-compatible completions plus reload/pause control.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streaming with SSE or
+not), `GET /v1/models`, `GET /health`, and the control routes the reference adapter
+drives: `POST /reload {"model": DIR, "weight_version": N}`, `POST /pause`, `POST /resume`.
+Generation runs in a worker thread per request; a client that disconnects stops it
+between two tokens (counted in `/health` as `aborted`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from services.engine.protocol import ChatRequest, Completion, CompletionRequest
+from services.engine.runtime import (
+    Cancelled,
+    EngineNotLoaded,
+    SamplingParams,
+    TokenStep,
+    WeightSlot,
+    generate,
+    load_model,
+)
+
+RETRY_AFTER_S = "1"
+
+
+class ReloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    weight_version: int | None = Field(default=None, ge=0)
+
+
+@dataclass
+class EngineState:
+    """What one engine process holds: the weight slot, its name, counters."""
+
+    model_name: str
+    slot: WeightSlot = field(default_factory=WeightSlot)
+    reload_lock: threading.Lock = field(default_factory=threading.Lock)
+    requests: int = 0
+    aborted: int = 0
+    reloads: int = 0
+
+    def reload(self, directory: Path, version: int | None) -> None:
+        with self.reload_lock:
+            self.slot.install(load_model(directory, version))
+            self.reloads += 1
+
+
+def error(status: int, code: str, message: str, retry: bool = False) -> JSONResponse:
+    headers = {"Retry-After": RETRY_AFTER_S} if retry else None
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+async def _steps(
+    state: EngineState, prompt_ids: list[int], params: SamplingParams, cancel: threading.Event
+) -> AsyncIterator[TokenStep]:
+    """Run `generate` in a thread and hand its steps to the event loop as they come."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[TokenStep | BaseException | None] = asyncio.Queue()
+
+    def work() -> None:
+        try:
+            for step in generate(state.slot, prompt_ids, params, cancel):
+                loop.call_soon_threadsafe(queue.put_nowait, step)
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    threading.Thread(target=work, name="engine-generate", daemon=True).start()
+    try:
+        while True:
+            item = await queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        cancel.set()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def create_app(state: EngineState) -> FastAPI:
+    app = FastAPI(title="deltaboard reference engine")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(400, "BadRequest", str(exc.errors()[:3]))
+
+    async def serve(
+        request: Request, completion: Completion, params: SamplingParams, stream: bool
+    ) -> Response:
+        if state.slot.current is None:
+            return error(503, "ModelNotLoaded", "no weights loaded yet", retry=True)
+        state.requests += 1
+        cancel = threading.Event()
+        if stream:
+            return StreamingResponse(_stream(completion, params, cancel), media_type="text/event-stream")
+        collect = asyncio.ensure_future(_collect(completion, params, cancel))
+        disconnect = asyncio.ensure_future(_wait_disconnect(request))
+        await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect.done():
+            cancel.set()
+            collect.cancel()
+            state.aborted += 1
+            return Response(status_code=499)
+        disconnect.cancel()
+        return collect.result()
+
+    async def _collect(completion: Completion, params: SamplingParams, cancel: threading.Event) -> Response:
+        try:
+            async for step in _steps(state, completion.prompt_ids, params, cancel):
+                completion.steps.append(step)
+        except EngineNotLoaded as exc:
+            return error(503, "ModelNotLoaded", str(exc), retry=True)
+        return JSONResponse(completion.final())
+
+    async def _stream(
+        completion: Completion, params: SamplingParams, cancel: threading.Event
+    ) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            async for step in _steps(state, completion.prompt_ids, params, cancel):
+                yield _sse(completion.chunk(step))
+            finished = True
+            yield _sse("[DONE]")
+        except (EngineNotLoaded, Cancelled) as exc:
+            yield _sse({"error": {"code": type(exc).__name__, "message": str(exc)}})
+        finally:
+            if not finished:
+                state.aborted += 1
+
+    def prompt_ids(prompt: str | list[int]) -> list[int]:
+        loaded = state.slot.current
+        assert loaded is not None
+        ids = loaded.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids or any(not 0 <= t < loaded.vocab_size for t in ids):
+            raise ValueError(f"prompt must be non-empty token ids in [0, {loaded.vocab_size})")
+        return ids
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        loaded = state.slot.current
+        if loaded is None:
+            return error(503, "ModelNotLoaded", "no weights loaded yet", retry=True)
+        try:
+            ids = prompt_ids(body.prompt)
+        except ValueError as exc:
+            return error(400, "BadPrompt", str(exc))
+        completion = Completion("text", state.model_name, loaded.codec, ids, body.logprobs is not None)
+        return await serve(request, completion, body.sampling(), body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        loaded = state.slot.current
+        if loaded is None:
+            return error(503, "ModelNotLoaded", "no weights loaded yet", retry=True)
+        text = loaded.codec.render_chat([m.model_dump() for m in body.messages])
+        try:
+            ids = prompt_ids(text)
+        except ValueError as exc:
+            return error(400, "BadPrompt", str(exc))
+        completion = Completion("chat", state.model_name, loaded.codec, ids, body.logprobs)
+        return await serve(request, completion, body.sampling(), body.stream)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        loaded = state.slot.current
+        version = loaded.version if loaded else None
+        return {
+            "object": "list",
+            "data": [{"id": state.model_name, "object": "model", "weight_version": version}],
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        loaded = state.slot.current
+        return {
+            "status": "ok" if loaded else "loading",
+            "weight_version": loaded.version if loaded else None,
+            "model": str(loaded.directory) if loaded else None,
+            "paused": state.slot.paused,
+            "requests": state.requests,
+            "aborted": state.aborted,
+            "reloads": state.reloads,
+        }
+
+    @app.post("/reload")
+    async def reload(body: ReloadRequest) -> Response:
+        loaded = state.slot.current
+        directory = Path(body.model) if body.model else (loaded.directory if loaded else None)
+        if directory is None or not (directory / "config.json").is_file():
+            return error(400, "BadModelDir", f"not a checkpoint directory: {directory}")
+        try:
+            await run_in_threadpool(state.reload, directory, body.weight_version)
+        except (OSError, ValueError) as exc:
+            return error(400, "ModelLoadFailed", str(exc))
+        return JSONResponse({"weight_version": body.weight_version, "model": str(directory)})
+
+    @app.post("/pause")
+    async def pause() -> dict[str, bool]:
+        await run_in_threadpool(state.slot.pause)
+        return {"paused": True}
+
+    @app.post("/resume")
+    async def resume() -> dict[str, bool]:
+        state.slot.resume()
+        return {"paused": False}
+
+    return app

@@ -1,0 +1,154 @@
+"""The sidecar's version state: which version the engine serves, admission, and swaps.
+
+Lives on the proxy's event loop. Requests are *admitted* (counted in flight) only when
+their constraint holds and no swap is in progress; a swap stops admissions, optionally
+drains the requests in flight (`quiesce`), and is entered from the follower's thread
+through `begin_swap` / `end_swap`. Because admission and the served version change under
+one lock, a response's version range (served at admission, served at release) is
+exact: in `quiesce` mode start == end; in `in_place` mode a swap may fall in between and
+the range says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from services.sidecar.constraints import Gone, Serve, VersionConstraint, Wait, decide, retry_after_s
+
+CommitMode = Literal["quiesce", "in_place"]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Admitted:
+    start: int | None
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class Refused:
+    status: int
+    code: str
+    message: str
+    required: dict[str, int | None]
+    served: int | None
+    head: int | None
+    retry_after_s: int | None
+
+
+class VersionGate:
+    def __init__(self, mode: CommitMode, drain_timeout_s: float = 60.0) -> None:
+        self.mode = mode
+        self.drain_timeout_s = drain_timeout_s
+        self.served: int | None = None
+        self.head: int | None = None
+        self.swapping = False
+        self.inflight = 0
+        self.healthy = True
+        self.sync_s = 1.0
+        self.interval_s = 1.0
+        self._head_at: float | None = None
+        self._pins: dict[int, tuple[int, int | None]] = {}
+        self._cond = asyncio.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Remember the loop that owns this gate, so threads can call into it."""
+        self._loop = loop
+
+    def pins(self) -> list[tuple[int, int | None]]:
+        """(low, high) of the requests waiting now; safe to read from any thread."""
+        return list(self._pins.values())
+
+    async def admit(self, constraint: VersionConstraint, wait_s: float) -> Admitted | Refused:
+        """Admit the request once its constraint holds, or refuse it (at once, or after `wait_s`)."""
+        started = time.monotonic()
+        deadline = started + wait_s
+        key = id(object())
+        async with self._cond:
+            try:
+                while True:
+                    decision = decide(constraint, self.served, self.head)
+                    if isinstance(decision, Gone):
+                        return self._refuse(410, "WeightVersionGone", decision.reason, constraint, None)
+                    if isinstance(decision, Serve) and not self.swapping and self.healthy:
+                        self.inflight += 1
+                        return Admitted(self.served, time.monotonic() - started)
+                    low = decision.low if isinstance(decision, Wait) else (self.served or 0)
+                    self._pins[key] = (low, constraint.high())
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return self._not_ready(constraint, low)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._cond.wait(), remaining)
+            finally:
+                self._pins.pop(key, None)
+
+    def _not_ready(self, constraint: VersionConstraint, low: int) -> Refused:
+        retry = retry_after_s(low, self.served, self.head, self.sync_s, self.interval_s)
+        if not self.healthy:
+            return self._refuse(503, "EngineUnavailable", "the engine failed to load", constraint, retry)
+        needs = constraint.describe(self.head)
+        message = f"this node serves {self.served}; the request needs {needs}"
+        return self._refuse(409, "WeightVersionNotReady", message, constraint, retry)
+
+    def _refuse(
+        self, status: int, code: str, message: str, constraint: VersionConstraint, retry: int | None
+    ) -> Refused:
+        required = constraint.describe(self.head)
+        return Refused(status, code, message, required, self.served, self.head, retry)
+
+    async def release(self) -> int | None:
+        """A request finished: the version it ends with."""
+        async with self._cond:
+            self.inflight -= 1
+            self._cond.notify_all()
+            return self.served
+
+    async def set_head(self, head: int | None) -> None:
+        async with self._cond:
+            if head is not None and (self.head is None or head > self.head):
+                now = time.monotonic()
+                if self._head_at is not None and self.head is not None:
+                    per_version = (now - self._head_at) / (head - self.head)
+                    self.interval_s = 0.7 * self.interval_s + 0.3 * per_version
+                self.head, self._head_at = head, now
+                self._cond.notify_all()
+
+    async def _begin_swap(self) -> None:
+        async with self._cond:
+            self.swapping = True
+            if self.mode == "quiesce":
+                # Past the timeout, swap anyway: those responses' ranges will say start != end.
+                with contextlib.suppress(TimeoutError):
+                    drained = self._cond.wait_for(lambda: self.inflight == 0)
+                    await asyncio.wait_for(drained, self.drain_timeout_s)
+
+    async def _end_swap(self, version: int | None, healthy: bool, sync_s: float) -> None:
+        async with self._cond:
+            self.served = version
+            self.healthy = healthy
+            self.swapping = False
+            self.sync_s = 0.7 * self.sync_s + 0.3 * sync_s
+            self._cond.notify_all()
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        assert self._loop is not None, "gate is not bound to an event loop"
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def begin_swap(self) -> None:
+        """From the follower's thread: stop admissions (and drain, in quiesce mode)."""
+        self._call(self._begin_swap())
+
+    def end_swap(self, version: int | None, healthy: bool, sync_s: float) -> None:
+        """From the follower's thread: the engine now serves `version` (or failed to load)."""
+        self._call(self._end_swap(version, healthy, sync_s))
+
+    def publish_head(self, head: int | None) -> None:
+        """From the follower's thread: the board's head moved."""
+        self._call(self.set_head(head))

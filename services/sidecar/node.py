@@ -1,0 +1,105 @@
+"""A rollout sidecar assembled: follower + engine adapter + version gate + proxy app.
+
+`Sidecar(config).app` is the ASGI app; its lifespan starts the version loop on a thread
+(bound to the app's event loop) and stops it on shutdown. `deltaboard sidecar` serves it
+with uvicorn; the demo and the tests run it in-process with `BackgroundServer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+
+from clients.board_client import BoardClient
+from clients.engines import CommitMode, make_adapter
+from services.sidecar.gate import VersionGate
+from services.sidecar.metrics import SidecarMetrics
+from services.sidecar.proxy import ProxySettings, create_proxy_app
+from services.sidecar.sync import VersionSync
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    board_url: str
+    run: str
+    directory: Path
+    engine_url: str
+    engine_kind: str = "reference"
+    mode: CommitMode = "quiesce"
+    token: str | None = None
+    node_id: str = "node"
+    default_wait_s: float = 30.0
+    max_wait_s: float = 300.0
+    poll_s: float = 10.0
+    drain_timeout_s: float = 60.0
+
+
+class Sidecar:
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.metrics = SidecarMetrics()
+        self.gate = VersionGate(config.mode, config.drain_timeout_s)
+        self.adapter = make_adapter(config.engine_kind, config.engine_url)
+        self.board = BoardClient(config.board_url, config.token)
+        self.sync = VersionSync(self.gate, self.adapter, self.metrics, self._watch_head, config.poll_s)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.follower: Any = None
+        settings = ProxySettings(config.engine_url, config.default_wait_s, config.max_wait_s)
+        self.app = create_proxy_app(self.gate, settings, self.metrics, self.status, self._lifespan)
+
+    def _watch_head(self, after: int | None, wait_s: float) -> int | None:
+        return self.board.head(self.config.run, after=-1 if after is None else after, wait=wait_s).version
+
+    def _make_follower(self) -> Any:
+        from clients.follower import Follower
+
+        return Follower(
+            self.board,
+            self.config.run,
+            self.config.directory,
+            node_id=self.config.node_id,
+            engine=self.config.engine_kind,
+            commit_hook=self.sync.commit_hook,
+        )
+
+    def status(self) -> dict[str, Any]:
+        served, head = self.gate.served, self.gate.head
+        return {
+            "node_id": self.config.node_id,
+            "run": self.config.run,
+            "mode": self.gate.mode,
+            "served": served,
+            "head": head,
+            "lag": head - served if head is not None and served is not None else None,
+            "healthy": self.gate.healthy,
+            "inflight": self.gate.inflight,
+            "swapping": self.gate.swapping,
+            "last_error": self.sync.last_error,
+        }
+
+    @asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.gate.bind(asyncio.get_running_loop())
+        self.follower = self._make_follower()
+        self._thread = threading.Thread(
+            target=self.sync.run,
+            args=(self.follower, self._stop),
+            name=f"sidecar-{self.config.node_id}",
+            daemon=True,
+        )
+        self._thread.start()
+        try:
+            yield
+        finally:
+            self._stop.set()
+            await asyncio.to_thread(self._thread.join, self.config.poll_s + 5)
+            self.adapter.close()
+            self.board.close()

@@ -1,0 +1,323 @@
+"""The sidecar's HTTP app: version-checked proxying of every route to the engine.
+
+Each request goes through `VersionGate.admit` (served / wait / 409 / 410), is forwarded
+with its `weight_version` removed, and comes back with the version range it was served
+with:
+
+- headers `X-Weight-Version-Start` and `X-Weight-Version-End` (for a stream the end is
+  only known up front in `quiesce` mode, where it equals the start; in `in_place` mode
+  the header is absent and the stream's last event says),
+- a JSON object body gains `"weight_version": {"start": s, "end": e}`,
+- a stream's last data event (the one before `data: [DONE]`) gains the same field.
+
+A client that disconnects cancels the upstream request (the engine sees the
+disconnect and stops generating); an engine that cannot be reached gives 503 with
+`Retry-After`. The sidecar's own routes are `/healthz`, `/metrics` and `/sidecar/status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.sidecar.constraints import HEADER_PREFIX, ConstraintError, parse_constraint
+from services.sidecar.gate import Admitted, Refused, VersionGate
+from services.sidecar.metrics import SidecarMetrics
+
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+}
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+ENGINE_RETRY_AFTER_S = 2
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    engine_url: str
+    default_wait_s: float = 30.0
+    max_wait_s: float = 300.0
+    engine_timeout_s: float = 600.0
+
+
+def _error(
+    status: int, code: str, message: str, retry_after: int | None = None, **extra: Any
+) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    body = {"error": {"code": code, "message": message, **extra}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _refusal(refused: Refused) -> JSONResponse:
+    return _error(
+        refused.status,
+        refused.code,
+        refused.message,
+        refused.retry_after_s,
+        served=refused.served,
+        required=refused.required,
+        head=refused.head,
+        retryable=refused.status != 410,
+    )
+
+
+def _range_headers(start: int | None, end: int | None) -> dict[str, str]:
+    headers = {}
+    if start is not None:
+        headers["X-Weight-Version-Start"] = str(start)
+    if end is not None:
+        headers["X-Weight-Version-End"] = str(end)
+    return headers
+
+
+def _forward_headers(request: Request) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in request.headers.items()
+        if k.lower() not in HOP_BY_HOP and not k.lower().startswith(HEADER_PREFIX)
+    }
+
+
+def _response_headers(upstream: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP | {"content-encoding"}}
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run `work` unless the client disconnects first (then cancel it): (finished, result)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):  # abandoned either way
+        await task
+    return False, None
+
+
+def _stamp(payload: bytes, start: int | None, end: int | None) -> bytes | None:
+    """`payload` (JSON) with the version range added, or None when it is not a JSON object."""
+    try:
+        decoded = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(decoded, dict):
+        return None
+    decoded["weight_version"] = {"start": start, "end": end}
+    return json.dumps(decoded, separators=(",", ":")).encode()
+
+
+def _event_data(event: bytes) -> bytes | None:
+    lines = [line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+class _Release:
+    """Release a request's admission exactly once, remembering the version it ended with."""
+
+    def __init__(self, gate: VersionGate) -> None:
+        self._gate = gate
+        self._end: int | None = None
+        self.done = False
+
+    async def __call__(self) -> int | None:
+        if not self.done:
+            self.done = True
+            self._end = await self._gate.release()
+        return self._end
+
+
+class _GuardedStream(StreamingResponse):
+    """A stream that always releases its admission and closes the upstream, even when the
+    client went away before the first byte (when the body iterator never ran)."""
+
+    def __init__(self, upstream: httpx.Response, release: _Release, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._upstream = upstream
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._upstream.aclose()
+            await self._release()
+
+
+async def _restamped_stream(
+    upstream: httpx.Response, start: int | None, release: _Release
+) -> AsyncIterator[bytes]:
+    """Pass SSE events through, holding one back so the last data event can carry the range."""
+    buffer = b""
+    held: bytes | None = None
+    async for chunk in upstream.aiter_raw():
+        buffer += chunk.replace(b"\r\n", b"\n")
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            data = _event_data(event)
+            if data == b"[DONE]":
+                yield _final_event(held, start, await release())
+                held = None
+            elif data is not None:
+                if held is not None:
+                    yield held + b"\n\n"
+                held = event
+                continue
+            yield event + b"\n\n"
+    if held is not None or not release.done:
+        yield _final_event(held, start, await release())
+
+
+def _final_event(held: bytes | None, start: int | None, end: int | None) -> bytes:
+    data = _event_data(held) if held is not None else None
+    stamped = _stamp(data, start, end) if data is not None else None
+    if stamped is not None:
+        return b"data: " + stamped + b"\n\n"
+    tail = b"data: " + json.dumps({"weight_version": {"start": start, "end": end}}).encode() + b"\n\n"
+    return (held + b"\n\n" + tail) if held is not None else tail
+
+
+def create_proxy_app(
+    gate: VersionGate,
+    settings: ProxySettings,
+    metrics: SidecarMetrics,
+    status: Callable[[], dict[str, Any]],
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+) -> FastAPI:
+    client = httpx.AsyncClient(
+        base_url=settings.engine_url.rstrip("/"),
+        timeout=httpx.Timeout(settings.engine_timeout_s, connect=5.0),
+        limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+    )
+
+    @asynccontextmanager
+    async def run(app: FastAPI) -> AsyncIterator[None]:
+        async with lifespan(app) if lifespan is not None else nullcontext():
+            yield
+        await client.aclose()
+
+    app = FastAPI(title="deltaboard sidecar", lifespan=run, openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        body = status()
+        ok = body["served"] is not None and body["healthy"]
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.served.set(gate.served if gate.served is not None else -1)
+        metrics.head.set(gate.head if gate.head is not None else -1)
+        metrics.inflight.set(gate.inflight)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/sidecar/status")
+    async def sidecar_status() -> dict[str, Any]:
+        return {**status(), "pins": gate.pins()}
+
+    @app.api_route("/{path:path}", methods=METHODS)
+    async def proxy(path: str, request: Request) -> Response:
+        raw = await request.body()
+        body: Any = None
+        if raw and "json" in request.headers.get("content-type", "json"):
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None
+        try:
+            constraint, stripped = parse_constraint(body, request.headers)
+        except ConstraintError as exc:
+            metrics.requests.labels("bad_request").inc()
+            return _error(400, "BadWeightVersion", str(exc))
+        if stripped is not body:
+            raw = json.dumps(stripped).encode()
+        wait_s = min(
+            constraint.wait_s if constraint.wait_s is not None else settings.default_wait_s,
+            settings.max_wait_s,
+        )
+
+        admitted, admission = await _unless_disconnected(request, gate.admit(constraint, wait_s))
+        if not admitted:
+            metrics.requests.labels("aborted").inc()
+            return Response(status_code=499)
+        if isinstance(admission, Refused):
+            metrics.requests.labels(
+                {409: "not_ready", 410: "gone"}.get(admission.status, "unavailable")
+            ).inc()
+            return _refusal(admission)
+        assert isinstance(admission, Admitted)
+        metrics.wait_seconds.observe(admission.waited_s)
+        return await _forward(request, path, raw, admission.start)
+
+    async def _forward(request: Request, path: str, raw: bytes, start: int | None) -> Response:
+        release = _Release(gate)
+        upstream_request = client.build_request(
+            request.method,
+            "/" + path,
+            params=list(request.query_params.multi_items()),
+            headers=_forward_headers(request),
+            content=raw,
+        )
+        streaming = False
+        try:
+            sent, upstream = await _unless_disconnected(request, client.send(upstream_request, stream=True))
+            if not sent:
+                metrics.requests.labels("aborted").inc()
+                return Response(status_code=499)
+            headers = _response_headers(upstream)
+            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                headers.update(_range_headers(start, start if gate.mode == "quiesce" else None))
+                metrics.requests.labels("proxied").inc()
+                streaming = True
+                return _GuardedStream(
+                    upstream,
+                    release,
+                    content=_restamped_stream(upstream, start, release),
+                    status_code=upstream.status_code,
+                    headers=headers,
+                )
+            read, content = await _unless_disconnected(request, upstream.aread())
+            await upstream.aclose()
+            if not read:
+                metrics.requests.labels("aborted").inc()
+                return Response(status_code=499)
+            end = await release()
+            headers.update(_range_headers(start, end))
+            if "json" in upstream.headers.get("content-type", ""):
+                content = _stamp(content, start, end) or content
+            metrics.requests.labels("proxied").inc()
+            return Response(content, status_code=upstream.status_code, headers=headers)
+        except httpx.TransportError as exc:
+            metrics.requests.labels("engine_unavailable").inc()
+            return _error(503, "EngineUnavailable", f"engine unreachable: {exc}", ENGINE_RETRY_AFTER_S)
+        finally:
+            if not streaming:
+                await release()
+
+    return app

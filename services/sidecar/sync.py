@@ -1,0 +1,122 @@
+"""The sidecar's version loop: watch the board's head, choose the next version, sync,
+and swap each verified version into the engine.
+
+Runs on its own thread. The follower calls `commit_hook(version, swap)` once a version
+is staged and verified; the hook stops admissions (draining in `quiesce` mode), pauses
+the engine (`in_place`), lets the follower swap the directory, has the engine reload,
+resumes, and publishes the new served version to the gate. A reload that fails marks
+the node unhealthy (requests get 503 after their wait) and is retried by the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from clients.engines import EngineAdapter, EngineAdapterError
+from services.sidecar.constraints import next_target
+from services.sidecar.gate import VersionGate
+from services.sidecar.metrics import SidecarMetrics
+
+log = logging.getLogger("deltaboard.sidecar")
+
+
+class FollowerPort(Protocol):
+    """What the sidecar needs of `clients.follower.Follower`."""
+
+    @property
+    def version(self) -> int | None: ...
+
+    @property
+    def model_dir(self) -> Path: ...
+
+    def sync(self, version: int | None = None) -> int: ...
+
+
+HeadWatch = Callable[[int | None, float], int | None]
+"""`(after, wait_s) -> head`: the board's head, long-polling while it is not past `after`."""
+
+
+class VersionSync:
+    def __init__(
+        self,
+        gate: VersionGate,
+        adapter: EngineAdapter,
+        metrics: SidecarMetrics,
+        watch_head: HeadWatch,
+        poll_s: float = 10.0,
+    ) -> None:
+        self.gate = gate
+        self.adapter = adapter
+        self.metrics = metrics
+        self.watch_head = watch_head
+        self.poll_s = poll_s
+        self.follower: FollowerPort | None = None
+        self.last_error: str | None = None
+
+    def commit_hook(self, version: int, swap: Callable[[], None]) -> None:
+        """Called by the follower with a verified, staged version."""
+        assert self.follower is not None
+        self._swap_in(version, swap)
+
+    def _swap_in(self, version: int, swap: Callable[[], None]) -> None:
+        assert self.follower is not None
+        started = time.monotonic()
+        self.gate.begin_swap()
+        served, healthy = self.gate.served, self.gate.healthy
+        try:
+            self.adapter.pause(self.gate.mode)
+            try:
+                swap()
+                served = version
+                self.adapter.reload(self.follower.model_dir, version)
+                healthy = True
+            finally:
+                self.adapter.resume(self.gate.mode)
+        except EngineAdapterError as exc:
+            healthy = False
+            self.last_error = str(exc)
+            self.metrics.swap_failures.inc()
+            log.error("engine reload of version %s failed: %s", version, exc)
+        finally:
+            elapsed = time.monotonic() - started
+            self.gate.end_swap(served, healthy, elapsed)
+        if healthy:
+            self.metrics.swaps.inc()
+            self.metrics.swap_seconds.observe(elapsed)
+
+    def _reload_held(self) -> None:
+        """Load what the follower holds into the engine (start-up, or after a failed reload)."""
+        assert self.follower is not None
+        version = self.follower.version
+        if version is not None:
+            self._swap_in(version, lambda: None)
+
+    def run(self, follower: FollowerPort, stop: threading.Event) -> None:
+        self.follower = follower
+        backoff = 0.5
+        if follower.version is not None:
+            self._reload_held()
+        while not stop.is_set():
+            try:
+                if not self.gate.healthy or (self.gate.served != follower.version):
+                    self._reload_held()
+                    if not self.gate.healthy:
+                        stop.wait(backoff)
+                        backoff = min(backoff * 2, 10.0)
+                        continue
+                target = next_target(self.gate.served, self.gate.head, self.gate.pins())
+                if target is not None:
+                    follower.sync(target)
+                else:
+                    self.gate.publish_head(self.watch_head(self.gate.head, self.poll_s))
+                backoff = 0.5
+            except Exception as exc:  # network, board or integrity trouble: keep serving, retry
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("sync loop: %s", self.last_error)
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)

@@ -1,0 +1,1 @@
+"""Runnable examples of the publisher in training loops."""

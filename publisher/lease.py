@@ -1,0 +1,90 @@
+"""The writer lease: one publisher per run, fenced by an epoch.
+
+The board hands out a lease with a new epoch and refuses commits carrying an older one,
+so a restarted or duplicated trainer cannot fork a run. The keeper renews the lease in
+a background thread at a third of its TTL; once the board answers that our epoch is
+stale (someone else took the run), or the lease could not be renewed before it expired,
+the publisher is *fenced*: every pending and later publish fails with `FencedError`,
+which says so plainly instead of surfacing as an opaque 409.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+from board.errors import BoardError
+from board.schemas import Lease
+
+
+class FencedError(RuntimeError):
+    """This publisher lost the run's writer lease; it must stop publishing."""
+
+
+class LeaseClient(Protocol):
+    def acquire_lease(self, run: str, holder: str, ttl_s: float = ..., *, steal: bool = ...) -> Lease: ...
+    def renew_lease(self, run: str, holder: str, epoch: int, ttl_s: float = ...) -> Lease: ...
+    def release_lease(self, run: str, holder: str, epoch: int) -> None: ...
+
+
+class LeaseKeeper:
+    """Holds and renews one run's lease; `check()` raises once fenced."""
+
+    def __init__(self, client: LeaseClient, run: str, holder: str, ttl_s: float, *, steal: bool = False) -> None:
+        self._client = client
+        self._run = run
+        self._holder = holder
+        self._ttl_s = ttl_s
+        self._stop = threading.Event()
+        self._fenced: FencedError | None = None
+        self._lock = threading.Lock()
+        lease = client.acquire_lease(run, holder, ttl_s, steal=steal)
+        self.epoch = lease.epoch
+        self._expires_at = time.monotonic() + ttl_s
+        self._thread = threading.Thread(target=self._renew_loop, name=f"deltaboard-lease-{run}", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        with self._lock:
+            if self._fenced is not None:
+                raise self._fenced
+
+    def fence(self, reason: str) -> FencedError:
+        """Mark the publisher fenced (also called when a commit is refused as stale)."""
+        with self._lock:
+            if self._fenced is None:
+                self._fenced = FencedError(
+                    f"publisher {self._holder!r} (epoch {self.epoch}) was fenced off run {self._run!r}: "
+                    f"{reason}. Another writer holds the run; stop this trainer or start a new run."
+                )
+            self._stop.set()
+            return self._fenced
+
+    def _renew_loop(self) -> None:
+        interval = self._ttl_s / 3
+        while not self._stop.wait(interval):
+            try:
+                self._client.renew_lease(self._run, self._holder, self.epoch, self._ttl_s)
+                self._expires_at = time.monotonic() + self._ttl_s
+                interval = self._ttl_s / 3
+            except Exception as exc:
+                # The client already retried transport errors and 5xx; a 4xx is the board's answer.
+                if isinstance(exc, BoardError) and exc.status < 500:
+                    self.fence(f"the board refused to renew the lease ({exc.code}: {exc.message})")
+                    return
+                if time.monotonic() >= self._expires_at:
+                    self.fence(f"the lease expired while the board was unreachable ({exc})")
+                    return
+                interval = min(1.0, self._ttl_s / 10)
+
+    def release(self) -> None:
+        """Stop renewing and give the lease back (best effort: it expires anyway)."""
+        self._stop.set()
+        self._thread.join()
+        if self._fenced is None:
+            try:
+                self._client.release_lease(self._run, self._holder, self.epoch)
+            except Exception:
+                # A lease we cannot release expires after its TTL; close() must not fail for it.
+                pass

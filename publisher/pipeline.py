@@ -1,0 +1,168 @@
+"""Snapshot in the caller's thread, everything else in one background worker.
+
+Memory is bounded by buffer count, not by how fast the trainer calls: the pipeline owns
+`1 + max_in_flight` view buffers, allocated on first use on the tensors' device:
+
+* `base`: the view of the last **committed** version (what the next delta diffs against);
+* up to `max_in_flight` snapshots queued or being processed.
+
+So the device memory is `(1 + max_in_flight) * layout.nbytes` (plus the diff's bounded
+transient mask, see `device_diff`), whatever happens downstream. `submit` takes a free
+buffer first; when every buffer is in flight (uploads fell behind) it waits: that wait
+is the back-pressure, and it is the only way publishing can slow the trainer beyond the
+copy itself.
+
+Versions are processed strictly in order by one worker. On success the job's buffer
+becomes the base and the old base returns to the pool; on failure the job's buffer
+returns to the pool, the base stays, and the next job diffs against the last committed
+view, so a failed publish never poisons its successors.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from board.schemas import ViewSpec
+from publisher.snapshot import ViewBuffer, ViewLayout
+
+R = TypeVar("R")
+
+
+@dataclass
+class Job(Generic[R]):
+    buffer: ViewBuffer
+    step: int | None
+    meta: Mapping[str, Any]
+    future: Future[R]
+    called_at: float
+    blocked_s: float = 0.0
+
+
+Process = Callable[[Job[R], ViewBuffer | None], R]
+
+
+class SnapshotPipeline(Generic[R]):
+    """Owns the view buffers, the job queue and the worker running `process(job, base)`."""
+
+    def __init__(self, spec: ViewSpec, process: Process[R], *, max_in_flight: int = 1, name: str = "") -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self._spec = spec
+        self._process = process
+        self.max_in_flight = max_in_flight
+        self.layout: ViewLayout | None = None
+        self.base: ViewBuffer | None = None
+        self._free: list[ViewBuffer] = []
+        self._allocated = 0
+        self._cond = threading.Condition()
+        self._jobs: queue.Queue[Job[R] | None] = queue.Queue()
+        self._pending = 0
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name=f"deltaboard-publish-{name}", daemon=True)
+        self._worker.start()
+
+    @property
+    def memory_bytes(self) -> int:
+        """The documented bound on view-buffer memory: (1 + max_in_flight) copies of the view."""
+        return 0 if self.layout is None else (1 + self.max_in_flight) * self.layout.nbytes
+
+    def submit(self, state: Mapping[str, torch.Tensor], step: int | None, meta: Mapping[str, Any]) -> Future[R]:
+        """Snapshot `state` into a free buffer (waiting for one if all are in flight), queue it."""
+        called = time.perf_counter()
+        if self._closed:
+            raise RuntimeError("the publisher is closed")
+        if self.layout is None:
+            self.layout = ViewLayout.of(state, self._spec)
+        else:
+            self.layout.check(state)
+        buffer = self._take_buffer(self.layout)
+        try:
+            buffer.fill(state)
+        except BaseException:
+            self._give_back(buffer)
+            raise
+        future: Future[R] = Future()
+        job = Job(buffer, step, dict(meta), future, called, time.perf_counter() - called)
+        with self._cond:
+            self._pending += 1
+        self._jobs.put(job)
+        return future
+
+    def _take_buffer(self, layout: ViewLayout) -> ViewBuffer:
+        with self._cond:
+            while not self._free and self._allocated >= 1 + self.max_in_flight:
+                self._cond.wait()
+            if self._free:
+                return self._free.pop()
+            self._allocated += 1
+        return ViewBuffer(layout)
+
+    def _give_back(self, buffer: ViewBuffer) -> None:
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if not job.future.set_running_or_notify_cancel():
+                self._finish(job.buffer)
+                continue
+            try:
+                result = self._process(job, self.base)
+            except BaseException as exc:
+                self._finish(job.buffer)
+                job.future.set_exception(exc)
+                continue
+            old, self.base = self.base, job.buffer
+            self._finish(old)
+            job.future.set_result(result)
+
+    def _finish(self, buffer: ViewBuffer | None) -> None:
+        with self._cond:
+            if buffer is not None:
+                self._free.append(buffer)
+            self._pending -= 1
+            self._cond.notify_all()
+
+    def adopt_base(self, state: Mapping[str, torch.Tensor]) -> ViewBuffer:
+        """Make `state` (a committed version's view) the base, before the first submit."""
+        if self.layout is not None:
+            raise RuntimeError("adopt a base before the first publish")
+        self.layout = ViewLayout.of(state, self._spec)
+        buffer = self._take_buffer(self.layout)
+        buffer.fill(state)
+        buffer.wait_ready()
+        self.base = buffer
+        return buffer
+
+    def forget_base(self) -> None:
+        """Drop the committed view (the board's head moved under us): the next job is a keyframe."""
+        if self.base is not None:
+            self._give_back(self.base)
+            self.base = None
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every submitted job has finished (committed or failed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{self._pending} publishes still in flight")
+                self._cond.wait(left)
+
+    def close(self) -> None:
+        """Finish queued jobs, then stop the worker."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join()

@@ -1,0 +1,275 @@
+"""`Publisher`: one call after each optimizer step; the version reaches the board behind it.
+
+    pub = Publisher("http://board:8000", "run-1", token=..., assets="path/to/hf_dir")
+    fut = pub.publish(model, step=step)   # blocks only for the snapshot copy
+    ...
+    pub.close()                           # flush, then give the writer lease back
+
+The first version this publisher commits is a keyframe (with the run's assets, so that a
+materialized directory is a loadable Hugging Face checkpoint); later ones are deltas
+against the last committed view, with a keyframe whenever `version % keyframe_every == 0`.
+
+Memory, in bytes (documented bound, see `memory_bound_bytes`):
+  device: (1 + max_in_flight) * view_bytes   view buffers (`pipeline`), plus the diff's
+          transient mask of at most `device_diff.CHUNK_ELEMENTS` bytes;
+  host:   max_pending_blob_bytes + blob_max_bytes   blobs sealed or being packed (`packer`),
+          plus one tensor's bytes while a keyframe encodes it, plus one version's changes.
+
+Threads: the caller's (snapshot only), one worker (diff, encode, commit), an upload pool,
+and the lease renewer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from board import codec
+from board.errors import BoardError
+from board.schemas import ViewSpec
+from clients.board_client import BoardClient
+from publisher.assets import read_assets
+from publisher.encode import RankVersion, encode_rank
+from publisher.lease import FencedError, LeaseKeeper
+from publisher.manifest import Proposal, build_manifest
+from publisher.packer import BlobPacker
+from publisher.pipeline import Job, SnapshotPipeline
+from publisher.snapshot import ViewBuffer
+
+MiB = 1 << 20
+ModelOrState = torch.nn.Module | Mapping[str, torch.Tensor]
+Progress = Callable[[int], None]
+
+
+class PublishError(RuntimeError):
+    """A version was not committed (its future carries this, or the cause)."""
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """A committed version, as the publishing rank saw it."""
+
+    version: int
+    kind: Literal["full", "delta"]
+    step: int | None
+    changed_elements: int  # this rank's
+    total_elements: int
+    encoded_bytes: int  # this rank's blob bytes
+    host_bytes: int  # bytes the diff moved device -> host (0 for keyframes)
+    blocked_s: float  # time the caller spent inside publish()
+    e2e_s: float  # from the publish() call to the commit
+
+
+def state_of(obj: ModelOrState) -> Mapping[str, torch.Tensor]:
+    return obj.state_dict() if isinstance(obj, torch.nn.Module) else obj
+
+
+def default_holder() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class Publisher:
+    """Publishes successive versions of one run's rollout view (single rank; see `distributed`)."""
+
+    def __init__(
+        self,
+        board: str | BoardClient,
+        run: str,
+        *,
+        token: str | None = None,
+        spec: ViewSpec | None = None,
+        keyframe_every: int = 50,
+        max_in_flight: int = 1,
+        assets: str | Path | Mapping[str, bytes] | None = None,
+        holder: str | None = None,
+        lease_ttl_s: float = 30.0,
+        upload_workers: int = 4,
+        blob_max_bytes: int = 64 * MiB,
+        max_pending_blob_bytes: int = 256 * MiB,
+        steal_lease: bool = False,
+        on_uploaded: Progress | None = None,
+    ) -> None:
+        if keyframe_every < 1:
+            raise ValueError("keyframe_every must be at least 1")
+        self._owns_client = not isinstance(board, BoardClient)
+        self.client = board if isinstance(board, BoardClient) else BoardClient(board, token=token)
+        self.run = run
+        self.spec = spec or ViewSpec()
+        self.keyframe_every = keyframe_every
+        self._assets = dict(read_assets(assets)) if assets is not None else {}
+        self._blob_max = blob_max_bytes
+        self._max_pending = max_pending_blob_bytes
+        self._on_uploaded = on_uploaded
+        self._uploads = ThreadPoolExecutor(upload_workers, thread_name_prefix=f"deltaboard-upload-{run}")
+        self._digests: dict[str, str] = {}
+        self._lease = self._open_run(holder or default_holder(), lease_ttl_s, steal_lease)
+        self.next_version = self._initial_version()
+        self._pipeline: SnapshotPipeline[PublishResult] = SnapshotPipeline(
+            self.spec, self._process, max_in_flight=max_in_flight, name=run
+        )
+        self._closed = False
+
+    # ---- the rank-specific parts (overridden by `distributed.DistributedPublisher`) ----
+
+    def _open_run(self, holder: str, ttl_s: float, steal: bool) -> LeaseKeeper | None:
+        self.client.create_run(self.run)
+        return LeaseKeeper(self.client, self.run, holder, ttl_s, steal=steal)
+
+    def _initial_version(self) -> int:
+        return self._board_next_version()
+
+    def _check_open(self) -> None:
+        """Raise at once in `publish` when this publisher can no longer commit."""
+        if self._lease is not None:
+            self._lease.check()
+
+    def _agree(self, proposal: Proposal, outcome: RankVersion | BaseException) -> int:
+        """Commit the version from this rank's outcome; return it or raise."""
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return self._commit(proposal, [outcome])
+
+    # ---- public API ----
+
+    @property
+    def epoch(self) -> int | None:
+        return None if self._lease is None else self._lease.epoch
+
+    @property
+    def memory_bound_bytes(self) -> int:
+        """Device view buffers plus host blob buffers: the bound documented above."""
+        return self._pipeline.memory_bytes + self._max_pending + self._blob_max
+
+    def adopt_base(self, version: int, view: Mapping[str, torch.Tensor]) -> None:
+        """Continue a run from `version`, whose view the caller holds (e.g. a follower's copy).
+
+        The next publish is then a delta against it instead of a keyframe. The view is
+        checked against the board's state digest of that version, so a wrong or stale
+        copy is refused here rather than producing patches against the wrong base.
+        """
+        if version != self.next_version - 1:
+            raise ValueError(f"version {version} is not the head ({self.next_version - 1})")
+        buffer = self._pipeline.adopt_base(view)
+        digests = {s.name: codec.digest(buffer.host_bytes(s), s.dtype) for s in buffer.layout.slots}
+        if codec.state_digest(digests.items()) != self.client.manifest(self.run, version).state_digest:
+            self._pipeline.forget_base()
+            raise ValueError(f"the given view is not version {version} of run {self.run!r}")
+        self._digests = digests
+
+    def publish(
+        self, model_or_state_dict: ModelOrState, *, step: int | None = None, meta: Mapping[str, Any] | None = None
+    ) -> Future[PublishResult]:
+        """Snapshot the rollout view now; diff, encode, upload and commit in the background.
+
+        Blocks only for the snapshot copy, or while `max_in_flight` versions are already
+        queued (back-pressure). The future resolves to the committed version or raises
+        why it was not committed (`FencedError` once another writer took the run).
+        """
+        if self._closed:
+            raise RuntimeError("publish() after close()")
+        self._check_open()
+        return self._pipeline.submit(state_of(model_or_state_dict), step, meta or {})
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every published version is committed or failed."""
+        self._pipeline.flush(timeout)
+
+    def close(self) -> None:
+        """Flush, stop the background threads and release the writer lease."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pipeline.close()
+        self._uploads.shutdown()
+        if self._lease is not None:
+            self._lease.release()
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the background worker ----
+
+    def _process(self, job: Job[PublishResult], base: ViewBuffer | None) -> PublishResult:
+        version = self.next_version
+        full = base is None or version % self.keyframe_every == 0
+        proposal = Proposal(version, "full" if full else "delta", job.step, job.meta)
+        outcome: RankVersion | BaseException
+        try:
+            if self._lease is not None:
+                self._lease.check()
+            job.buffer.wait_ready()
+            outcome = encode_rank(job.buffer, None if full else base, self._digests, self._packer())
+        except Exception as exc:
+            outcome = exc
+        self._agree(proposal, outcome)
+        assert isinstance(outcome, RankVersion)
+        self._digests = dict(outcome.digests)
+        self.next_version = version + 1
+        return PublishResult(
+            version=version,
+            kind=proposal.kind,
+            step=job.step,
+            changed_elements=outcome.changed_elements,
+            total_elements=outcome.total_elements,
+            encoded_bytes=sum(p.blob.length for p in outcome.parts),
+            host_bytes=outcome.host_bytes,
+            blocked_s=job.blocked_s,
+            e2e_s=time.perf_counter() - job.called_at,
+        )
+
+    def _packer(self) -> BlobPacker:
+        return BlobPacker(
+            self._upload_blob,
+            self._uploads,
+            blob_max_bytes=self._blob_max,
+            max_pending_bytes=self._max_pending,
+            on_uploaded=self._on_uploaded,
+        )
+
+    def _upload_blob(self, sha: str, data: bytes) -> None:
+        """Idempotent: the board answers `exists` for a blob it holds; the client retries."""
+        self.client.upload_blob(self.run, data, sha)
+
+    def _commit(self, proposal: Proposal, ranks: list[RankVersion]) -> int:
+        """Upload the assets if still due, then commit the manifest (rank 0's job)."""
+        assert self._lease is not None
+        self._lease.check()
+        for name, data in list(self._assets.items()):
+            self.client.put_asset(self.run, name, data)
+            del self._assets[name]
+        manifest = build_manifest(self.run, proposal, self.spec, self._lease.epoch, ranks)
+        try:
+            self.client.commit(self.run, manifest)
+        except BoardError as exc:
+            if exc.code == "StaleEpoch":
+                raise self._lease.fence(f"the board refused version {proposal.version}") from exc
+            if exc.code == "NotHead":
+                self._resync()
+            raise PublishError(f"version {proposal.version} was not committed: {exc}") from exc
+        return proposal.version
+
+    def _board_next_version(self) -> int:
+        head = self.client.head(self.run).version
+        return 0 if head is None else head + 1
+
+    def _resync(self) -> None:
+        """The head moved under us: continue after it, from a keyframe."""
+        self.next_version = self._initial_version()
+        self._pipeline.forget_base()
+
+
+__all__ = ["FencedError", "PublishError", "PublishResult", "Publisher"]

@@ -1,0 +1,131 @@
+"""Preallocated view buffers: the only work the trainer thread waits for.
+
+A publish copies the rollout view (the served dtype of every tensor) into a buffer that
+was allocated once, on the tensors' own device. Tensors whose served elements have the
+same width share one flat integer buffer per device (`int16` for bf16/fp16, `int32` for
+fp32, ...): the copy is a cast-on-copy (`Tensor.copy_`, torch's round-to-nearest-even,
+the same cast as `publisher.view.rollout_view`) into a typed view of a slice, and the
+diff of a whole group is one comparison and one `nonzero` instead of one synchronising
+kernel chain per tensor. On CUDA the copy is only enqueued on the trainer's current
+stream; an event recorded after it tells the background diff when the bytes are there,
+and the trainer's next in-place update is ordered after the copy by the stream itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from board.codec import width
+from board.schemas import ViewSpec
+from board.view_spec import served_dtype
+from publisher.view import SAFETENSORS_TO_TORCH, safetensors_dtype
+
+# Element width in bytes -> the integer dtype whose bit patterns the diff compares.
+BITS_DTYPES: dict[int, torch.dtype] = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one served tensor lives: group (device, element width) and element offset."""
+
+    name: str
+    dtype: str  # safetensors name of the served dtype
+    shape: tuple[int, ...]
+    device: str
+    width: int
+    offset: int
+    numel: int
+
+    @property
+    def group(self) -> tuple[str, int]:
+        return (self.device, self.width)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.width
+
+
+@dataclass(frozen=True)
+class ViewLayout:
+    """The served tensors of a state dict, in state-dict order, packed by group."""
+
+    slots: tuple[Slot, ...]
+    group_numel: Mapping[tuple[str, int], int]
+
+    @classmethod
+    def of(cls, state: Mapping[str, torch.Tensor], spec: ViewSpec) -> ViewLayout:
+        slots: list[Slot] = []
+        sizes: dict[tuple[str, int], int] = {}
+        for name, tensor in state.items():
+            dtype = served_dtype(name, safetensors_dtype(tensor), spec)
+            group = (str(tensor.device), width(dtype))
+            offset = sizes.get(group, 0)
+            slots.append(
+                Slot(name, dtype, tuple(tensor.shape), group[0], group[1], offset, tensor.numel())
+            )
+            sizes[group] = offset + tensor.numel()
+        return cls(tuple(slots), sizes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one copy of the view: what each buffer of this layout costs."""
+        return sum(n * width for (_, width), n in self.group_numel.items())
+
+    def check(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Refuse a state dict whose tensors differ from the layout's (a new model needs a new run)."""
+        if list(state) != [s.name for s in self.slots]:
+            raise ValueError("the state dict's tensor names changed since the first publish")
+        for slot in self.slots:
+            tensor = state[slot.name]
+            if tuple(tensor.shape) != slot.shape or str(tensor.device) != slot.device:
+                raise ValueError(
+                    f"tensor {slot.name!r} changed shape or device since the first publish "
+                    f"({slot.shape} on {slot.device} -> {tuple(tensor.shape)} on {tensor.device})"
+                )
+
+
+class ViewBuffer:
+    """One copy of the view, as flat bit buffers per group."""
+
+    def __init__(self, layout: ViewLayout) -> None:
+        self.layout = layout
+        self.groups: dict[tuple[str, int], torch.Tensor] = {
+            group: torch.empty(numel, dtype=BITS_DTYPES[group[1]], device=group[0])
+            for group, numel in layout.group_numel.items()
+        }
+        self.ready: torch.cuda.Event | None = None
+
+    def bits(self, slot: Slot) -> torch.Tensor:
+        """The slot's element bit patterns (flat, integer dtype): what the diff compares."""
+        return self.groups[slot.group][slot.offset : slot.offset + slot.numel]
+
+    def tensor(self, slot: Slot) -> torch.Tensor:
+        """The slot as the served tensor (typed, shaped view of the buffer)."""
+        return self.bits(slot).view(SAFETENSORS_TO_TORCH[slot.dtype]).view(slot.shape)
+
+    @torch.no_grad()
+    def fill(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy (and cast) the state dict into this buffer: the snapshot.
+
+        On CUDA this only enqueues copies; `wait_ready()` in another thread blocks until
+        they ran.
+        """
+        for slot in self.layout.slots:
+            self.tensor(slot).copy_(state[slot.name].detach())
+        cuda_groups = [g for g in self.groups if g[0].startswith("cuda")]
+        self.ready = None
+        if cuda_groups:
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def wait_ready(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    def host_bytes(self, slot: Slot) -> np.ndarray:
+        """The whole tensor's served bytes on the host (uint8): only keyframes need this."""
+        return self.bits(slot).cpu().numpy().view(np.uint8)

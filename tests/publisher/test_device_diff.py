@@ -1,0 +1,127 @@
+"""The snapshot buffers and the device diff agree with the codec's host path, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from board import codec
+from board.schemas import ViewRule, ViewSpec
+from publisher import device_diff
+from publisher.device_diff import diff_views
+from publisher.snapshot import ViewBuffer, ViewLayout
+from publisher.view import rollout_view, safetensors_dtype, tensor_bytes
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float8_e4m3fn]
+SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, 65504.0, 3.0e38]
+
+
+def _tensor(draw: st.DrawFn, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    n = int(np.prod(shape)) if shape else 1
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g).gt(0.5).reshape(shape)
+    if dtype in (torch.int64, torch.int8):
+        return torch.randint(-100, 100, (n,), generator=g).to(dtype).reshape(shape)
+    base = torch.randn(n, generator=g) * 0.02
+    specials = draw(st.lists(st.sampled_from(SPECIAL), max_size=min(n, 4)))
+    base[: len(specials)] = torch.tensor(specials, dtype=torch.float32)
+    return base.to(dtype).reshape(shape)
+
+
+def _mutate(draw: st.DrawFn, t: torch.Tensor) -> torch.Tensor:
+    """Change a drawn fraction of elements by a bit flip (covers NaN payloads, -0/+0, ULP moves)."""
+    out = t.clone()
+    flat = out.reshape(-1)
+    if flat.numel() == 0:
+        return out
+    bits = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    idx = draw(st.lists(st.integers(0, flat.numel() - 1), max_size=flat.numel(), unique=True))
+    if t.dtype == torch.bool:
+        bits[idx] = 1 - bits[idx]
+        return out
+    bit = draw(st.integers(0, flat.element_size() * 8 - 2))
+    if idx:
+        bits[idx] = bits[idx] ^ (1 << bit)
+    return out
+
+
+@st.composite
+def state_pairs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    n = draw(st.integers(1, 5))
+    old: dict[str, torch.Tensor] = {}
+    new: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 9), max_size=3)))
+        t = _tensor(draw, dtype, shape)
+        old[f"t{i}"] = t
+        new[f"t{i}"] = _mutate(draw, t)
+    return old, new
+
+
+SPEC = ViewSpec(rules=(ViewRule(pattern="t1", dtype="fp32"), ViewRule(pattern="t2", dtype="raw")))
+
+
+@settings(max_examples=60, deadline=None)
+@given(state_pairs(), st.integers(1, 64))
+def test_device_diff_matches_codec_diff(pair, chunk):
+    old_state, new_state = pair
+    layout = ViewLayout.of(old_state, SPEC)
+    a, b = ViewBuffer(layout), ViewBuffer(layout)
+    a.fill(old_state)
+    b.fill(new_state)
+    saved, device_diff.CHUNK_ELEMENTS = device_diff.CHUNK_ELEMENTS, chunk  # cross chunk edges
+    try:
+        result = diff_views(a, b)
+    finally:
+        device_diff.CHUNK_ELEMENTS = saved
+    old_view, new_view = rollout_view(old_state, SPEC), rollout_view(new_state, SPEC)
+    changed_total = 0
+    for slot in layout.slots:
+        assert slot.dtype == safetensors_dtype(new_view[slot.name])
+        want = codec.diff(tensor_bytes(old_view[slot.name]), tensor_bytes(new_view[slot.name]), slot.dtype)
+        assert np.array_equal(a.host_bytes(slot), tensor_bytes(old_view[slot.name]))
+        got = result.changes.get(slot.name)
+        if want.count == 0:
+            assert got is None
+            continue
+        assert got is not None
+        got.validate()
+        assert (got.dtype, got.numel) == (want.dtype, want.numel)
+        assert np.array_equal(got.positions, want.positions)
+        assert np.array_equal(got.old_bits, want.old_bits)
+        assert np.array_equal(got.new_bits, want.new_bits)
+        assert got.new_bits.dtype == codec.uint_dtype(slot.dtype)
+        changed_total += want.count
+    assert result.changed_elements == changed_total
+
+
+def test_only_changes_cross_to_host():
+    state = {"w": torch.randn(1000, 100), "b": torch.randn(100)}
+    layout = ViewLayout.of(state, ViewSpec())
+    a, b = ViewBuffer(layout), ViewBuffer(layout)
+    a.fill(state)
+    state["w"][3, 7] += 1.0
+    state["w"][999, 99] += 1.0
+    b.fill(state)
+    result = diff_views(a, b)
+    assert result.changed_elements == 2
+    # two positions (int64) + old and new bf16 bits + per-slot counts: nothing near a tensor's size
+    assert result.host_bytes == 2 * (8 + 2 + 2) + 8 * len(layout.slots)
+    assert list(result.changes["w"].positions) == [307, 99999]
+
+
+def test_layout_refuses_a_different_state():
+    state = {"w": torch.zeros(4)}
+    layout = ViewLayout.of(state, ViewSpec())
+    layout.check({"w": torch.ones(4)})
+    for bad in ({"w": torch.zeros(5)}, {"v": torch.zeros(4)}, {"w": torch.zeros(4), "v": torch.zeros(1)}):
+        try:
+            layout.check(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} accepted")

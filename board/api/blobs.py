@@ -4,7 +4,6 @@ board-proxied streaming upload, and downloads with Range, ETag and immutable cac
 
 from __future__ import annotations
 
-import base64
 import time
 
 from fastapi import APIRouter, Query, Request, Response
@@ -44,11 +43,11 @@ async def upload_target(
     if info is not None:
         await state.index.touch_blob(run, sha256, time.time())
         return BlobUploadTarget(sha256=sha256, exists=True, url=None)
-    url = await state.blocking(state.store.presign, key, "PUT", state.settings.presign_expiry_s)
-    if url is None:
+    presigned = await state.blocking(state.store.presign_upload, key, sha256, state.settings.presign_expiry_s)
+    if presigned is None:
         return BlobUploadTarget(sha256=sha256, exists=False, url=blob_url(run, sha256))
-    checksum = base64.b64encode(bytes.fromhex(sha256)).decode()
-    return BlobUploadTarget(sha256=sha256, exists=False, url=url, headers={"x-amz-checksum-sha256": checksum})
+    url, headers = presigned
+    return BlobUploadTarget(sha256=sha256, exists=False, url=url, headers=headers)
 
 
 @router.put("/{sha256}", status_code=201)
@@ -81,7 +80,7 @@ async def get_blob(run: str, sha256: str, request: Request, state: BoardState = 
     if path is None:
         if await state.blocking(state.store.stat, key) is None:
             raise not_found("UnknownBlob", f"blob {sha256} is not stored")
-        url = await state.blocking(state.store.presign, key, "GET", state.settings.presign_expiry_s)
+        url = await state.blocking(state.store.presign_download, key, state.settings.presign_expiry_s)
         assert url is not None
         return RedirectResponse(url, status_code=307, headers={"ETag": etag})
     try:

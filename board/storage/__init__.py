@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 
 class ObjectNotFound(KeyError):
@@ -53,8 +53,13 @@ class ObjectStore(Protocol):
         """A path the server may stream from, for stores on the local filesystem."""
         ...
 
-    def presign(self, key: str, method: Literal["GET", "PUT"], expires_s: int) -> str | None:
-        """A URL that lets a client transfer the object without the board, if the store has one."""
+    def presign_download(self, key: str, expires_s: int) -> str | None:
+        """A URL to GET the object without the board, if the store has one."""
+        ...
+
+    def presign_upload(self, key: str, sha256: str, expires_s: int) -> tuple[str, dict[str, str]] | None:
+        """A URL (and the headers to send) to PUT a blob without the board, if the store has
+        one; the store itself must refuse bytes that do not hash to `sha256`."""
         ...
 
 

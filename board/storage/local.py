@@ -14,7 +14,6 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
 
 from board.storage import ObjectInfo, ObjectNotFound, PreconditionFailed
 
@@ -120,5 +119,8 @@ class LocalStore:
     def local_path(self, key: str) -> Path | None:
         return self._path(key)
 
-    def presign(self, key: str, method: Literal["GET", "PUT"], expires_s: int) -> str | None:
+    def presign_download(self, key: str, expires_s: int) -> str | None:
+        return None
+
+    def presign_upload(self, key: str, sha256: str, expires_s: int) -> tuple[str, dict[str, str]] | None:
         return None

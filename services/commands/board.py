@@ -1,7 +1,58 @@
-"""Commands of this role (filled in by the role's issue)."""
+"""`deltaboard board serve` and `deltaboard bench board`.
+
+Every flag defaults to None so that unset flags fall through to the DELTABOARD_*
+environment and then to the defaults of `board.settings.Settings`. Imports are lazy: the
+CLI must start without FastAPI, boto3 or torch loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import typer
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
-    """Add this role's commands to the top-level app and to `bench`."""
+    """Add `board serve` to the app and `board` to `bench`."""
+    board = typer.Typer(no_args_is_help=True, help="The bulletin board server.")
+    app.add_typer(board, name="board")
+
+    @board.command("serve")
+    def serve(
+        data_dir: Path | None = typer.Option(None, help="Data directory (local store, temp uploads)."),
+        host: str | None = typer.Option(None, help="Bind address [127.0.0.1]."),
+        port: int | None = typer.Option(None, help="Port [8080]."),
+        store: str | None = typer.Option(
+            None, help="s3://bucket/prefix (default: local store in the data dir)."
+        ),
+        s3_endpoint: str | None = typer.Option(None, help="S3 endpoint URL (SeaweedFS, MinIO, ...)."),
+        s3_region: str | None = typer.Option(None, help="S3 region."),
+        redis: str | None = typer.Option(
+            None, help="redis://host:port/db: shared index for several replicas."
+        ),
+        auth_config: Path | None = typer.Option(None, help="Token file (YAML or JSON)."),
+        token: list[str] | None = typer.Option(None, help="scope:token[:run-glob], repeatable."),
+        anonymous_read: bool | None = typer.Option(None, "--anonymous-read/--no-anonymous-read"),
+        log_level: str | None = typer.Option(None, help="debug, info, warning [warning]."),
+    ) -> None:
+        """Serve the board (embedded defaults: local directory, in-process index, 127.0.0.1:8080)."""
+        from board.api import serve as serve_board
+        from board.settings import Settings
+
+        given: dict[str, Any] = {
+            "data_dir": data_dir,
+            "host": host,
+            "port": port,
+            "store": store,
+            "s3_endpoint": s3_endpoint,
+            "s3_region": s3_region,
+            "redis": redis,
+            "auth_config": auth_config,
+            "tokens": ",".join(token) if token else None,
+            "anonymous_read": anonymous_read,
+            "log_level": log_level,
+        }
+        settings = Settings(**{k: v for k, v in given.items() if v is not None})
+        typer.echo(f"deltaboard board on http://{settings.host}:{settings.port} (data {settings.data_dir})")
+        serve_board(settings)

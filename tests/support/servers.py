@@ -16,10 +16,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from clients.board_client import BoardClient
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -154,7 +158,7 @@ class S3Server:
     region: str = "us-east-1"
     _buckets: int = 0
 
-    def client(self):  # type: ignore[no-untyped-def]
+    def client(self) -> S3Client:
         import boto3
 
         return boto3.client(

@@ -1,0 +1,278 @@
+"""The sidecar proxy with its version gate driven directly (the follower is tested apart):
+real engine and real HTTP servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from services.engine.app import EngineState, create_app
+from services.sidecar.background import BackgroundServer
+from services.sidecar.gate import VersionGate
+from services.sidecar.metrics import SidecarMetrics
+from services.sidecar.proxy import ProxySettings, create_proxy_app
+from tests.services.fakes.echo import echo_engine
+from tests.services.fakes.tiny_model import save_tiny_model
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+class Node:
+    """A sidecar app in front of `engine_url`, with the gate in the test's hands."""
+
+    def __init__(self, engine_url: str, mode: str = "quiesce") -> None:
+        self.gate = VersionGate(mode, drain_timeout_s=30)  # type: ignore[arg-type]
+
+        @asynccontextmanager
+        async def bind(app):
+            self.gate.bind(asyncio.get_running_loop())
+            yield
+
+        status = lambda: {"served": self.gate.served, "healthy": self.gate.healthy}  # noqa: E731
+        app = create_proxy_app(
+            self.gate, ProxySettings(engine_url, default_wait_s=0.0), SidecarMetrics(), status, bind
+        )
+        self.server = BackgroundServer(app).start()
+        self.client = httpx.Client(base_url=self.server.url, timeout=60)
+
+    def serve(self, version: int, reload=None) -> None:
+        self.gate.begin_swap()
+        if reload is not None:
+            reload()
+        self.gate.end_swap(version, True, 0.01)
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "m")
+
+
+@pytest.fixture
+def engine(model_dir):
+    with BackgroundServer(create_app(EngineState("tiny"))) as server:
+        httpx.post(
+            f"{server.url}/reload", json={"model": str(model_dir), "weight_version": 1}
+        ).raise_for_status()
+        yield server.url
+
+
+@pytest.fixture
+def echo():
+    with BackgroundServer(echo_engine()) as server:
+        yield server.url
+
+
+@pytest.fixture
+def node(engine):
+    n = Node(engine)
+    n.serve(1)
+    yield n
+    n.close()
+
+
+@pytest.fixture
+def echo_node(echo):
+    n = Node(echo)
+    n.serve(4)
+    n.gate.publish_head(6)
+    yield n
+    n.close()
+
+
+def completion(node, weight_version=None, headers=None, **extra):
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 0, **extra}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    return node.client.post("/v1/completions", json=body, headers=headers or {})
+
+
+def test_satisfied_request_is_proxied_and_stamped(node):
+    response = completion(node, {"exact": 1})
+    assert response.status_code == 200
+    assert (
+        response.headers["x-weight-version-start"] == "1" and response.headers["x-weight-version-end"] == "1"
+    )
+    assert response.json()["weight_version"] == {"start": 1, "end": 1}
+    assert len(response.json()["choices"][0]["token_ids"]) == 3
+
+
+def test_constraint_is_removed_before_forwarding_and_everything_else_passes(echo_node):
+    response = echo_node.client.post(
+        "/v1/echo?x=1",
+        json={"a": 1, "weight_version": {"min": 3}},
+        headers={"X-Weight-Version-Max": "9", "X-Custom": "kept"},
+    )
+    seen = response.json()
+    assert seen["body"] == {"a": 1} and seen["query"] == {"x": "1"}
+    assert seen["headers"]["x-custom"] == "kept" and "x-weight-version-max" not in seen["headers"]
+    assert seen["weight_version"] == {"start": 4, "end": 4}
+    assert echo_node.client.get("/text").text == "plain"  # not JSON: only headers carry the range
+    assert echo_node.client.get("/text").headers["x-weight-version-start"] == "4"
+    failed = echo_node.client.post("/v1/echo?status=422", json={})
+    assert failed.status_code == 422 and failed.json()["weight_version"] == {"start": 4, "end": 4}
+
+
+def test_stream_last_event_carries_the_range(node):
+    with node.client.stream(
+        "POST",
+        "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 4, "stream": True, "weight_version": 1},
+    ) as response:
+        assert response.headers["x-weight-version-start"] == "1"
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) == 4 and chunks[-1]["weight_version"] == {"start": 1, "end": 1}
+    assert all("weight_version" not in c for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("done", [True, False])
+def test_stream_restamping_keeps_every_event(echo_node, done):
+    with echo_node.client.stream("POST", "/v1/sse", json={"n": 3, "done": done}) as response:
+        events = [line for line in response.iter_lines() if line]
+    data = [json.loads(line[6:]) for line in events if line.startswith("data: {")]
+    assert [d.get("i") for d in data] == [0, 1, 2]
+    assert data[-1]["weight_version"] == {"start": 4, "end": 4}
+    assert events[0] == ": a comment" and (events[-1] == "data: [DONE]") == done
+
+
+def test_behind_request_waits_for_catch_up(node, engine, model_dir):
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(r=completion(node, {"exact": 2, "wait": 30})))
+    waiter.start()
+    while node.client.get("/sidecar/status").json()["pins"] != [[2, 2]]:
+        time.sleep(0.01)
+    node.serve(2, lambda: httpx.post(f"{engine}/reload", json={"model": str(model_dir), "weight_version": 2}))
+    waiter.join()
+    assert result["r"].status_code == 200 and result["r"].json()["weight_version"] == {"start": 2, "end": 2}
+
+
+def test_not_ready_is_409_with_retry_after(node):
+    node.gate.publish_head(3)
+    response = completion(node, {"min": 5, "wait": 0.2})
+    assert response.status_code == 409
+    assert int(response.headers["retry-after"]) >= 1
+    error = response.json()["error"]
+    assert error["code"] == "WeightVersionNotReady" and error["retryable"] is True
+    assert error["served"] == 1 and error["head"] == 3 and error["required"] == {"min": 5, "max": None}
+
+
+def test_older_version_is_gone_and_not_retryable(node):
+    node.serve(3)
+    response = completion(node, headers={"X-Weight-Version-Exact": "2"})
+    assert response.status_code == 410 and "retry-after" not in response.headers
+    assert response.json()["error"]["code"] == "WeightVersionGone"
+    assert response.json()["error"]["retryable"] is False
+
+
+def test_malformed_constraint_is_400(node):
+    assert completion(node, {"exact": -3}).status_code == 400
+    assert (
+        completion(node, headers={"X-Weight-Version-Min": "soon"}).json()["error"]["code"]
+        == "BadWeightVersion"
+    )
+
+
+def test_engine_down_is_503_with_retry_after():
+    with BackgroundServer(echo_engine()) as gone:
+        url = gone.url
+    n = Node(url)
+    try:
+        n.serve(1)
+        response = completion(n)
+        assert response.status_code == 503 and response.headers["retry-after"]
+        assert response.json()["error"]["code"] == "EngineUnavailable"
+        assert n.gate.inflight == 0
+    finally:
+        n.close()
+
+
+def aborted(engine):
+    return httpx.get(f"{engine}/health").json()["aborted"]
+
+
+def wait_until(predicate, what):
+    deadline = time.monotonic() + 30
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_client_disconnect_aborts_the_upstream_request(node, engine):
+    httpx.post(f"{engine}/pause")
+    with node.client.stream(
+        "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 400, "stream": True}
+    ):
+        wait_until(lambda: node.gate.inflight == 1, "stream never admitted")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{node.server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 400}, timeout=1.0
+        )
+    httpx.post(f"{engine}/resume")
+    wait_until(lambda: aborted(engine) >= 2, "the engine kept generating for a departed client")
+    wait_until(lambda: node.gate.inflight == 0, "admissions leaked")
+
+
+def test_quiesce_swap_drains_in_flight_requests_first(node, engine):
+    httpx.post(f"{engine}/pause")
+    result = {}
+    request = threading.Thread(target=lambda: result.update(r=completion(node)))
+    request.start()
+    wait_until(lambda: node.gate.inflight == 1, "request never admitted")
+    swap = threading.Thread(target=node.serve, args=(2,))
+    swap.start()
+    wait_until(lambda: node.gate.swapping, "swap never started")
+    assert swap.is_alive() and node.gate.served == 1  # held by the request in flight
+    httpx.post(f"{engine}/resume")
+    request.join()
+    swap.join()
+    assert result["r"].json()["weight_version"] == {"start": 1, "end": 1}
+    assert node.gate.served == 2
+
+
+def test_in_place_swap_reports_the_range_it_spanned(engine, model_dir):
+    n = Node(engine, mode="in_place")
+    try:
+        n.serve(1)
+        httpx.post(f"{engine}/pause")
+        result = {}
+        request = threading.Thread(target=lambda: result.update(r=completion(n)))
+        request.start()
+        wait_until(lambda: n.gate.inflight == 1, "request never admitted")
+        n.serve(
+            2, lambda: httpx.post(f"{engine}/reload", json={"model": str(model_dir), "weight_version": 2})
+        )
+        httpx.post(f"{engine}/resume")
+        request.join()
+        assert result["r"].json()["weight_version"] == {"start": 1, "end": 2}
+        assert result["r"].headers["x-weight-version-end"] == "2"
+    finally:
+        n.close()
+
+
+def test_healthz_and_metrics(node):
+    assert node.client.get("/healthz").json()["served"] == 1
+    completion(node, {"exact": 1})
+    completion(node, {"exact": 0})
+    metrics = node.client.get("/metrics").text
+    assert 'deltaboard_sidecar_requests_total{outcome="proxied"} 1.0' in metrics
+    assert 'deltaboard_sidecar_requests_total{outcome="gone"} 1.0' in metrics
+    assert "deltaboard_sidecar_served_version 1.0" in metrics
+
+
+def test_healthz_is_503_before_any_version():
+    n = Node("http://127.0.0.1:9")
+    try:
+        assert n.client.get("/healthz").status_code == 503
+    finally:
+        n.close()

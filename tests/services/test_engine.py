@@ -25,10 +25,9 @@ def models(tmp_path_factory):
 
 @pytest.fixture
 def engine(models):
-    state = EngineState("tiny")
-    with BackgroundServer(create_app(state)) as server:
-        with httpx.Client(base_url=server.url, timeout=60) as client:
-            yield client, models
+    app = create_app(EngineState("tiny"))
+    with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client, models
 
 
 def load(client, directory, version):

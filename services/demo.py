@@ -1,0 +1,381 @@
+"""`deltaboard demo`: the whole system on one machine, in one command.
+
+It starts a board (a subprocess on a local directory), trains a small causal LM with AdamW
+(fp32 master weights, bf16 rollout view) and publishes every step; meanwhile 2-3 rollout
+nodes (follower + sidecar in this process, each with a reference engine subprocess)
+follow the run and serve completions pinned to versions. The live view shows each
+version's changed fraction and patch size against the full view, and each node's
+version and lag; a summary table closes it. The exit code is non-zero if a node did not
+converge to the last version or a pinned request was not served with exactly its version.
+
+With `--board URL --token T --nodes 0` it is only the trainer, publishing to an existing
+board (what the compose file's demo trainer runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import typer
+
+RUN = "demo"
+PROMPT = [11, 7, 42, 99, 5, 1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def deltaboard_command(*args: str) -> list[str]:
+    """This installation's CLI, run by this interpreter (no reliance on PATH)."""
+    return [sys.executable, "-c", "from services.cli import main; main()", *args]
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {process.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} did not answer {url} within {timeout_s}s")
+
+
+class Processes:
+    """Child processes, stopped (TERM, then KILL) in reverse order of start."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.children: list[subprocess.Popen[bytes]] = []
+
+    def start(
+        self, name: str, command: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        with open(self.logs / f"{name}.log", "wb") as log:
+            child = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
+        self.children.append(child)
+        return child
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            if child.poll() is None:
+                child.terminate()
+        for child in reversed(self.children):
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+@dataclass
+class PinnedResult:
+    node: str
+    version: int
+    status: int
+    served: tuple[int | None, int | None] | None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.served == (self.version, self.version)
+
+
+@dataclass
+class VersionStats:
+    version: int
+    kind: str
+    changed_fraction: float
+    patch_bytes: int
+
+
+@dataclass
+class DemoState:
+    """Everything the live view and the summary show; written by the trainer thread."""
+
+    steps: int
+    step: int = 0
+    full_bytes: int = 0
+    versions: list[VersionStats] = field(default_factory=list)
+    pinned: list[PinnedResult] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def head(self) -> int | None:
+        return self.versions[-1].version if self.versions else None
+
+
+@dataclass
+class Node:
+    id: str
+    url: str
+    sidecar: Any
+    server: Any
+
+    def served(self) -> int | None:
+        served: int | None = self.sidecar.gate.served
+        return served
+
+
+def pinned_request(node: Node, version: int, state: DemoState, max_tokens: int) -> None:
+    """A completion that must be served with exactly `version` (it may wait for it)."""
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 0,
+        "weight_version": {"exact": version, "wait": 120},
+    }
+    served: tuple[int | None, int | None] | None = None
+    try:
+        response = httpx.post(f"{node.url}/v1/completions", json=body, timeout=180)
+        status = response.status_code
+        if status == 200:
+            stamp = response.json().get("weight_version") or {}
+            served = (stamp.get("start"), stamp.get("end"))
+    except httpx.HTTPError:
+        status = 0
+    with state.lock:
+        state.pinned.append(PinnedResult(node.id, version, status, served))
+
+
+def render(state: DemoState, nodes: list[Node]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    last = state.versions[-1] if state.versions else None
+    trainer = Table(title="trainer -> board", expand=False)
+    for column in ("step", "version", "kind", "changed", "patch", "full view", "patch/full"):
+        trainer.add_column(column, justify="right")
+    if last is not None:
+        trainer.add_row(
+            f"{state.step}/{state.steps}",
+            str(last.version),
+            last.kind,
+            f"{100 * last.changed_fraction:.2f}%",
+            f"{last.patch_bytes / 1024:.1f} KiB",
+            f"{state.full_bytes / 1024:.1f} KiB",
+            f"{last.patch_bytes / max(state.full_bytes, 1):.3f}",
+        )
+    fleet = Table(title="rollout nodes", expand=False)
+    for column in ("node", "version", "lag", "pinned ok"):
+        fleet.add_column(column, justify="right")
+    with state.lock:
+        pinned = list(state.pinned)
+    for node in nodes:
+        served = node.served()
+        lag = "-" if served is None or state.head is None else str(state.head - served)
+        mine = [p for p in pinned if p.node == node.id]
+        fleet.add_row(
+            node.id, "-" if served is None else str(served), lag, f"{sum(p.ok for p in mine)}/{len(mine)}"
+        )
+    return Group(trainer, fleet) if nodes else trainer
+
+
+def start_board(processes: Processes, workdir: Path) -> tuple[str, str, str]:
+    """A board subprocess on a local directory: (url, publish token, read token)."""
+    port = free_port()
+    publish, read = f"publish-{secrets.token_hex(8)}", f"read-{secrets.token_hex(8)}"
+    env = {
+        "DELTABOARD_DATA_DIR": str(workdir / "board"),
+        "DELTABOARD_PORT": str(port),
+        "DELTABOARD_HOST": "127.0.0.1",
+        "DELTABOARD_TOKENS": f"publish:{publish},read:{read}",
+    }
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(
+        f"{url}/healthz", processes.start("board", deltaboard_command("board", "serve"), env), "board"
+    )
+    return url, publish, read
+
+
+def start_nodes(
+    processes: Processes, workdir: Path, count: int, board_url: str, token: str, mode: str
+) -> list[Node]:
+    """Engines first (subprocesses, loading torch in parallel), then their sidecars."""
+    from services.sidecar.background import BackgroundServer
+    from services.sidecar.node import Sidecar, SidecarConfig
+
+    engines = []
+    for i in range(count):
+        port = free_port()
+        model = workdir / f"node-{i}"
+        command = deltaboard_command("engine", "--model", str(model), "--port", str(port), "--name", RUN)
+        engines.append((f"http://127.0.0.1:{port}", processes.start(f"engine-{i}", command)))
+    nodes = []
+    for i, (engine_url, process) in enumerate(engines):
+        wait_healthy(f"{engine_url}/health", process, f"engine {i}")
+        config = SidecarConfig(
+            board_url=board_url,
+            run=RUN,
+            directory=workdir / f"node-{i}",
+            engine_url=engine_url,
+            mode="in_place" if mode == "in_place" else "quiesce",
+            token=token,
+            node_id=f"node-{i}",
+            poll_s=2.0,
+        )
+        sidecar = Sidecar(config)
+        server = BackgroundServer(sidecar.app).start()
+        nodes.append(Node(f"node-{i}", server.url, sidecar, server))
+    return nodes
+
+
+def train_and_publish(
+    state: DemoState,
+    board_url: str,
+    token: str,
+    nodes: list[Node],
+    lr: float,
+    max_tokens: int,
+    delay_s: float,
+) -> None:
+    from publisher.publisher import Publisher
+    from services.trajectory import build_model, train
+
+    model = build_model("tiny", seed=0)
+    config: Any = model.config
+    assets = {"config.json": config.to_json_string().encode()}
+    pending: list[threading.Thread] = []
+    with Publisher(board_url, RUN, token=token, assets=assets, keyframe_every=10**6) as publisher:
+        first = publisher.next_version
+
+        def publish(step: int) -> None:
+            version = first + len(state.versions)
+            if nodes:  # pin before publishing: the node holds at this version for the request
+                node = nodes[version % len(nodes)]
+                thread = threading.Thread(
+                    target=pinned_request, args=(node, version, state, max_tokens), daemon=True
+                )
+                thread.start()
+                pending.append(thread)
+            result = publisher.publish(model, step=step).result()
+            if not state.full_bytes:
+                state.full_bytes = publisher.client.manifest(RUN, result.version).stats.view_bytes
+            fraction = result.changed_elements / max(result.total_elements, 1)
+            stats = VersionStats(result.version, result.kind, fraction, result.encoded_bytes)
+            with state.lock:
+                state.versions.append(stats)
+                state.step = step
+
+        publish(0)
+        for step in train(model, steps=state.steps, lr=lr, regime="fp32-master"):
+            publish(step)
+            time.sleep(delay_s)
+    for thread in pending:
+        thread.join()
+
+
+def await_convergence(nodes: list[Node], head: int | None, timeout_s: float) -> dict[str, bool]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(n.served() != head for n in nodes):
+        time.sleep(0.1)
+    converged = {}
+    for node in nodes:
+        engine = httpx.get(f"{node.sidecar.config.engine_url}/health", timeout=5).json()
+        converged[node.id] = node.served() == head and engine.get("weight_version") == head
+    return converged
+
+
+def summary(
+    state: DemoState, nodes: list[Node], converged: dict[str, bool], seconds: float
+) -> dict[str, Any]:
+    deltas = [v for v in state.versions if v.kind == "delta"]
+    return {
+        "versions": len(state.versions),
+        "seconds": round(seconds, 2),
+        "full_bytes": state.full_bytes,
+        "mean_patch_bytes": sum(v.patch_bytes for v in deltas) / len(deltas) if deltas else 0.0,
+        "mean_changed_fraction": sum(v.changed_fraction for v in deltas) / len(deltas) if deltas else 0.0,
+        "nodes": [{"id": n.id, "version": n.served(), "converged": converged[n.id]} for n in nodes],
+        "pinned_requests": len(state.pinned),
+        "pinned_mismatches": sum(not p.ok for p in state.pinned),
+    }
+
+
+def summary_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="deltaboard demo: summary")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    full, patch = report["full_bytes"], report["mean_patch_bytes"]
+    table.add_row("versions published", str(report["versions"]))
+    table.add_row("full view", f"{full / 1024:.1f} KiB")
+    table.add_row("mean patch", f"{patch / 1024:.1f} KiB ({patch / max(full, 1):.4f} of full)")
+    table.add_row("mean changed per step", f"{100 * report['mean_changed_fraction']:.2f}%")
+    for node in report["nodes"]:
+        table.add_row(
+            node["id"], f"version {node['version']} ({'converged' if node['converged'] else 'BEHIND'})"
+        )
+    table.add_row(
+        "pinned requests", f"{report['pinned_requests']} ({report['pinned_mismatches']} mismatched)"
+    )
+    table.add_row("seconds", f"{report['seconds']:.1f}")
+    return table
+
+
+def demo(
+    steps: int = typer.Option(30, help="AdamW steps to train (one version each)"),
+    nodes: int = typer.Option(3, min=0, max=8, help="rollout nodes (follower + sidecar + engine)"),
+    lr: float = typer.Option(1e-6, help="learning rate (RL post-training uses 1e-6..3e-6)"),
+    mode: str = typer.Option("quiesce", help="sidecar commit mode: quiesce or in_place"),
+    max_tokens: int = typer.Option(4, min=1, help="tokens per pinned completion"),
+    step_delay: float = typer.Option(
+        0.0, min=0.0, help="seconds between steps (pace a long-running trainer)"
+    ),
+    board: str | None = typer.Option(None, help="publish to this board instead of starting one"),
+    token: str | None = typer.Option(None, envvar="DELTABOARD_TOKEN", help="publish token for --board"),
+    workdir: Path | None = typer.Option(None, help="keep board data, node directories and logs here"),
+    json_path: Path | None = typer.Option(None, "--json", help="write the summary as JSON"),
+) -> None:
+    """Train, publish, follow and serve pinned completions end to end on embedded defaults."""
+    from rich.console import Console
+    from rich.live import Live
+
+    if mode not in ("quiesce", "in_place"):
+        raise typer.BadParameter("--mode must be quiesce or in_place")
+    console = Console()
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="deltaboard-demo-")))
+        (root / "logs").mkdir(parents=True, exist_ok=True)
+        processes = Processes(root / "logs")
+        stack.callback(processes.stop)
+        if board is None:
+            board, token, read_token = start_board(processes, root)
+        else:
+            read_token = token or ""
+        fleet = start_nodes(processes, root, nodes, board, read_token, mode)
+        for node in fleet:
+            stack.callback(node.server.stop)
+        state = DemoState(steps)
+        with Live(get_renderable=lambda: render(state, fleet), console=console, refresh_per_second=4):
+            train_and_publish(state, board, token or "", fleet, lr, max_tokens, step_delay)
+            converged = await_convergence(fleet, state.head, timeout_s=60)
+        report = summary(state, fleet, converged, time.monotonic() - started)
+    console.print(summary_table(report))
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2))
+    if not all(converged.values()) or report["pinned_mismatches"]:
+        console.print("[red]FAILED[/red]: a node did not converge or a pinned request got another version")
+        raise typer.Exit(1)

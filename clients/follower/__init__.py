@@ -1,0 +1,18 @@
+"""The rollout follower: a local Hugging Face checkpoint kept at an exact version.
+
+See `follower` for the update steps, `slots` for what readers see and the disk cost,
+`journal` for crash safety and `verify` for the full re-hash.
+"""
+
+from clients.follower.errors import DirectoryError, FollowerError, IntegrityError
+from clients.follower.follower import CommitHook, Follower, Progress, swap_now
+
+__all__ = [
+    "CommitHook",
+    "DirectoryError",
+    "Follower",
+    "FollowerError",
+    "IntegrityError",
+    "Progress",
+    "swap_now",
+]

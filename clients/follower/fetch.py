@@ -1,0 +1,146 @@
+"""Parallel, resumable, verified downloads of a plan's blobs into the local cache.
+
+Each blob is streamed by `BoardClient.download_blob` into `cache/blobs/{sha}.part`, resumed
+with `Range` after an interruption (also one from a killed process), and renamed to
+`{sha}` only once its sha256 matched: a file named by its sha256 in the cache is
+therefore always complete and authentic. Transport failures and 5xx answers are retried
+with exponential backoff (the client retries single requests; this retries whole
+downloads, which resume where they stopped). A blob whose bytes hash wrong is discarded
+and fetched once more; a second mismatch is an `IntegrityError`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from board.errors import BoardError
+from board.schemas import BlobRef, BlobSize
+from clients.board_client import BoardClient
+from clients.follower.errors import FollowerError, IntegrityError
+
+ByteProgress = Callable[[int], None]
+
+
+class BlobCache:
+    """Verified blobs on local disk, by sha256."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def path(self, sha: str) -> Path:
+        return self.directory / sha
+
+    def has(self, sha: str) -> bool:
+        return self.path(sha).exists()
+
+    def discard(self, sha: str) -> None:
+        self.path(sha).unlink(missing_ok=True)
+        self.path(sha).with_name(sha + ".part").unlink(missing_ok=True)
+
+    def keep_only(self, shas: set[str]) -> None:
+        """Delete every cached blob (and partial download) not named in `shas`."""
+        for path in self.directory.iterdir():
+            if path.name.removesuffix(".part") not in shas:
+                path.unlink(missing_ok=True)
+
+
+class BlobReader:
+    """Zero-copy slices of cached blobs (each blob mapped once) for the codec to decode."""
+
+    def __init__(self, cache: BlobCache) -> None:
+        self._cache = cache
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def read(self, ref: BlobRef) -> memoryview:
+        """Bytes [offset, offset + length) of a cached blob."""
+        mapped = self._maps.get(ref.sha256)
+        if mapped is None:
+            with open(self._cache.path(ref.sha256), "rb") as f:
+                if not os.fstat(f.fileno()).st_size:
+                    raise IntegrityError(f"cached blob {ref.sha256[:12]} is empty")
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[ref.sha256] = mapped
+        if ref.offset + ref.length > len(mapped):
+            raise IntegrityError(f"blob {ref.sha256[:12]} is shorter than the manifest's range")
+        return memoryview(mapped)[ref.offset : ref.offset + ref.length]
+
+    def close(self) -> None:
+        """Drop the mappings; each unmaps once the last slice of it is gone (a slice may
+        outlive this in an exception's traceback, so they are not closed by force)."""
+        self._maps.clear()
+
+    def __enter__(self) -> BlobReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Fetcher:
+    """Downloads blobs of one run into a `BlobCache`, `workers` at a time."""
+
+    def __init__(
+        self,
+        board: BoardClient,
+        run: str,
+        cache: BlobCache,
+        *,
+        workers: int = 4,
+        attempts: int = 4,
+        backoff_s: float = 0.5,
+    ) -> None:
+        self.board = board
+        self.run = run
+        self.cache = cache
+        self.workers = workers
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+
+    def missing(self, blobs: Iterable[BlobSize]) -> list[BlobSize]:
+        """Blobs not yet in the cache, each once."""
+        unique = {b.sha256: b for b in blobs}
+        return [b for b in unique.values() if not self.cache.has(b.sha256)]
+
+    def fetch(self, blobs: Iterable[BlobSize], progress: ByteProgress | None = None) -> int:
+        """Make every blob present in the cache; returns the bytes this call downloaded."""
+        todo = self.missing(blobs)
+        if not todo:
+            return 0
+        with ThreadPoolExecutor(min(self.workers, len(todo)), thread_name_prefix="deltaboard-fetch") as pool:
+            return sum(pool.map(lambda b: self._fetch_one(b.sha256, progress), todo))
+
+    def refetch(self, sha: str, progress: ByteProgress | None = None) -> int:
+        """Discard a cached blob that failed to decode or verify and download it again."""
+        self.cache.discard(sha)
+        return self._fetch_one(sha, progress)
+
+    def _fetch_one(self, sha: str, progress: ByteProgress | None) -> int:
+        dest = self.cache.path(sha)
+        part = dest.with_name(sha + ".part")
+        mismatches = 0
+        last: Exception | None = None
+        for attempt in range(self.attempts):
+            had = part.stat().st_size if part.exists() else 0
+            try:
+                self.board.download_blob(self.run, sha, dest, progress=progress)
+                return dest.stat().st_size - had
+            except BoardError as exc:
+                if exc.code == "DigestMismatch":
+                    mismatches += 1
+                    if mismatches > 1:
+                        raise IntegrityError(f"blob {sha[:12]} hashed wrong twice: {exc.message}") from exc
+                    continue
+                if exc.status < 500:
+                    raise FollowerError(f"cannot fetch blob {sha[:12]}: {exc}") from exc
+                last = exc
+            except httpx.TransportError as exc:
+                last = exc
+            time.sleep(self.backoff_s * 2**attempt)
+        raise FollowerError(f"cannot fetch blob {sha[:12]} after {self.attempts} attempts: {last}")

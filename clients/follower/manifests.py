@@ -1,0 +1,51 @@
+"""Manifests the follower needs again, kept on local disk.
+
+The follower keeps the manifest of the served version (`deltaboard verify` checks the
+directory against it without a board) and those of the deltas the stale slot still has
+to replay, so that bringing that slot forward needs no network at all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from board.schemas import Manifest
+from clients.board_client import BoardClient
+from clients.follower.errors import FollowerError
+from clients.follower.journal import atomic_write
+
+
+class ManifestCache:
+    def __init__(self, directory: Path, run: str) -> None:
+        self.directory = directory
+        self.run = run
+
+    def _path(self, version: int) -> Path:
+        return self.directory / f"{version:012d}.json"
+
+    def cached(self, version: int) -> Manifest | None:
+        """The cached manifest of `version`, or None (also for an unreadable file)."""
+        try:
+            manifest = Manifest.model_validate_json(self._path(version).read_bytes())
+        except (FileNotFoundError, ValidationError):
+            return None
+        return manifest if (manifest.run, manifest.version) == (self.run, version) else None
+
+    def get(self, board: BoardClient, version: int) -> Manifest:
+        """The manifest of `version`, from the cache or the board (then cached)."""
+        manifest = self.cached(version)
+        if manifest is None:
+            manifest = board.manifest(self.run, version)
+            if (manifest.run, manifest.version) != (self.run, version):
+                raise FollowerError(
+                    f"the board answered {manifest.run}@{manifest.version} for {self.run}@{version}"
+                )
+            atomic_write(self._path(version), manifest.model_dump_json().encode())
+        return manifest
+
+    def keep_only(self, versions: set[int]) -> None:
+        for path in self.directory.glob("*.json"):
+            if not path.stem.isdigit() or int(path.stem) not in versions:
+                path.unlink(missing_ok=True)

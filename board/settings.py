@@ -28,6 +28,7 @@ class Settings(BaseSettings):
     anonymous_read: bool = False
     max_blob_bytes: int = Field(default=64 * 2**30, gt=0)
     max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="JSON bodies and assets")
+    body_idle_timeout_s: float = Field(default=30.0, gt=0, description="give up on a stalled request body")
     max_wait_s: float = Field(default=60.0, gt=0)
     fsync: bool = True
     log_level: str = "warning"

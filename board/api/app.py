@@ -46,7 +46,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.board = state
     install_error_handlers(app)
-    app.add_middleware(BoardMiddleware, metrics=state.metrics, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BoardMiddleware,
+        metrics=state.metrics,
+        max_body_bytes=settings.max_body_bytes,
+        body_idle_s=settings.body_idle_timeout_s,
+    )
     for module in (runs, blobs, versions, ops):
         app.include_router(module.router)
     return app

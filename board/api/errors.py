@@ -27,6 +27,15 @@ STATUS_CODES = {
 }
 
 
+class RequestBodyError(HTTPException):
+    """Raised while a request body is being received (too large, stalled): an
+    HTTPException, so that FastAPI's body parsing passes it through unchanged."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(status, message)
+        self.code = code
+
+
 def error_response(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(
@@ -52,7 +61,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
-    code = STATUS_CODES.get(exc.status_code, "HTTPError")
+    code = exc.code if isinstance(exc, RequestBodyError) else STATUS_CODES.get(exc.status_code, "HTTPError")
     return error_response(exc.status_code, code, str(exc.detail))
 
 

@@ -103,15 +103,17 @@ class LocalStore:
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         base = self.root / prefix.rstrip("/") if prefix.rstrip("/") else self.root
         start = base if base.is_dir() else base.parent
+        keys = []
         for dirpath, dirnames, filenames in os.walk(start):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for name in sorted(filenames):
-                full = Path(dirpath) / name
-                key = full.relative_to(self.root).as_posix()
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                key = (Path(dirpath) / name).relative_to(self.root).as_posix()
                 if key.startswith(prefix):
-                    with contextlib.suppress(FileNotFoundError):
-                        st = full.stat()
-                        yield ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime)
+                    keys.append(key)
+        for key in sorted(keys):  # lexicographic, like S3
+            info = self.stat(key)
+            if info is not None:
+                yield info
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)

@@ -1,0 +1,62 @@
+"""Bearer-token scopes on run globs (board.auth)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from board.auth import AuthConfig, Authorizer
+from board.errors import BoardError
+
+
+def status(auth: Authorizer, header: str | None, scope: str, run: str | None) -> int:
+    try:
+        auth.check(header, scope, run)  # type: ignore[arg-type]
+    except BoardError as e:
+        return e.status
+    return 200
+
+
+def test_scopes_and_patterns():
+    grants = AuthConfig.parse_grants(["read:reader-token", "publish:pub-token-x:exp-*", "admin:admin-token"])
+    auth = Authorizer(AuthConfig(tokens=grants))
+    r, p, a = "Bearer reader-token", "Bearer pub-token-x", "Bearer admin-token"
+    assert status(auth, r, "read", "anything") == 200
+    assert status(auth, r, "publish", "anything") == 403
+    assert status(auth, r, "admin", "anything") == 403
+    assert status(auth, p, "publish", "exp-1") == 200
+    assert status(auth, p, "read", "exp-1") == 200
+    assert status(auth, p, "publish", "prod") == 403
+    assert status(auth, p, "admin", "exp-1") == 403
+    assert status(auth, a, "admin", "x") == 200
+    assert status(auth, None, "read", "x") == 401
+    assert status(auth, "Bearer nope-nope", "read", "x") == 401
+    assert status(auth, "Token reader-token", "read", "x") == 401
+
+
+def test_anonymous_read_only_when_configured(tmp_path):
+    path = tmp_path / "auth.yaml"
+    path.write_text("anonymous_read: true\ntokens:\n  - {token: pub-token-y, scope: publish, runs: ['a*']}\n")
+    auth = Authorizer(AuthConfig.load(path))
+    assert status(auth, None, "read", "x") == 200
+    assert status(auth, None, "publish", "x") == 401
+    path = tmp_path / "auth.json"
+    path.write_text(json.dumps({"anonymous_read": ["public-*"]}))
+    auth = Authorizer(
+        AuthConfig.load(path).merged(AuthConfig.parse_grants(["read:abcdefgh"]), anonymous_read=False)
+    )
+    assert status(auth, None, "read", "public-1") == 200
+    assert status(auth, None, "read", "private") == 401
+    assert status(auth, "Bearer abcdefgh", "read", "private") == 200
+
+
+def test_bad_configs_are_refused(tmp_path):
+    with pytest.raises(ValueError):
+        AuthConfig.parse_grants(["superuser:abcdefgh"])
+    with pytest.raises(ValueError):
+        AuthConfig.parse_grants(["read:short"])
+    path = tmp_path / "auth.yaml"
+    path.write_text("tokens: [{token: abcdefgh, scope: read, unknown: 1}]\n")
+    with pytest.raises(ValueError):
+        AuthConfig.load(path)

@@ -1,0 +1,129 @@
+"""The commit protocol of board.ledger on a real local store: idempotent retries, fenced
+writers' leftovers, fencing in the middle of a commit, racing commits."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import pytest
+
+from board.errors import BoardError
+from board.ledger import Ledger, encode
+from board.schemas import LeaseRequest, RunCreate
+from board.storage import head_key, manifest_key
+from board.storage.local import LocalStore
+from tests.support.manifests import manifest
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    ledger = Ledger(LocalStore(tmp_path / "store", fsync=False))
+    ledger.create_run(RunCreate(name="r"))
+    return ledger
+
+
+def put_blobs(ledger: Ledger, payloads: dict[str, bytes]) -> None:
+    for data in payloads.values():
+        ledger.store.put(f"runs/r/blobs/{hashlib.sha256(data).hexdigest()}", data)
+
+
+def lease(ledger: Ledger, holder: str, steal: bool = False) -> int:
+    return ledger.acquire_lease("r", LeaseRequest(holder=holder, steal=steal))[0].epoch
+
+
+def commit(ledger: Ledger, version: int, epoch: int, data: bytes, **kw):
+    payloads = {"w": data}
+    put_blobs(ledger, payloads)
+    return ledger.commit("r", manifest("r", version, epoch, payloads, **kw))
+
+
+def test_retry_after_a_crash_before_the_head_cas(ledger):
+    epoch = lease(ledger, "a")
+    commit(ledger, 0, epoch, b"zero")
+    m = manifest("r", 1, epoch, {"w": b"one"})
+    put_blobs(ledger, {"w": b"one"})
+    ledger.store.put(manifest_key("r", 1), encode(m))  # the manifest landed, the head did not
+    assert ledger.head("r")[0].version == 0
+    head, record = ledger.commit("r", m)
+    assert head.version == 1 and record.kind == "delta"
+
+
+def test_fenced_writers_leftover_is_replaced(ledger):
+    old = lease(ledger, "a")
+    commit(ledger, 0, old, b"zero")
+    ledger.store.put(manifest_key("r", 1), encode(manifest("r", 1, old, {"w": b"stale"})))
+    new = lease(ledger, "b", steal=True)
+    head, _ = commit(ledger, 1, new, b"fresh")
+    assert (head.version, head.epoch) == (1, new)
+    assert b"stale" not in ledger.manifest_bytes("r", 1)
+    # A leftover of the *same* epoch is a concurrent commit: refused, not overwritten.
+    ledger.store.put(manifest_key("r", 2), encode(manifest("r", 2, new, {"w": b"other"}, meta={"x": 1})))
+    with pytest.raises(BoardError) as e:
+        commit(ledger, 2, new, b"mine")
+    assert e.value.code == "NotHead"
+
+
+class LeaseDuringCommit(LocalStore):
+    """Injected fault: another trainer takes the lease just before the head CAS."""
+
+    hook: object = None
+
+    def put(self, key, data, *, if_none_match=False, if_match=None):
+        if key == head_key("r") and if_match is not None and self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        return super().put(key, data, if_none_match=if_none_match, if_match=if_match)
+
+
+def test_fencing_in_the_middle_of_a_commit(tmp_path):
+    store = LeaseDuringCommit(tmp_path / "store", fsync=False)
+    ledger = Ledger(store)
+    ledger.create_run(RunCreate(name="r"))
+    old = lease(ledger, "a")
+    commit(ledger, 0, old, b"zero")
+    store.hook = lambda: lease(ledger, "b", steal=True)
+    with pytest.raises(BoardError) as e:
+        commit(ledger, 1, old, b"late")
+    assert e.value.code == "StaleEpoch"
+    head = ledger.head("r")[0]
+    assert head.version == 0 and head.epoch == old + 1
+    # The new holder commits version 1 over the fenced writer's leftover manifest.
+    assert commit(ledger, 1, old + 1, b"new")[0].version == 1
+
+
+def test_racing_commits_have_one_winner(ledger):
+    epoch = lease(ledger, "a")
+    commit(ledger, 0, epoch, b"zero")
+    put_blobs(ledger, {"w": b"one"})
+    outcomes: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def race(i: int) -> None:
+        barrier.wait()
+        try:
+            ledger.commit("r", manifest("r", 1, epoch, {"w": b"one"}, meta={"writer": i}))
+            outcomes.append("won")
+        except BoardError as e:
+            outcomes.append(e.code)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes.count("won") == 1 and set(outcomes) == {"won", "NotHead"}
+    assert ledger.head("r")[0].version == 1
+
+
+def test_lease_rules(ledger):
+    first = lease(ledger, "a")
+    with pytest.raises(BoardError) as e:
+        lease(ledger, "b")
+    assert e.value.code == "LeaseHeld"
+    again = lease(ledger, "a")  # a restarted holder gets a fresh epoch, fencing its old self
+    assert again == first + 1
+    ledger.release_lease("r", "a", again)
+    assert lease(ledger, "b") == again + 1
+    with pytest.raises(BoardError):
+        ledger.acquire_lease("missing", LeaseRequest(holder="x"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import socket
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -334,6 +336,21 @@ def summary_table(report: dict[str, Any]) -> Any:
     return table
 
 
+@contextlib.contextmanager
+def logs_to_file(path: Path) -> Iterator[None]:
+    """Send deltaboard's log records to `path` instead of over the live view."""
+    logger = logging.getLogger("deltaboard")
+    handler = logging.FileHandler(path)
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+        handler.close()
+
+
 def demo(
     steps: int = typer.Option(30, help="AdamW steps to train (one version each)"),
     nodes: int = typer.Option(3, min=0, max=8, help="rollout nodes (follower + sidecar + engine)"),
@@ -359,6 +376,7 @@ def demo(
     with contextlib.ExitStack() as stack:
         root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="deltaboard-demo-")))
         (root / "logs").mkdir(parents=True, exist_ok=True)
+        stack.enter_context(logs_to_file(root / "logs" / "nodes.log"))
         processes = Processes(root / "logs")
         stack.callback(processes.stop)
         if board is None:
@@ -373,6 +391,7 @@ def demo(
             train_and_publish(state, board, token or "", fleet, lr, max_tokens, step_delay)
             converged = await_convergence(fleet, state.head, timeout_s=60)
         report = summary(state, fleet, converged, time.monotonic() - started)
+    console.print()
     console.print(summary_table(report))
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=2))

@@ -58,14 +58,36 @@ class TokenStep:
     finish_reason: str | None
 
 
+def stored_dtype(directory: Path) -> Any:
+    """The torch dtype of the checkpoint's first floating tensor: the rollout view's dtype.
+
+    The engine computes in it, as running the served view directly would; `config.json`
+    may name the trainer's dtype (fp32 master weights) instead.
+    """
+    import torch
+    from safetensors import safe_open
+
+    for shard in sorted(directory.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                dtype = f.get_slice(name).get_dtype()
+                if dtype in ("BF16", "F16", "F32", "F64"):
+                    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(
+                        dtype, torch.float64
+                    )
+    return "auto"
+
+
 def load_model(directory: Path, version: int | None) -> LoadedModel:
-    """Load a Hugging Face checkpoint directory in its stored dtype (the rollout view's)."""
+    """Load a Hugging Face checkpoint directory in the dtype of its stored tensors."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     # Eager attention: the plain reference computation, the same on every CPU and every run.
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype="auto", attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=stored_dtype(directory), attn_implementation="eager"
+    )
     model.requires_grad_(False)
     vocab_size = int(model.config.vocab_size)
     eos = model.config.eos_token_id

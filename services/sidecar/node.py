@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from board.errors import BoardError
 from clients.board_client import BoardClient
 from clients.engines import CommitMode, make_adapter
 from services.sidecar.gate import VersionGate
@@ -56,7 +57,13 @@ class Sidecar:
         self.app = create_proxy_app(self.gate, settings, self.metrics, self.status, self._lifespan)
 
     def _watch_head(self, after: int | None, wait_s: float) -> int | None:
-        return self.board.head(self.config.run, after=-1 if after is None else after, wait=wait_s).version
+        try:
+            return self.board.head(self.config.run, after=-1 if after is None else after, wait=wait_s).version
+        except BoardError as exc:
+            if exc.code != "UnknownRun":
+                raise
+            self._stop.wait(min(wait_s, 1.0))  # the trainer has not created the run yet
+            return None
 
     def _make_follower(self) -> Any:
         from clients.follower import Follower
@@ -101,5 +108,6 @@ class Sidecar:
         finally:
             self._stop.set()
             await asyncio.to_thread(self._thread.join, self.config.poll_s + 5)
+            self.follower.close()
             self.adapter.close()
             self.board.close()

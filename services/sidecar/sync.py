@@ -34,7 +34,9 @@ class FollowerPort(Protocol):
     @property
     def model_dir(self) -> Path: ...
 
-    def sync(self, version: int | None = None) -> int: ...
+    def sync(self, version: int | None = None) -> int:
+        """Reach `version` (or only send the fleet heartbeat when already there)."""
+        ...
 
 
 HeadWatch = Callable[[int | None, float], int | None]
@@ -99,24 +101,29 @@ class VersionSync:
     def run(self, follower: FollowerPort, stop: threading.Event) -> None:
         self.follower = follower
         backoff = 0.5
-        if follower.version is not None:
-            self._reload_held()
         while not stop.is_set():
             try:
-                if not self.gate.healthy or (self.gate.served != follower.version):
-                    self._reload_held()
-                    if not self.gate.healthy:
-                        stop.wait(backoff)
-                        backoff = min(backoff * 2, 10.0)
-                        continue
-                target = next_target(self.gate.served, self.gate.head, self.gate.pins())
-                if target is not None:
-                    follower.sync(target)
-                else:
-                    self.gate.publish_head(self.watch_head(self.gate.head, self.poll_s))
+                self._step(follower)
                 backoff = 0.5
-            except Exception as exc:  # network, board or integrity trouble: keep serving, retry
+            except Exception as exc:  # network, board, engine or integrity trouble: keep serving, retry
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("sync loop: %s", self.last_error)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)
+
+    def _step(self, follower: FollowerPort) -> None:
+        """One turn: load what the follower holds if the engine lacks it; else sync toward the
+        next target; else wait for the head to move (heartbeating while idle)."""
+        if not self.gate.healthy or self.gate.served != follower.version:
+            self._reload_held()
+            if not self.gate.healthy:
+                raise EngineAdapterError(self.last_error or "engine reload failed")
+            return
+        target = next_target(self.gate.served, self.gate.head, self.gate.pins())
+        if target is not None:
+            follower.sync(target)
+            return
+        head = self.watch_head(self.gate.head, self.poll_s)
+        if head == self.gate.head and follower.version is not None:
+            follower.sync(follower.version)  # already there: only the fleet heartbeat
+        self.gate.publish_head(head)

@@ -43,6 +43,7 @@ SIZES: dict[str, ModelSize] = {
     "bench": ModelSize(hidden=384, intermediate=1024, layers=6, vocab=8192),  # ~17M parameters: benchmarks
 }
 DEFAULT_CACHE = Path(".bench/trajectories")
+WARMUP_LR = 1e-3
 _BATCH, _SEQ = 4, 64
 _FORMAT = 1
 
@@ -90,10 +91,24 @@ def _batch(vocab: int, seed: int, step: int) -> torch.Tensor:
     return tokens
 
 
-def train(model: torch.nn.Module, *, steps: int, lr: float, regime: Regime, seed: int = 0) -> Iterator[int]:
-    """Train `model` in place for `steps` AdamW steps, yielding the step number after each.
+def train(
+    model: torch.nn.Module,
+    *,
+    steps: int,
+    lr: float,
+    regime: Regime,
+    seed: int = 0,
+    warmup_steps: int = 0,
+    warmup_lr: float = WARMUP_LR,
+) -> Iterator[int]:
+    """Train `model` in place for `steps` AdamW steps, yielding the step number after each,
+    and 0 once before the first (after any warm-up): take the view at every yield.
 
     The `bf16` regime casts the model to bf16 first (parameters and optimizer state).
+    `warmup_steps` steps at `warmup_lr` run first, unyielded, with the same optimizer: RL
+    post-training starts from a trained policy whose Adam moments are warm, and a fresh
+    Adam's first steps (every update exactly +-lr) would overstate how much of the view
+    changes.
     """
     import torch
 
@@ -102,15 +117,22 @@ def train(model: torch.nn.Module, *, steps: int, lr: float, regime: Regime, seed
     if regime == "bf16":
         model.to(torch.bfloat16)
     vocab = int(cast(Any, model).config.vocab_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=warmup_lr if warmup_steps else lr, weight_decay=0.0)
     model.train(True)
-    for step in range(1, steps + 1):
-        tokens = _batch(vocab, seed, step)
+    for step in range(1 - warmup_steps, steps + 1):
+        if step == 1:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            yield 0
+        tokens = _batch(vocab, seed, step + warmup_steps)
         loss = model(input_ids=tokens, labels=tokens).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        yield step
+        if step >= 1:
+            yield step
+    if steps == 0:
+        yield 0
     model.train(False)
 
 
@@ -159,9 +181,9 @@ class Trajectory:
         return {t.name: self._flat[t.offset : t.offset + t.nbytes].copy() for t in self.tensors}
 
 
-def _key(size: str, regime: Regime, lr: float, steps: int, seed: int) -> str:
-    text = f"v{_FORMAT}-{size}-{regime}-{lr:g}-{steps}-{seed}"
-    return f"{size}-{regime}-{lr:g}-{steps}-s{seed}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+def _key(size: str, regime: Regime, lr: float, steps: int, seed: int, warmup: int) -> str:
+    text = f"v{_FORMAT}-{size}-{regime}-{lr:g}-{steps}-{seed}-{warmup}-{WARMUP_LR:g}"
+    return f"{size}-{regime}-{lr:g}-{steps}-s{seed}-w{warmup}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 
 def load_trajectory(
@@ -171,13 +193,17 @@ def load_trajectory(
     lr: float,
     steps: int,
     seed: int = 0,
+    warmup_steps: int = 0,
     cache: Path = DEFAULT_CACHE,
     progress: Callable[[int], Any] | None = None,
 ) -> Trajectory:
-    """The trajectory for these settings, trained and stored on first use."""
-    directory = cache / _key(size, regime, lr, steps, seed)
+    """The trajectory for these settings, trained and stored on first use.
+
+    Step 0 is the view after `warmup_steps` steps at `WARMUP_LR` (see `train`).
+    """
+    directory = cache / _key(size, regime, lr, steps, seed, warmup_steps)
     if not (directory / "meta.json").exists():
-        _record(directory, size=size, regime=regime, lr=lr, steps=steps, seed=seed, progress=progress)
+        _record(directory, size, regime, lr, steps, seed, warmup_steps, progress)
     return Trajectory(directory)
 
 
@@ -205,12 +231,12 @@ def _flat_view(model: torch.nn.Module) -> tuple[np.ndarray, list[dict[str, Any]]
 
 def _record(
     directory: Path,
-    *,
     size: str,
     regime: Regime,
     lr: float,
     steps: int,
     seed: int,
+    warmup_steps: int,
     progress: Callable[[int], Any] | None,
 ) -> None:
     import torch
@@ -219,12 +245,14 @@ def _record(
     tmp = directory.with_name(directory.name + ".partial")
     tmp.mkdir(parents=True, exist_ok=True)
     model = build_model(size, seed)
-    if regime == "bf16":
-        model.to(torch.bfloat16)
-    prev, tensors = _flat_view(model)
-    np.save(tmp / "step-0.npy", prev)
-    for step in train(model, steps=steps, lr=lr, regime=regime, seed=seed):
-        flat, _ = _flat_view(model)
+    prev = np.empty(0, dtype=np.uint8)
+    tensors: list[dict[str, Any]] = []
+    for step in train(model, steps=steps, lr=lr, regime=regime, seed=seed, warmup_steps=warmup_steps):
+        flat, tensors = _flat_view(model)
+        if step == 0:
+            np.save(tmp / "step-0.npy", flat)
+            prev = flat
+            continue
         a, b = prev.view(np.uint16), flat.view(np.uint16)
         positions = np.flatnonzero(a != b)
         np.savez(tmp / f"step-{step}.npz", positions=positions, bits=b[positions])
@@ -238,6 +266,7 @@ def _record(
         "lr": lr,
         "steps": steps,
         "seed": seed,
+        "warmup_steps": warmup_steps,
         "tensors": tensors,
     }
     (tmp / "meta.json").write_text(json.dumps(meta))

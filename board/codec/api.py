@@ -1,13 +1,15 @@
 """encode / apply / decode: the codec's public operations on raw tensor bytes.
 
 `encode_changes` codes a `Changes` with every candidate encoding that can pay off for its
-changed fraction (sparse always; dense above 1/8 changed; whole-tensor replacement above
-1/4 when the old bytes are at hand) and keeps the smallest.
+changed fraction and keeps the smallest: `sparse` always; `context` (positions ranked
+within classes of the old exponent) for floating tensors when the old bytes are at hand
+and the classes' estimated entropy saves at least `_CONTEXT_GAIN`; `dense` above 1/8
+changed; whole-tensor `replace` above 1/4 changed when the old bytes are at hand.
 
-Context and the device path: the codec's only context is the *old bits at the changed
-positions* (ULP steps are new - old), which `Changes.old_bits` already carries, so the
-publisher's torch diff needs to mirror nothing beyond producing `Changes`. `old` is used
-only for the base digest when `old_digest` is not given and for the replacement candidate.
+Context and the device path: ULP steps only use the *old bits at the changed positions*,
+which `Changes.old_bits` already carries. The `context` encoding also needs the old tensor
+on the host (one comparison pass; `board.codec.context` documents it for a torch mirror);
+without `old` (only `old_digest`), the encoder falls back to the other encodings.
 
 Verification: `apply`/`decode` check the base digest (trusting `old_digest` if given, so the
 cost stays O(changed)), then the result digest, updated from the base in O(changed) through
@@ -16,17 +18,28 @@ the additive digest; a whole-tensor payload is checked with a full digest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from board.codec import dense, replace, sparse
+from board.codec import dense, ranked, replace, sparse
+from board.codec.bitio import Reader, Writer
 from board.codec.changes import Changes, diff
+from board.codec.context import EXPONENT_FIELDS, choose_thresholds, exponent_histogram, exponent_of
 from board.codec.digest import digest, digest_bits, digest_update, parse_digest
 from board.codec.dtypes import as_bits, uint_dtype, width
 from board.codec.errors import PatchError
 from board.codec.header import PatchHeader, pack, unpack
+from board.codec.values import decode_values, encode_values
 
 _DENSE_FROM = 8  # try dense when more than numel / 8 changed
 _REPLACE_FROM = 4  # try replacement when more than numel / 4 changed
+_POSITIONS: dict[str, Callable[[Reader, int, np.ndarray, str], np.ndarray]] = {
+    "sparse": sparse.decode,
+    "dense": dense.decode,
+    "context": ranked.decode,
+}
+_CONTEXT_GAIN = 0.9  # try context classes when they estimate <= 90% of the position bits
 
 
 def read_header(patch: bytes | memoryview) -> PatchHeader:
@@ -61,9 +74,27 @@ def encode_changes(
         old_digest = digest(old, dtype)
     parse_digest(old_digest)
     n, numel = changes.count, changes.numel
-    candidates = [("sparse", sparse.encode(changes))]
+    values = Writer()
+    encode_values(values, changes.old_bits, changes.new_bits, dtype)
+    tail = values.getvalue()
+    candidates: list[tuple[str, bytes]] = []
+
+    def positions_by(name: str, write: Callable[[Writer], None]) -> None:
+        w = Writer()
+        write(w)
+        candidates.append((name, w.getvalue() + tail))
+
+    positions_by("sparse", lambda w: sparse.encode(w, changes))
+    if old is not None and n and dtype in EXPONENT_FIELDS:
+        bits = as_bits(old, dtype)
+        t_low, t_top, with_classes, plain = choose_thresholds(
+            exponent_histogram(bits, dtype),
+            np.bincount(exponent_of(changes.old_bits, dtype), minlength=EXPONENT_FIELDS[dtype][1] + 1),
+        )
+        if with_classes <= _CONTEXT_GAIN * plain:
+            positions_by("context", lambda w: ranked.encode(w, changes, bits, t_low, t_top))
     if n * _DENSE_FROM > numel:
-        candidates.append(("dense", dense.encode(changes)))
+        positions_by("dense", lambda w: dense.encode(w, changes))
     if old is not None and n * _REPLACE_FROM > numel:
         candidates.append(("replace", replace.encode(_materialize(old, changes), width(dtype))))
     encoding, payload = min(candidates, key=lambda c: len(c[1]))
@@ -114,8 +145,12 @@ def decode(patch: bytes | memoryview, old: np.ndarray | None, old_digest: str | 
         if changes.count != header.changed:
             raise PatchError("corrupted patch: changed count mismatch")
         return changes
-    decoder = sparse.decode if header.encoding == "sparse" else dense.decode
-    decoded: Changes = decoder(payload, header.dtype, header.changed, bits)
+    r = Reader(payload)
+    positions = _POSITIONS[header.encoding](r, header.changed, bits, header.dtype)
+    before = bits[positions]
+    after = decode_values(r, before, header.dtype).astype(uint_dtype(header.dtype))
+    r.done()
+    decoded = Changes(header.dtype, header.numel, positions, before, after)
     if digest_update(header.base_digest, decoded) != header.result_digest:
         raise PatchError("corrupted patch: result digest mismatch")
     return decoded

@@ -13,13 +13,10 @@ handful of numpy passes over the *changed* elements only.
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 
 from board.codec.errors import PatchError
 
-_U64 = struct.Struct("<Q")
 # Unary parts longer than this many bits per value mean k was chosen badly; widen k instead.
 _MAX_UNARY_PER_VALUE = 32
 
@@ -31,7 +28,17 @@ class Writer:
         self._parts: list[bytes] = []
 
     def u64(self, value: int) -> None:
-        self._parts.append(_U64.pack(value))
+        """An unsigned integer < 2**64 as a LEB128 varint (small fields cost one byte)."""
+        out = bytearray()
+        while True:
+            byte = value & 0x7F
+            value >>= 7
+            if value:
+                out.append(byte | 0x80)
+            else:
+                out.append(byte)
+                break
+        self._parts.append(bytes(out))
 
     def section(self, data: bytes) -> None:
         self.u64(len(data))
@@ -49,11 +56,21 @@ class Reader:
         self._pos = 0
 
     def u64(self) -> int:
-        if self._pos + 8 > len(self._data):
-            raise PatchError("patch is truncated (field past the end)")
-        (value,) = _U64.unpack_from(self._data, self._pos)
-        self._pos += 8
-        return int(value)
+        value = shift = 0
+        while True:
+            if self._pos >= len(self._data):
+                raise PatchError("patch is truncated (field past the end)")
+            byte = self._data[self._pos]
+            self._pos += 1
+            value |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                break
+            shift += 7
+            if shift >= 64:
+                raise PatchError("corrupted patch: varint too long")
+        if value >> 64:
+            raise PatchError("corrupted patch: varint out of range")
+        return value
 
     def section(self) -> memoryview:
         n = self.u64()
@@ -66,6 +83,54 @@ class Reader:
     def done(self) -> None:
         if self._pos != len(self._data):
             raise PatchError("patch has trailing bytes after its payload")
+
+
+def _be_bytes(values: np.ndarray, nbytes: int) -> np.ndarray:
+    """(n, nbytes) big-endian low bytes of uint64 values: unpackbits then yields MSB first."""
+    return values.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - nbytes :]
+
+
+def pack_fixed(values: np.ndarray, k: int) -> bytes:
+    """The low k bits of each uint64 value, MSB first, concatenated and packed."""
+    if k == 0 or values.size == 0:
+        return b""
+    nbytes = (k + 7) // 8
+    bits = np.unpackbits(_be_bytes(values, nbytes), axis=1)[:, 8 * nbytes - k :]
+    return np.packbits(bits.reshape(-1)).tobytes()
+
+
+def unpack_fixed(data: memoryview | bytes, count: int, k: int) -> np.ndarray:
+    """Inverse of `pack_fixed`: `count` k-bit values as uint64."""
+    if k == 0 or count == 0:
+        return np.zeros(count, dtype=np.uint64)
+    if len(data) * 8 < count * k:
+        raise PatchError("patch is truncated or corrupted (fixed-width bits missing)")
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * k).reshape(count, k)
+    # packbits left-aligns each row: read it as a big-endian word and shift the value down
+    packed = np.zeros((count, 8), dtype=np.uint8)
+    packed[:, : (k + 7) // 8] = np.packbits(bits, axis=1)
+    values: np.ndarray = packed.view(">u8").reshape(-1).astype(np.uint64) >> np.uint64(64 - k)
+    return values
+
+
+def pack_varwidth(values: np.ndarray, widths: np.ndarray) -> bytes:
+    """The low widths[i] (0..64) bits of each uint64 value, MSB first, concatenated."""
+    if values.size == 0:
+        return b""
+    bits = np.unpackbits(_be_bytes(values, 8), axis=1)
+    keep = np.arange(64)[None, :] >= (64 - widths.astype(np.int64))[:, None]
+    return np.packbits(bits[keep]).tobytes()
+
+
+def unpack_varwidth(data: memoryview | bytes, widths: np.ndarray) -> np.ndarray:
+    """Inverse of `pack_varwidth` for the given widths."""
+    total = int(widths.sum())
+    if len(data) * 8 < total:
+        raise PatchError("patch is truncated or corrupted (variable-width bits missing)")
+    keep = np.arange(64)[None, :] >= (64 - widths.astype(np.int64))[:, None]
+    bits = np.zeros((widths.size, 64), dtype=np.uint8)
+    bits[keep] = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=total)
+    return np.packbits(bits, axis=1).view(">u8").reshape(-1).astype(np.uint64)
 
 
 def best_k(values: np.ndarray) -> int:
@@ -87,7 +152,7 @@ def best_k(values: np.ndarray) -> int:
 def rice_size(values: np.ndarray, k: int) -> int:
     """Bytes `rice_encode(values, k)` writes (used to choose between codings)."""
     unary_bits = values.size + int((values >> np.uint64(k)).sum(dtype=np.uint64))
-    return 8 * 3 + (unary_bits + 7) // 8 + (values.size * k + 7) // 8
+    return 4 + (unary_bits + 7) // 8 + (values.size * k + 7) // 8
 
 
 def rice_encode(w: Writer, values: np.ndarray, k: int | None = None) -> None:
@@ -101,12 +166,7 @@ def rice_encode(w: Writer, values: np.ndarray, k: int | None = None) -> None:
     unary = np.zeros(int(ends[-1]) + 1 if ends.size else 0, dtype=np.uint8)
     unary[ends] = 1
     w.section(np.packbits(unary).tobytes())
-    if k:
-        shifts = np.arange(k - 1, -1, -1, dtype=np.uint64)
-        low = ((values[:, None] >> shifts[None, :]) & np.uint64(1)).astype(np.uint8)
-        w.section(np.packbits(low.reshape(-1)).tobytes())
-    else:
-        w.section(b"")
+    w.section(pack_fixed(values, k))
 
 
 def rice_decode(r: Reader, count: int) -> np.ndarray:
@@ -121,13 +181,7 @@ def rice_decode(r: Reader, count: int) -> np.ndarray:
         raise PatchError("patch is truncated or corrupted (too few coded values)")
     ends = ends[:count]
     q = np.diff(ends, prepend=-1) - 1
-    values = q.astype(np.uint64) << np.uint64(k)
-    if k:
-        if len(low) * 8 < count * k:
-            raise PatchError("patch is truncated or corrupted (remainder bits missing)")
-        bits = np.unpackbits(np.frombuffer(low, dtype=np.uint8), count=count * k).reshape(count, k)
-        for j in range(k):
-            values |= bits[:, j].astype(np.uint64) << np.uint64(k - 1 - j)
+    values: np.ndarray = (q.astype(np.uint64) << np.uint64(k)) | unpack_fixed(low, count, k)
     return values
 
 

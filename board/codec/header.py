@@ -23,7 +23,7 @@ from board.codec.errors import PatchError
 
 MAGIC = b"DBPT"
 FORMAT_VERSION = 1
-ENCODINGS: tuple[str, ...] = ("keyframe", "sparse", "dense", "replace")
+ENCODINGS: tuple[str, ...] = ("keyframe", "sparse", "dense", "replace", "context")
 _FIELDS = struct.Struct("<4sBBBBQQ16s16sQ")
 _CHECK = struct.Struct("<Q")
 HEADER_SIZE = _FIELDS.size + _CHECK.size

@@ -16,7 +16,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 # Below this many elements a second thread costs more than it saves.
-_PARALLEL_MIN = 1 << 20
+_PARALLEL_MIN = 1 << 18
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
 

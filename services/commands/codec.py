@@ -1,7 +1,60 @@
-"""Commands of this role (filled in by the role's issue)."""
+"""`deltaboard bench codec`: the patch codec against the published baselines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import typer
 
+from services.trajectory import DEFAULT_CACHE
+
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
-    """Add this role's commands to the top-level app and to `bench`."""
+    """Add `bench codec`."""
+
+    @bench.command("codec")
+    def bench_codec(
+        quick: bool = typer.Option(False, "--quick", help="Fewer settings and pairs: under a minute."),
+        json_path: Path | None = typer.Option(None, "--json", help="Write {'results': [...]} here."),
+        size: str = typer.Option("bench", help="Model size of the trajectories: bench (~17M) or tiny."),
+        regime: list[str] = typer.Option([], help="fp32-master and/or bf16 (default: both)."),
+        lr: list[float] = typer.Option([], help="Learning rates (default 1e-6 3e-6; quick 1e-6)."),
+        k: list[int] = typer.Option([], help="Version distances (default 1 8 32; quick 1 8)."),
+        pairs: int | None = typer.Option(None, help="Version pairs per setting (medians over them)."),
+        cache: Path = typer.Option(DEFAULT_CACHE, help="Where trajectories are kept between runs."),
+    ) -> None:
+        """Bits per changed element, throughput and exactness of every encoding."""
+        from dataclasses import replace
+
+        from rich.console import Console
+        from rich.progress import Progress
+
+        from services.bench import codec_bench
+        from services.trajectory import REGIMES
+
+        config = codec_bench.QUICK if quick else codec_bench.BenchConfig()
+        bad = [r for r in regime if r not in REGIMES]
+        if bad:
+            raise typer.BadParameter(f"unknown regime {bad}; choose from {REGIMES}")
+        config = replace(
+            config,
+            size=size,
+            cache=cache,
+            regimes=tuple(r for r in REGIMES if r in regime) or config.regimes,
+            lrs=tuple(lr) or config.lrs,
+            ks=tuple(k) or config.ks,
+            pairs=pairs or config.pairs,
+        )
+        console = Console()
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("starting", total=None)
+
+            def progress(what: str, done: int, total: int) -> None:
+                bar.update(task, description=what, completed=done, total=total)
+
+            report = codec_bench.run(config, progress)
+        codec_bench.render(report, console)
+        if json_path is not None:
+            json_path.write_text(json.dumps(report.to_json(), indent=2))
+            console.print(f"wrote {json_path}")

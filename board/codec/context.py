@@ -1,0 +1,152 @@
+"""What both sides know about a changed element before its new value: its old exponent.
+
+A weight's step in ULPs is about (update size) / ULP(old), and ULP(old) is fixed by the old
+exponent, so the exponent predicts how far a changed element moved. The codec uses it only
+for elements whose position is already decoded, i.e. on `Changes.old_bits`: the device
+path (publisher.device_diff) produces those bits and needs to mirror nothing. If a torch
+mirror is ever needed, `exponent_of` is `(bits >> shift) & mask` with the table below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# (shift, mask) of the exponent field in each floating dtype's bit pattern.
+EXPONENT_FIELDS: dict[str, tuple[int, int]] = {
+    "BF16": (7, 0xFF),
+    "F16": (10, 0x1F),
+    "F32": (23, 0xFF),
+    "F64": (52, 0x7FF),
+    "F8_E4M3": (3, 0xF),
+    "F8_E5M2": (2, 0x1F),
+}
+CONTEXTS = 16
+
+
+def exponent_of(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """The biased exponent of each element (int64); 0 for integer dtypes (one context)."""
+    field = EXPONENT_FIELDS.get(dtype)
+    if field is None:
+        return np.zeros(bits.size, dtype=np.int64)
+    shift, mask = field
+    e: np.ndarray = ((bits >> bits.dtype.type(shift)) & bits.dtype.type(mask)).astype(np.int64)
+    return e
+
+
+def value_contexts(old_bits: np.ndarray, dtype: str) -> np.ndarray:
+    """Context 0..CONTEXTS-1 per changed element: its old exponent, the top CONTEXTS
+    exponents present kept apart and all smaller ones (tiny weights) lumped into 0."""
+    e = exponent_of(old_bits, dtype)
+    if e.size == 0:
+        return e
+    base = max(0, int(e.max()) - (CONTEXTS - 1))
+    ctx: np.ndarray = np.clip(e - base, 0, CONTEXTS - 1)
+    return ctx
+
+
+# ---- positions: classes of the old exponent ------------------------------------------
+#
+# A changed position is coded as its rank within one of three classes of the old tensor:
+# `low` (exponent < t_low), `mid` (t_low <= exponent < t_top) and `top` (the rest). Small
+# weights have small ULPs, so the classes have very different change rates and coding each
+# one's ranks separately costs sum_c n_c H(p_c) bits instead of n H(p). Three classes catch
+# most of what a context per exponent would (measured on the benchmark trajectories).
+# Both sides compute the classes from the old bits; a device mirror needs `magnitude < t`
+# comparisons, `small = flatnonzero(magnitude < t_top << shift)` and the rank formulas of
+# `class_ranks`.
+
+SAMPLE_STRIDE = 8
+
+
+def magnitude_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """The bit pattern without its sign bit: monotone in |value| for floats."""
+    w = bits.dtype.itemsize
+    magnitude: np.ndarray = bits & bits.dtype.type((1 << (8 * w - 1)) - 1)
+    return magnitude
+
+
+def exponent_histogram(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """Counts of each exponent over the tensor (every SAMPLE_STRIDE-th element, scaled)."""
+    mask = EXPONENT_FIELDS[dtype][1]
+    sample = bits[::SAMPLE_STRIDE] if bits.size >= 1 << 16 else bits
+    counts = np.bincount(exponent_of(sample, dtype), minlength=mask + 1).astype(np.float64)
+    return counts * (bits.size / max(1, sample.size))
+
+
+def _h(p: np.ndarray) -> np.ndarray:
+    q = np.clip(p, 1e-12, 1 - 1e-12)
+    return np.asarray(-(q * np.log2(q) + (1 - q) * np.log2(1 - q)))
+
+
+def choose_thresholds(all_hist: np.ndarray, changed_hist: np.ndarray) -> tuple[int, int, float, float]:
+    """(t_low, t_top, estimated bits with classes, estimated bits without) for positions."""
+    n_all = np.concatenate([[0.0], np.cumsum(all_hist)])
+    n_ch = np.concatenate([[0.0], np.cumsum(changed_hist.astype(np.float64))])
+    total, changed = n_all[-1], n_ch[-1]
+    plain = float(total * _h(np.array(changed / max(total, 1.0))))
+    present = np.flatnonzero((all_hist > 0) | (changed_hist > 0))
+    cand = np.unique(np.concatenate([present, present + 1]))
+    lo, hi = np.meshgrid(cand, cand, indexing="ij")
+    ok = lo <= hi
+
+    def cost(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        n = np.maximum(n_all[b] - n_all[a], 0.0)
+        k = np.clip(n_ch[b] - n_ch[a], 0.0, None)
+        return np.where(n > 0, n * _h(np.minimum(k / np.maximum(n, 1e-9), 1.0)), 0.0)
+
+    zero = np.zeros_like(lo)
+    end = np.full_like(lo, all_hist.size)
+    costs = cost(zero, lo) + cost(lo, hi) + cost(hi, end)
+    costs = np.where(ok, costs, np.inf)
+    i, j = np.unravel_index(int(np.argmin(costs)), costs.shape)
+    return int(cand[i]), int(cand[j]), float(costs[i, j]), plain
+
+
+@dataclass(frozen=True)
+class PositionClasses:
+    """The old tensor's split: sorted positions of `low` and `mid` elements; `top` is the rest."""
+
+    numel: int
+    small: np.ndarray  # sorted positions with exponent < t_top (low and mid)
+    low: np.ndarray
+    mid: np.ndarray
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return int(self.low.size), int(self.mid.size), self.numel - int(self.small.size)
+
+
+def split_classes(old_bits: np.ndarray, dtype: str, t_low: int, t_top: int) -> PositionClasses:
+    shift, _ = EXPONENT_FIELDS[dtype]
+    magnitude = magnitude_bits(old_bits, dtype)
+    small = np.flatnonzero(magnitude < old_bits.dtype.type(t_top << shift))
+    is_low = magnitude[small] < old_bits.dtype.type(t_low << shift)
+    return PositionClasses(int(old_bits.size), small, small[is_low], small[~is_low])
+
+
+def class_of(old_bits: np.ndarray, dtype: str, t_low: int, t_top: int) -> np.ndarray:
+    """0 (low), 1 (mid) or 2 (top) for the given old bits."""
+    e = exponent_of(old_bits, dtype)
+    return (e >= t_low).astype(np.int64) + (e >= t_top).astype(np.int64)
+
+
+def class_ranks(classes: PositionClasses, positions: np.ndarray, cls: np.ndarray) -> list[np.ndarray]:
+    """For each class, the ranks within it of the given positions of that class."""
+    low, mid, top = (positions[cls == c] for c in range(3))
+    return [
+        np.searchsorted(classes.low, low),
+        np.searchsorted(classes.mid, mid),
+        top - np.searchsorted(classes.small, top),
+    ]
+
+
+def class_positions(classes: PositionClasses, ranks: list[np.ndarray]) -> np.ndarray:
+    """Inverse of `class_ranks`: sorted positions from the ranks of each class."""
+    low = classes.low[ranks[0]]
+    mid = classes.mid[ranks[1]]
+    # the r-th top element sits after the j small elements that precede it: p = r + j
+    before = classes.small - np.arange(classes.small.size)
+    top = ranks[2] + np.searchsorted(before, ranks[2], side="right")
+    return np.sort(np.concatenate([low, mid, top]), kind="stable")

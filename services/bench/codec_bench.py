@@ -1,0 +1,249 @@
+"""`deltaboard bench codec`: every encoding over consecutive versions of real trajectories.
+
+For each regime, learning rate and distance k, pairs of views (t, t + k) of a trained
+trajectory go through every encoding; a record holds the medians over the pairs of the
+changed fraction, bits per changed element, encode and decode+apply throughput (GB of view
+per second) and whether every round trip was bit-exact.
+
+Alongside, for `deltaboard`, the entropies that bound it: positions under a memoryless
+model per tensor (what gap coding can reach), positions given the old element's exponent
+(what a context coder could reach), and the empirical entropy of the ULP steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from board import codec
+from services.bench.baselines import ENCODINGS, Deltaboard, View, make
+from services.trajectory import DEFAULT_CACHE, REGIMES, Regime, Trajectory, load_trajectory
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    size: str = "bench"
+    regimes: tuple[Regime, ...] = REGIMES
+    lrs: tuple[float, ...] = (1e-6, 3e-6)
+    ks: tuple[int, ...] = (1, 8, 32)
+    pairs: int = 6
+    seed: int = 0
+    warmup_steps: int = 16
+    cache: Path = DEFAULT_CACHE
+    encodings: tuple[str, ...] = ENCODINGS
+
+    @property
+    def steps(self) -> int:
+        """Enough steps for `pairs` pairs (t, t + k) at every k, t from 1."""
+        return max(self.ks) + self.pairs
+
+
+QUICK = BenchConfig(lrs=(1e-6,), ks=(1, 8), pairs=2)
+
+
+@dataclass(frozen=True)
+class Record:
+    encoding: str
+    regime: str
+    lr: float
+    k: int
+    changed_fraction: float
+    bits_per_changed: float
+    encode_gbps: float
+    apply_gbps: float
+    exact: bool
+
+
+@dataclass(frozen=True)
+class Entropy:
+    """Bits per changed element: the bounds and what `deltaboard` spent (medians)."""
+
+    regime: str
+    lr: float
+    k: int
+    positions: float
+    positions_given_exponent: float
+    values: float
+    deltaboard: float
+
+
+@dataclass
+class Report:
+    records: list[Record] = field(default_factory=list)
+    entropies: list[Entropy] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"results": [asdict(r) for r in self.records]}
+
+
+def _h(p: np.ndarray) -> np.ndarray:
+    """Binary entropy in bits, elementwise, 0 at p in {0, 1}."""
+    q = np.clip(p, 1e-300, 1.0)
+    r = np.clip(1.0 - p, 1e-300, 1.0)
+    return np.asarray(-(p * np.log2(q) + (1.0 - p) * np.log2(r)))
+
+
+def _entropy_terms(old: View, new: View, dtypes: Mapping[str, str]) -> tuple[float, float, float, int]:
+    """(position bits, position bits given the old exponent, step bits, changed count)."""
+    pos = ctx = 0.0
+    steps: list[np.ndarray] = []
+    for name in old:
+        ch = codec.diff(old[name], new[name], dtypes[name])
+        n = old[name].size // codec.width(dtypes[name])
+        if not ch.count:
+            continue
+        pos += n * float(_h(np.array(ch.count / n)))
+        bits = old[name].view(codec.uint_dtype(dtypes[name])).astype(np.uint64)
+        width = codec.width(dtypes[name])
+        # sign and exponent of the old value: the top bits of the pattern (9 for 16-bit floats)
+        shift = np.uint64(max(0, 8 * width - 9))
+        bucket = (bits >> shift).astype(np.int64)
+        total = np.bincount(bucket)
+        hit = np.bincount(bucket[ch.positions], minlength=total.size)
+        used = total > 0
+        ctx += float((total[used] * _h(hit[used] / total[used])).sum())
+        d = ch.new_bits.astype(np.int64) - ch.old_bits.astype(np.int64)
+        steps.append(d)
+    all_steps = np.concatenate(steps) if steps else np.empty(0, dtype=np.int64)
+    _, counts = np.unique(all_steps, return_counts=True)
+    probs = counts / max(1, all_steps.size)
+    val = float(-(counts * np.log2(probs)).sum()) if counts.size else 0.0
+    return pos, ctx, val, int(all_steps.size)
+
+
+def _measure(
+    enc_name: str, old: View, new: View, dtypes: Mapping[str, str], digests: dict[str, str]
+) -> tuple[int, float, float, bool]:
+    """(encoded bytes, encode seconds, decode+apply seconds, exact) of one pair."""
+    enc = Deltaboard(digests=digests) if enc_name == "deltaboard" else make(enc_name)
+    t0 = time.perf_counter()
+    blobs = enc.encode(old, new, dtypes)
+    t1 = time.perf_counter()
+    out = enc.apply(old, blobs, dtypes)
+    t2 = time.perf_counter()
+    exact = all(np.array_equal(out[name], new[name]) for name in new)
+    return sum(len(b) for b in blobs.values()), t1 - t0, t2 - t1, exact
+
+
+def _changed(old: View, new: View, dtypes: Mapping[str, str]) -> int:
+    bits = {name: codec.uint_dtype(dtypes[name]) for name in old}
+    return sum(int(np.count_nonzero(old[n].view(bits[n]) != new[n].view(bits[n]))) for n in old)
+
+
+def _bench_trajectory(
+    traj: Trajectory, regime: Regime, lr: float, config: BenchConfig, report: Report, tick: Callable[[], None]
+) -> None:
+    dtypes = {t.name: t.dtype for t in traj.tensors}
+    numel = sum(t.nbytes // codec.width(t.dtype) for t in traj.tensors)
+    view_gb = traj.view_bytes / 1e9
+    for k in config.ks:
+        rows: dict[str, list[tuple[float, float, float, float, bool]]] = {e: [] for e in config.encodings}
+        ent: list[tuple[float, float, float, float]] = []
+        for t in range(1, 1 + config.pairs):
+            old, new = traj.view(t), traj.view(t + k)
+            digests = {name: codec.digest(old[name], dtypes[name]) for name in old}
+            changed = max(1, _changed(old, new, dtypes))
+            for name in config.encodings:
+                size, enc_s, app_s, exact = _measure(name, old, new, dtypes, digests)
+                rows[name].append(
+                    (changed / numel, size * 8 / changed, view_gb / enc_s, view_gb / app_s, exact)
+                )
+                if name == "deltaboard":
+                    pos, ctx, val, n = _entropy_terms(old, new, dtypes)
+                    ent.append((pos / max(1, n), ctx / max(1, n), val / max(1, n), size * 8 / changed))
+                tick()
+        for name, values in rows.items():
+            med = [statistics.median(v[i] for v in values) for i in range(4)]
+            exact = all(v[4] for v in values)
+            report.records.append(Record(name, regime, lr, k, med[0], med[1], med[2], med[3], exact))
+        if ent:
+            med = [statistics.median(e[i] for e in ent) for i in range(4)]
+            report.entropies.append(Entropy(regime, lr, k, med[0], med[1], med[2], med[3]))
+
+
+def run(config: BenchConfig, progress: Callable[[str, int, int], None] | None = None) -> Report:
+    """Train (or load cached) trajectories and measure every encoding; see the module doc."""
+    report = Report()
+    jobs = [(regime, lr) for regime in config.regimes for lr in config.lrs]
+    total = len(jobs) * len(config.ks) * config.pairs * len(config.encodings)
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress("measuring", done, total)
+
+    for regime, lr in jobs:
+
+        def trained(step: int, regime: Regime = regime, lr: float = lr) -> None:
+            if progress is not None:
+                progress(f"training {regime} lr={lr:g}", step, config.steps)
+
+        traj = load_trajectory(
+            size=config.size,
+            regime=regime,
+            lr=lr,
+            steps=config.steps,
+            seed=config.seed,
+            warmup_steps=config.warmup_steps,
+            cache=config.cache,
+            progress=trained,
+        )
+        _bench_trajectory(traj, regime, lr, config, report, tick)
+    return report
+
+
+def render(report: Report, console: Console) -> None:
+    """The results table, the entropy table and the targets, as rich tables."""
+    table = Table(title="codec: medians over version pairs (GB/s of view)")
+    for col in ("encoding", "regime", "lr", "k", "changed %", "bits/changed", "x full", "x pulse"):
+        table.add_column(col, justify="left" if col in ("encoding", "regime") else "right")
+    for col in ("x xor-zstd", "encode GB/s", "apply GB/s", "exact"):
+        table.add_column(col, justify="right")
+    by_key = {(r.encoding, r.regime, r.lr, r.k): r for r in report.records}
+    for r in report.records:
+        full = by_key.get(("full", r.regime, r.lr, r.k))
+        pulse = by_key.get(("pulse", r.regime, r.lr, r.k))
+        xor = by_key.get(("xor-zstd", r.regime, r.lr, r.k))
+
+        def ratio(ref: Record | None, r: Record = r) -> str:
+            return f"{r.bits_per_changed / ref.bits_per_changed:.3f}" if ref else "-"
+
+        table.add_row(
+            r.encoding,
+            r.regime,
+            f"{r.lr:g}",
+            str(r.k),
+            f"{100 * r.changed_fraction:.3f}",
+            f"{r.bits_per_changed:.2f}",
+            ratio(full),
+            ratio(pulse),
+            ratio(xor),
+            f"{r.encode_gbps:.2f}",
+            f"{r.apply_gbps:.2f}",
+            "yes" if r.exact else "[red]NO[/red]",
+        )
+    console.print(table)
+    ent = Table(title="deltaboard: what limits it (bits per changed element, medians)")
+    for col in ("regime", "lr", "k", "H(positions)", "H(positions | old exponent)", "H(ULP step)", "spent"):
+        ent.add_column(col, justify="right")
+    for e in report.entropies:
+        ent.add_row(
+            e.regime,
+            f"{e.lr:g}",
+            str(e.k),
+            f"{e.positions:.2f}",
+            f"{e.positions_given_exponent:.2f}",
+            f"{e.values:.2f}",
+            f"{e.deltaboard:.2f}",
+        )
+    console.print(ent)

@@ -35,6 +35,8 @@ import typer
 
 RUN = "demo"
 PROMPT = [11, 7, 42, 99, 5, 1]
+# Unpublished steps that warm Adam's moments first, as a policy entering RL has them.
+WARMUP_STEPS = 10
 
 
 def free_port() -> int:
@@ -279,8 +281,8 @@ def train_and_publish(
                 state.versions.append(stats)
                 state.step = step
 
-        publish(0)
-        for step in train(model, steps=state.steps, lr=lr, regime="fp32-master"):
+        # train() yields 0 first (the initial view: the keyframe), then after every step
+        for step in train(model, steps=state.steps, lr=lr, regime="fp32-master", warmup_steps=WARMUP_STEPS):
             publish(step)
             time.sleep(delay_s)
     for thread in pending:

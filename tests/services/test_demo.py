@@ -1,0 +1,47 @@
+"""`deltaboard demo`, run for real (small settings) as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_demo_converges_and_serves_every_pinned_version(tmp_path):
+    summary = tmp_path / "summary.json"
+    command = [
+        sys.executable,
+        "-c",
+        "from services.cli import main; main()",
+        "demo",
+        "--steps=4",
+        "--nodes=2",
+        f"--workdir={tmp_path / 'work'}",
+        f"--json={summary}",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(summary.read_text())
+    assert set(report) == {
+        "versions",
+        "seconds",
+        "full_bytes",
+        "mean_patch_bytes",
+        "mean_changed_fraction",
+        "nodes",
+        "pinned_requests",
+        "pinned_mismatches",
+    }
+    assert report["versions"] == 5  # the initial keyframe and one delta per step
+    assert [n["id"] for n in report["nodes"]] == ["node-0", "node-1"]
+    assert all(n["converged"] and n["version"] == 4 for n in report["nodes"])
+    assert report["pinned_requests"] == 5 and report["pinned_mismatches"] == 0
+    assert 0 < report["mean_patch_bytes"] < report["full_bytes"] / 10
+    assert 0 < report["mean_changed_fraction"] < 0.2
+    assert "summary" in done.stdout
+
+
+def test_demo_refuses_an_unknown_commit_mode(tmp_path):
+    command = [sys.executable, "-c", "from services.cli import main; main()", "demo", "--mode=eventually"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "quiesce" in done.stdout + done.stderr

@@ -78,8 +78,12 @@ async def get_blob(run: str, sha256: str, request: Request, state: BoardState = 
     etag = f'"{sha256}"'
     path = state.store.local_path(key)
     if path is None:
-        if await state.blocking(state.store.stat, key) is None:
+        info = await state.blocking(state.store.stat, key)
+        if info is None:
             raise not_found("UnknownBlob", f"blob {sha256} is not stored")
+        if request.method == "HEAD":  # a presigned GET URL does not sign HEAD: answer here
+            headers = {"ETag": etag, "Cache-Control": IMMUTABLE, "Content-Length": str(info.size)}
+            return Response(status_code=200, headers=headers, media_type="application/octet-stream")
         url = await state.blocking(state.store.presign_download, key, state.settings.presign_expiry_s)
         assert url is not None
         return RedirectResponse(url, status_code=307, headers={"ETag": etag})

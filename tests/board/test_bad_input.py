@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from board.errors import BoardError
 from tests.support.manifests import manifest
 from tests.support.servers import BoardServer, board_server
 
@@ -202,7 +203,7 @@ def test_bad_commits(small_board):
     epoch = epoch_of(small_board)
     before = store_files(small_board)
     missing = manifest("r", 1, epoch, {"w": b"never uploaded"})
-    with pytest.raises(Exception) as e:
+    with pytest.raises(BoardError) as e:
         c.commit("r", missing)
     assert (e.value.status, e.value.code) == (422, "MissingBlobs")
     short = b"short"
@@ -219,7 +220,7 @@ def test_bad_commits(small_board):
         (manifest("r", 2, epoch, {"w": short}), 409, "NotHead"),  # out of order
     ]
     for bad, status, code in cases:
-        with pytest.raises(Exception) as e:
+        with pytest.raises(BoardError) as e:
             c.commit("r", bad)
         assert (e.value.status, e.value.code) == (status, code), bad
     after = store_files(small_board)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -67,7 +68,7 @@ def test_fenced_writers_leftover_is_replaced(ledger):
 class LeaseDuringCommit(LocalStore):
     """Injected fault: another trainer takes the lease just before the head CAS."""
 
-    hook: object = None
+    hook: Callable[[], object] | None = None
 
     def put(self, key, data, *, if_none_match=False, if_match=None):
         if key == head_key("r") and if_match is not None and self.hook is not None:

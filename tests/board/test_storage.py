@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,19 +14,25 @@ from board.settings import Settings
 from board.storage import ObjectNotFound, PreconditionFailed, blob_key
 from board.storage.local import LocalStore
 from board.storage.s3 import S3Store
+from tests.support.servers import S3Server
 
 
 @pytest.fixture(params=["local", "s3"])
 def store(request, tmp_path):
     if request.param == "local":
         return LocalStore(tmp_path / "store")
-    s3 = request.getfixturevalue("s3_server")
-    settings = Settings(data_dir=tmp_path, store=f"s3://{s3.make_bucket()}/pre/fix", **_creds(s3))
+    return s3_store(request.getfixturevalue("s3_server"), tmp_path)
+
+
+def s3_store(s3: S3Server, tmp_path: Path, prefix: str = "pre/fix") -> S3Store:
+    settings = Settings(
+        data_dir=tmp_path,
+        store=f"s3://{s3.make_bucket()}/{prefix}",
+        s3_endpoint=s3.endpoint,
+        s3_access_key=s3.access_key,
+        s3_secret_key=s3.secret_key,
+    )
     return S3Store.from_settings(settings)
-
-
-def _creds(s3):
-    return {"s3_endpoint": s3.endpoint, "s3_access_key": s3.access_key, "s3_secret_key": s3.secret_key}
 
 
 def test_put_get_stat_list_delete(store, tmp_path):
@@ -93,18 +100,19 @@ def test_local_keys_cannot_escape(tmp_path):
 
 
 def test_presigned_urls(s3_server, tmp_path):
-    store = S3Store.from_settings(
-        Settings(data_dir=tmp_path, store=f"s3://{s3_server.make_bucket()}/p", **_creds(s3_server))
-    )
+    store = s3_store(s3_server, tmp_path, "p")
     data = b"presigned" * 1000
     sha = hashlib.sha256(data).hexdigest()
     key = blob_key("r", sha)
-    url, headers = store.presign_upload(key, sha, 60)
+    presigned = store.presign_upload(key, sha, 60)
+    assert presigned is not None
+    url, headers = presigned
     # The store itself refuses bytes that do not hash to the signed sha256.
     assert httpx.put(url, content=b"tampered", headers=headers).status_code == 400
     assert store.stat(key) is None
     assert httpx.put(url, content=data, headers=headers).status_code == 200
     get = store.presign_download(key, 60)
+    assert get is not None
     assert httpx.get(get).content == data
     assert httpx.get(get, headers={"Range": "bytes=3-8"}).content == data[3:9]
     assert LocalStore(tmp_path / "l").presign_upload(key, sha, 60) is None

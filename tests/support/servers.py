@@ -118,6 +118,20 @@ class BoardServer:
             stop_process(self.process)
             self.process = None
 
+    def replica(self, data_dir: Path, **settings: str) -> BoardServer:
+        """Another board process with the same tokens and settings (share a store and an
+        index to make them one board), on its own data dir and port; not started."""
+        data_dir.mkdir(parents=True, exist_ok=True)
+        env = {**self.env, "DELTABOARD_DATA_DIR": str(data_dir)}
+        env.update({f"DELTABOARD_{k.upper()}": v for k, v in settings.items()})
+        return BoardServer(
+            data_dir=data_dir,
+            env=env,
+            admin_token=self.admin_token,
+            publish_token=self.publish_token,
+            read_token=self.read_token,
+        )
+
     def restart(self) -> BoardServer:
         self.stop()
         return self.start()
@@ -260,7 +274,7 @@ def seaweedfs(directory: Path) -> Iterator[S3Server]:
         wait_until(ready, "SeaweedFS", proc, log, timeout=90)
         yield server
     finally:
-        stop_process(proc)
+        stop_process(proc, timeout=2.0)  # its data is a throwaway temp dir
 
 
 # ---- Valkey / Redis --------------------------------------------------------------------

@@ -61,16 +61,22 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def load(self, run: str) -> JournalState:
-        """The saved state, or a fresh one for `run`; refuses a journal of another run."""
+    def read(self) -> JournalState | None:
+        """The saved state, None if there is none yet."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
-            return JournalState(run=run)
+            return None
         try:
-            state = JournalState.model_validate_json(raw)
+            return JournalState.model_validate_json(raw)
         except ValidationError as exc:
             raise DirectoryError(f"unreadable follower journal {self.path}: {exc}") from exc
+
+    def load(self, run: str) -> JournalState:
+        """The saved state, or a fresh one for `run`; refuses a journal of another run."""
+        state = self.read()
+        if state is None:
+            return JournalState(run=run)
         if state.run != run:
             raise DirectoryError(f"{self.path.parent.parent} follows run {state.run!r}, not {run!r}")
         return state

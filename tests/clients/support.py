@@ -25,15 +25,17 @@ def make_state(sizes: Mapping[str, tuple[int, ...]], seed: int = 0) -> dict[str,
     return {name: torch.randn(shape, generator=g) * 0.02 for name, shape in sizes.items()}
 
 
-def step_state(state: dict[str, torch.Tensor], step: int, lr: float = 3e-3) -> None:
-    """An AdamW-like update (every weight moves by about lr x |w|): a few % of the bf16
-    view changes, mostly by one ULP, like an RL step."""
+def step_state(state: dict[str, torch.Tensor], step: int, lr: float = 5e-5) -> None:
+    """An update moving every weight by lr x |w|: about 1% of the bf16 view changes,
+    by one ULP, like an RL step at lr 1e-6."""
     g = torch.Generator().manual_seed(10_000 + step)
     for t in state.values():
         t.add_(torch.randn(t.shape, generator=g).sign() * t.abs() * lr)
 
 
-def states(sizes: Mapping[str, tuple[int, ...]], versions: int, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+def states(
+    sizes: Mapping[str, tuple[int, ...]], versions: int, seed: int = 0
+) -> Iterator[dict[str, torch.Tensor]]:
     """The trainer's state at versions 0..versions-1 (yielded live: copy what you keep)."""
     state = make_state(sizes, seed)
     for v in range(versions):
@@ -68,7 +70,11 @@ def publish_states(
 def read_dir(directory: Path) -> dict[str, np.ndarray]:
     """Every tensor's raw bytes as safetensors reads them from a checkpoint directory."""
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
     out = {}
     for file in files:
         with safe_open(str(directory / file), framework="pt") as f:

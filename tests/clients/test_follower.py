@@ -8,7 +8,12 @@ import os
 from clients.follower import Follower
 from tests.clients.support import assert_view, publish_states
 
-SIZES = {"embed.weight": (256, 64), "layers.0.weight": (64, 64), "layers.0.bias": (64,), "head.weight": (256, 64)}
+SIZES = {
+    "embed.weight": (256, 64),
+    "layers.0.weight": (64, 64),
+    "layers.0.bias": (64,),
+    "head.weight": (256, 64),
+}
 
 
 def test_bootstrap_then_catch_up_is_bit_exact(board, tmp_path):

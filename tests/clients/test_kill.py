@@ -20,8 +20,8 @@ from pathlib import Path
 
 from clients.follower.journal import Journal
 from clients.follower.verify import served
-from tests.clients.support import assert_view, publish_states
 from services.bench.link import LinkProcess
+from tests.clients.support import assert_view, publish_states
 from tests.support.servers import VENV_BIN
 
 SIZES = {f"layers.{i}.weight": (1024, 1024) for i in range(6)}  # 12 MiB of bf16 view

@@ -37,14 +37,34 @@ class ViewDiff:
         return sum(c.count for c in self.changes.values())
 
 
-def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Group-global positions whose bits differ, found chunk by chunk (bounded mask)."""
+def _nonzero_ne(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Indices where `old != new`, found chunk by chunk (bounded transient mask)."""
     parts = [
         torch.ne(old[start : start + CHUNK_ELEMENTS], new[start : start + CHUNK_ELEMENTS]).nonzero().flatten()
         + start
         for start in range(0, max(old.numel(), 1), CHUNK_ELEMENTS)
     ]
     return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+
+def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Group-global positions whose bits differ, ascending.
+
+    Narrow elements are compared as whole 64-bit words first (the buffers are padded to
+    words): the full pass then reads memory at close to its bandwidth and the scan for
+    changes runs over 8/width times fewer entries; only changed words are split into
+    their elements, in order.
+    """
+    width = old.element_size()
+    if width == 8:
+        return _nonzero_ne(old, new)
+    per, bits = 8 // width, 8 * width
+    old_w, new_w = old.view(torch.int64), new.view(torch.int64)
+    words = _nonzero_ne(old_w, new_w)
+    x = old_w[words] ^ new_w[words]
+    lanes = torch.stack([((x >> (bits * k)) & ((1 << bits) - 1)) != 0 for k in range(per)], dim=1)
+    rows, lane = lanes.nonzero(as_tuple=True)
+    return words[rows] * per + lane
 
 
 @torch.no_grad()

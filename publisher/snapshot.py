@@ -93,10 +93,13 @@ class ViewBuffer:
 
     def __init__(self, layout: ViewLayout) -> None:
         self.layout = layout
-        self.groups: dict[tuple[str, int], torch.Tensor] = {
-            group: torch.empty(numel, dtype=BITS_DTYPES[group[1]], device=group[0])
-            for group, numel in layout.group_numel.items()
-        }
+        self.groups: dict[tuple[str, int], torch.Tensor] = {}
+        for (device, width_), numel in layout.group_numel.items():
+            # Padded to whole 64-bit words (zeros, equal in every buffer) for the word-wise diff.
+            padded = -(-numel * width_ // 8) * 8 // width_
+            buf = torch.empty(padded, dtype=BITS_DTYPES[width_], device=device)
+            buf[numel:] = 0
+            self.groups[(device, width_)] = buf
         self.ready: torch.cuda.Event | None = None
 
     def bits(self, slot: Slot) -> torch.Tensor:

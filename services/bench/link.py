@@ -4,19 +4,19 @@ The publish benchmark compares deltas with full checkpoints *across a link*: on 
 both are CPU-bound and the comparison says nothing about the cross-region case the design
 targets. The proxy paces bytes with one token bucket per direction shared by every
 connection, like a single physical link would, so parallel uploads do not multiply the
-bandwidth. It runs in its own process (`LinkProcess`) so that its pacing loop does not
+bandwidth. It runs in its own process (`LinkProcess`, `python -m services.bench.link`) so that its pacing loop does not
 compete with the publisher for the GIL.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
-import multiprocessing
 import socket
+import subprocess
+import sys
 import time
-from multiprocessing.process import BaseProcess
-from multiprocessing.synchronize import Event as MpEvent
 
 CHUNK_BYTES = 256 * 1024
 
@@ -57,14 +57,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pace
             writer.close()
 
 
-async def serve_link(
-    listen_port: int,
-    target_host: str,
-    target_port: int,
-    gbit_per_s: float,
-    ready: MpEvent | None = None,
-    stop: MpEvent | None = None,
-) -> None:
+async def serve_link(listen_port: int, target_host: str, target_port: int, gbit_per_s: float) -> None:
     """Proxy 127.0.0.1:`listen_port` to the target at `gbit_per_s` in each direction."""
     rate = gbit_per_s * 1e9 / 8
     up, down = Pacer(rate), Pacer(rate)
@@ -78,11 +71,8 @@ async def serve_link(
         await asyncio.gather(_pump(client_r, target_w, up), _pump(target_r, client_w, down))
 
     server = await asyncio.start_server(handle, "127.0.0.1", listen_port)
-    if ready is not None:
-        ready.set()
     async with server:
-        while stop is None or not stop.is_set():
-            await asyncio.sleep(0.1)
+        await server.serve_forever()
 
 
 def free_port() -> int:
@@ -91,39 +81,57 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(port: int, host: str, target_port: int, gbit: float, ready: MpEvent, stop: MpEvent) -> None:
-    asyncio.run(serve_link(port, host, target_port, gbit, ready, stop))
-
-
 class LinkProcess:
-    """The proxy in a child process: `with LinkProcess(url_port, 1.0) as link: link.url`."""
+    """The proxy in a child process: `with LinkProcess(host, port, 1.0) as link: link.url`."""
 
     def __init__(self, target_host: str, target_port: int, gbit_per_s: float) -> None:
         self.port = free_port()
         self.gbit_per_s = gbit_per_s
-        ctx = multiprocessing.get_context("spawn")
-        self._ready = ctx.Event()
-        self._stop = ctx.Event()
-        self._proc: BaseProcess = ctx.Process(
-            target=_run,
-            args=(self.port, target_host, target_port, gbit_per_s, self._ready, self._stop),
-            daemon=True,
-        )
+        self._args = [
+            sys.executable,
+            "-m",
+            "services.bench.link",
+            "--port",
+            str(self.port),
+            "--target-host",
+            target_host,
+            "--target-port",
+            str(target_port),
+            "--gbit",
+            str(gbit_per_s),
+        ]
+        self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> LinkProcess:
-        self._proc.start()
-        if not self._ready.wait(30):
-            self._proc.kill()
-            raise RuntimeError("link proxy did not start")
-        return self
+        self._proc = subprocess.Popen(self._args)
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return self
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self._proc.kill()
+                raise RuntimeError("the link proxy did not start")
+            time.sleep(0.05)
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._proc.join(5)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Rate-limited TCP proxy emulating a link.")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--target-host", default="127.0.0.1")
+    parser.add_argument("--target-port", type=int, required=True)
+    parser.add_argument("--gbit", type=float, required=True)
+    args = parser.parse_args()
+    asyncio.run(serve_link(args.port, args.target_host, args.target_port, args.gbit))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,100 @@
-"""Commands of this role (filled in by the role's issue)."""
+"""`deltaboard publish DIR --run R` and `deltaboard bench publish`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import typer
 
+DEFAULT_CACHE = Path.home() / ".cache" / "deltaboard" / "publish"
+
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
-    """Add this role's commands to the top-level app and to `bench`."""
+    """Add `publish` and `bench publish`."""
+
+    @app.command("publish")
+    def publish(
+        directory: Path = typer.Argument(
+            ..., exists=True, file_okay=False, help="A safetensors HF checkpoint."
+        ),
+        run: str = typer.Option(..., "--run", help="The run to publish to (created if absent)."),
+        board: str = typer.Option("http://127.0.0.1:8080", envvar="DELTABOARD_URL", help="Board URL."),
+        token: str | None = typer.Option(None, envvar="DELTABOARD_TOKEN", help="A publish-scope token."),
+        dtype: str = typer.Option("bf16", help="Served dtype of floating tensors: bf16, fp16 or fp32."),
+        keyframe_every: int = typer.Option(50, help="A keyframe whenever version % K == 0."),
+        cache: Path = typer.Option(DEFAULT_CACHE, help="Where the previous version's view is kept."),
+    ) -> None:
+        """Publish DIR as the run's next version: a delta against the previous one."""
+        from rich.console import Console
+        from rich.progress import (
+            DownloadColumn,
+            Progress,
+            SpinnerColumn,
+            TimeElapsedColumn,
+            TransferSpeedColumn,
+        )
+
+        from board.schemas import ViewSpec
+        from clients.board_client import BoardClient
+        from publisher.checkpoint_dir import publish_directory
+
+        if dtype not in ("bf16", "fp16", "fp32"):
+            raise typer.BadParameter("dtype must be bf16, fp16 or fp32")
+        console = Console()
+        columns = (
+            SpinnerColumn(),
+            *Progress.get_default_columns()[:1],
+            DownloadColumn(),
+            TransferSpeedColumn(),
+        )
+        with (
+            BoardClient(board, token) as client,
+            Progress(*columns, TimeElapsedColumn(), console=console) as bar,
+        ):
+            task = bar.add_task(f"publishing {directory.name} to {run}", total=None)
+            result = publish_directory(
+                directory,
+                client,
+                run,
+                spec=ViewSpec(default_dtype=dtype),  # type: ignore[arg-type]
+                cache_dir=cache / run,
+                keyframe_every=keyframe_every,
+                on_uploaded=lambda n: bar.advance(task, n),
+            )
+            bar.update(task, total=bar.tasks[0].completed)
+        console.print(
+            f"[bold]{run}[/] version {result.version} ({result.kind}): {result.changed_elements:,} of "
+            f"{result.total_elements:,} elements changed, {result.encoded_bytes:,} bytes uploaded "
+            f"in {result.e2e_s:.2f} s"
+        )
+
+    @bench.command("publish")
+    def bench_publish(
+        quick: bool = typer.Option(False, "--quick", help="A smaller view: under a minute on 2 cores."),
+        json_path: Path | None = typer.Option(None, "--json", help="Write the figures here."),
+        view_gb: float | None = typer.Option(
+            None, help="Size of the bf16 view in GB (default 1; quick 0.125)."
+        ),
+        link_gbit: list[float] = typer.Option([], help="Emulated link speeds in Gbit/s (default 1 10)."),
+    ) -> None:
+        """Deltas vs full checkpoints of a bf16 view through a board across an emulated link."""
+        from dataclasses import replace
+
+        from rich.console import Console
+        from rich.progress import Progress
+
+        from services.bench import publish_bench
+
+        config = publish_bench.QUICK if quick else publish_bench.BenchConfig()
+        config = replace(
+            config, view_gb=view_gb or config.view_gb, links_gbit=tuple(link_gbit) or config.links_gbit
+        )
+        console = Console()
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("starting", total=None)
+            report = publish_bench.run(config, lambda what: bar.update(task, description=what))
+        publish_bench.render(report, console)
+        if json_path is not None:
+            json_path.write_text(json.dumps(report, indent=2))
+            console.print(f"wrote {json_path}")

@@ -1,0 +1,171 @@
+"""The publisher against a real board process: versions, failures, fencing, back-pressure."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from board.schemas import ViewRule, ViewSpec
+from publisher.lease import FencedError
+from publisher.publisher import Publisher, PublishError
+from tests.publisher.support import (
+    FaultyTransport,
+    assert_same_view,
+    error,
+    is_blob_put,
+    materialize,
+    view_bytes,
+)
+
+
+def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(64, 32, generator=g) * 0.02,
+        "layer.0.weight": torch.randn(32, 32, generator=g) * 0.02,
+        "layer.0.bias": torch.zeros(32),
+        "norm.weight": torch.ones(32),
+        "step_count": torch.tensor(0, dtype=torch.int64),
+    }
+
+
+def train_step(state: dict[str, torch.Tensor], seed: int) -> None:
+    """A sparse change of the bf16 view, like an optimizer step at a small learning rate."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    for name in ("embed.weight", "layer.0.weight"):
+        t = state[name]
+        t.add_(torch.randn(t.shape, generator=g) * t.abs() * 0.0005)
+    state["step_count"] += 1
+
+
+def test_keyframe_then_deltas_rebuild_every_version(board):
+    client = board.client(board.publish_token)
+    state = make_state()
+    spec = ViewSpec(rules=(ViewRule(pattern="norm.*", dtype="fp32"),))
+    views = []
+    with Publisher(client, "run-a", spec=spec, keyframe_every=3, assets={"config.json": b'{"a": 1}'}) as pub:
+        futures = []
+        for v in range(5):
+            futures.append(pub.publish(state, step=v, meta={"tag": "t"}))
+            views.append(view_bytes(state, spec))
+            train_step(state, v)
+        results = [f.result() for f in futures]
+    assert [r.version for r in results] == [0, 1, 2, 3, 4]
+    assert [r.kind for r in results] == ["full", "delta", "delta", "full", "delta"]
+    reader = board.client(board.read_token)
+    for v, want in enumerate(views):
+        manifest = reader.manifest("run-a", v)
+        assert manifest.meta == {"tag": "t", "step": v}
+        assert manifest.epoch == pub.epoch
+        if manifest.kind == "delta":  # only changed tensors, never the untouched bias/norm
+            assert {t.name for t in manifest.tensors} == {"embed.weight", "layer.0.weight", "step_count"}
+            # what crossed to the host: positions and bits of changed elements, per-slot counts
+            assert results[v].host_bytes <= 24 * results[v].changed_elements + 8 * 5
+            assert 0 < results[v].changed_elements < results[v].total_elements / 10
+        assert {t.name: t.dtype for t in manifest.tensors}.get("norm.weight", "F32") == "F32"
+        assert_same_view(materialize(reader, "run-a", v), want)
+    assert reader.get_asset("run-a", "config.json") == b'{"a": 1}'
+    # close() released the lease: a new publisher takes it without stealing
+    with Publisher(client, "run-a") as again:
+        assert again.next_version == 5
+
+
+def test_failed_publish_surfaces_and_next_diffs_against_committed(board):
+    transport = FaultyTransport()
+    client = board.client(board.publish_token, transport=transport, retries=1, backoff_s=0.01)
+    state = make_state(1)
+    with Publisher(client, "run-f", keyframe_every=100) as pub:
+        pub.publish(state).result()
+        train_step(state, 1)
+        transport.rule = lambda r: error(400, "Injected") if is_blob_put(r) else None
+        failed = pub.publish(state, step=1)
+        with pytest.raises(Exception, match="Injected"):
+            failed.result()
+        transport.rule = None
+        train_step(state, 2)
+        ok = pub.publish(state, step=2).result()
+    assert (ok.version, ok.kind) == (1, "delta")  # the failed one never became a version
+    reader = board.client(board.read_token)
+    assert reader.head("run-f").version == 1
+    assert reader.manifest("run-f", 1).meta["step"] == 2
+    assert_same_view(materialize(reader, "run-f", 1), view_bytes(state))
+
+
+def test_transient_upload_errors_are_retried(board):
+    transport = FaultyTransport()
+    client = board.client(board.publish_token, transport=transport, backoff_s=0.01)
+    failures = iter([error(503, "Unavailable"), error(503, "Unavailable")])
+    transport.rule = lambda r: next(failures, None) if is_blob_put(r) else None
+    state = make_state(2)
+    with Publisher(client, "run-r") as pub:
+        result = pub.publish(state).result()
+    assert result.version == 0
+    assert transport.blob_puts >= 3
+    assert_same_view(materialize(board.client(board.read_token), "run-r", 0), view_bytes(state))
+
+
+def test_fenced_publisher_stops_with_a_clear_error(board):
+    state = make_state(3)
+    old = Publisher(board.client(board.publish_token), "run-x", holder="trainer-a")
+    old.publish(state).result()
+    new = Publisher(board.client(board.publish_token), "run-x", holder="trainer-b", steal_lease=True)
+    train_step(state, 1)
+    with pytest.raises(FencedError, match="fenced"):
+        old.publish(state).result()
+    with pytest.raises(FencedError):
+        old.publish(state)
+    old.close()
+    result = new.publish(state).result()  # the new writer starts from a keyframe after head
+    new.close()
+    assert (result.version, result.kind) == (1, "full")
+    assert board.client(board.read_token).head("run-x").epoch == new.epoch
+
+
+def test_back_pressure_bounds_versions_in_flight(board):
+    gate = threading.Event()
+    transport = FaultyTransport()
+    client = board.client(board.publish_token, transport=transport)
+    state = make_state(4)
+    pub = Publisher(client, "run-b", max_in_flight=2)
+    transport.rule = lambda r: (gate.wait(30), None)[1] if is_blob_put(r) else None
+    first = pub.publish(state)  # allocates buffer 1, the worker holds it while uploads wait
+    second = pub.publish(state)  # buffer 2
+    third = pub.publish(state)  # buffer 3 = 1 + max_in_flight: the last one there is
+    returned = threading.Event()
+
+    def fourth() -> None:
+        pub.publish(state)
+        returned.set()
+
+    t = threading.Thread(target=fourth)
+    t.start()
+    assert not returned.wait(0.5)  # every buffer is in flight: publish waits instead of allocating
+    assert pub.memory_bound_bytes >= pub._pipeline.memory_bytes == 3 * pub._pipeline.layout.nbytes
+    gate.set()
+    t.join(30)
+    assert returned.is_set()
+    pub.close()
+    assert [f.result().version for f in (first, second, third)] == [0, 1, 2]
+
+
+def test_lease_is_renewed_in_the_background(board):
+    import time
+
+    state = make_state(5)
+    with Publisher(board.client(board.publish_token), "run-l", lease_ttl_s=0.6) as pub:
+        pub.publish(state).result()
+        time.sleep(1.5)  # longer than the TTL: only renewal keeps the lease
+        train_step(state, 1)
+        assert pub.publish(state).result().version == 1
+
+
+def test_publish_refuses_another_model_and_after_close(board):
+    with Publisher(board.client(board.publish_token), "run-m") as pub:
+        pub.publish(make_state()).result()
+        with pytest.raises(ValueError, match="changed"):
+            pub.publish({"other": torch.zeros(3)})
+    with pytest.raises(RuntimeError, match="close"):
+        pub.publish(make_state())
+    assert PublishError.__mro__[1] is RuntimeError

@@ -30,7 +30,8 @@ def test_follower_tracks_adamw_trajectory_bit_exact_with_same_logits(board, tmp_
     tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     assets = {"config.json": model.config.to_json_string().encode()}
     d = tmp_path / "node"
-    versions = []
+    versions: list[int] = []
+    changed: list[int] = []
     with (
         Publisher(board.client(board.publish_token), "traj", keyframe_every=4, assets=assets) as pub,
         Follower(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,7 @@ class Layout:
     index: dict[str, Any] | None
 
 
-def plan_layout(tensors: list[tuple[str, str, tuple[int, ...]]], spec: ViewSpec) -> Layout:
+def plan_layout(tensors: Sequence[tuple[str, str, tuple[int, ...]]], spec: ViewSpec) -> Layout:
     """Cut (name, served dtype, shape) tensors into shards like `save_pretrained` does.
 
     Tensors are taken in order; a shard is closed when the next tensor would push it past

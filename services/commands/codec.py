@@ -22,6 +22,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         lr: list[float] = typer.Option([], help="Learning rates (default 1e-6 3e-6; quick 1e-6)."),
         k: list[int] = typer.Option([], help="Version distances (default 1 8 32; quick 1 8)."),
         pairs: int | None = typer.Option(None, help="Version pairs per setting (medians over them)."),
+        warmup: int | None = typer.Option(None, help="Warm-up steps at 1e-3 before the measured steps."),
         cache: Path = typer.Option(DEFAULT_CACHE, help="Where trajectories are kept between runs."),
     ) -> None:
         """Bits per changed element, throughput and exactness of every encoding."""
@@ -45,6 +46,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             lrs=tuple(lr) or config.lrs,
             ks=tuple(k) or config.ks,
             pairs=pairs or config.pairs,
+            warmup_steps=config.warmup_steps if warmup is None else warmup,
         )
         console = Console()
         with Progress(console=console, transient=True) as bar:

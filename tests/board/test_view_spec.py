@@ -1,0 +1,69 @@
+"""Served dtypes per tensor name and Hugging Face shard layouts."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from board.schemas import ViewRule, ViewSpec
+from board.view_spec import INDEX_FILE, SINGLE_FILE, nbytes, plan_layout, served_dtype
+
+
+def test_floating_tensors_take_the_default_or_the_first_matching_rule() -> None:
+    spec = ViewSpec(
+        default_dtype="bf16",
+        rules=(
+            ViewRule(pattern="*.norm.weight", dtype="fp32"),
+            ViewRule(pattern="lm_head.*", dtype="raw"),
+            ViewRule(pattern="*.weight", dtype="fp16"),
+        ),
+    )
+    assert served_dtype("model.norm.weight", "F32", spec) == "F32"
+    assert served_dtype("lm_head.weight", "F32", spec) == "F32"
+    assert served_dtype("lm_head.weight", "BF16", spec) == "BF16"
+    assert served_dtype("layers.0.q.weight", "F32", spec) == "F16"
+    assert served_dtype("layers.0.q.bias", "F32", spec) == "BF16"
+    assert served_dtype("x", "F64", ViewSpec(default_dtype="fp32")) == "F32"
+
+
+def test_integer_and_fp8_tensors_pass_through() -> None:
+    spec = ViewSpec(rules=(ViewRule(pattern="*", dtype="fp16"),))
+    for dtype in ("I64", "I32", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2"):
+        assert served_dtype("buf", dtype, spec) == dtype
+
+
+def test_one_file_when_everything_fits() -> None:
+    layout = plan_layout([("a", "BF16", (4, 4)), ("b", "F32", ())], ViewSpec())
+    assert layout.files == (SINGLE_FILE,)
+    assert layout.placement == {"a": SINGLE_FILE, "b": SINGLE_FILE}
+    assert layout.index is None
+    assert INDEX_FILE == "model.safetensors.index.json"
+
+
+def test_shards_are_cut_in_order_like_save_pretrained() -> None:
+    tensors = [("a", "F32", (10,)), ("b", "F32", (10,)), ("big", "F32", (100,)), ("c", "BF16", (5,))]
+    layout = plan_layout(tensors, ViewSpec(shard_max_bytes=80))
+    assert layout.files == tuple(f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3))
+    assert layout.placement == {
+        "a": layout.files[0],
+        "b": layout.files[0],
+        "big": layout.files[1],
+        "c": layout.files[2],
+    }
+    assert layout.index == {"metadata": {"total_size": 40 + 40 + 400 + 10}, "weight_map": layout.placement}
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(["BF16", "F32", "I64", "U8"]), st.integers(0, 50)), max_size=30),
+    st.integers(1, 200),
+)
+def test_shards_respect_the_limit_and_keep_order(items: list[tuple[str, int]], limit: int) -> None:
+    tensors = [(f"t{i}", dtype, (n,)) for i, (dtype, n) in enumerate(items)]
+    layout = plan_layout(tensors, ViewSpec(shard_max_bytes=limit))
+    assert list(layout.placement) == [name for name, _, _ in tensors]
+    order = [layout.files.index(layout.placement[name]) for name, _, _ in tensors]
+    assert order == sorted(order)
+    for f in layout.files:
+        members = [(d, s) for name, d, s in tensors if layout.placement[name] == f]
+        assert members or not tensors
+        assert len(members) == 1 or sum(nbytes(d, s) for d, s in members) <= limit

@@ -1,0 +1,74 @@
+"""The rollout view: round-to-nearest-even casts, pass-through, raw bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from board.schemas import ViewRule, ViewSpec
+from publisher.view import rollout_view, safetensors_dtype, tensor_bytes
+
+
+def bf16_reference(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even of fp32 bit patterns to bf16, NaNs kept quiet NaNs."""
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    rounded[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return rounded
+
+
+def test_bf16_view_is_round_to_nearest_even() -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(10_000) * 0.02).astype(np.float32)
+    # exact ties: the low 16 bits are 0x8000, so the result must be the even neighbour
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x00008000], dtype=np.uint32).view(np.float32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 3.4e38, 1e-45], dtype=np.float32)
+    x = np.concatenate([x, ties, special])
+    view = rollout_view({"w": torch.from_numpy(x.copy())}, ViewSpec())
+    assert view["w"].dtype == torch.bfloat16
+    got = tensor_bytes(view["w"]).view(np.uint16)
+    assert got.tolist() == bf16_reference(x).tolist()
+    assert got[-10:-6].tolist() == [0x3F80, 0x3F82, 0xBF80, 0x0000]
+
+
+def test_nan_stays_nan() -> None:
+    view = rollout_view({"w": torch.tensor([float("nan")])}, ViewSpec())
+    assert torch.isnan(view["w"]).all()
+
+
+def test_rules_integers_and_raw() -> None:
+    spec = ViewSpec(default_dtype="fp16", rules=(ViewRule(pattern="keep.*", dtype="raw"),))
+    state = {
+        "w": torch.randn(3, 5),
+        "keep.w": torch.randn(2, dtype=torch.float64),
+        "ids": torch.arange(7),
+        "mask": torch.tensor([True, False, True]),
+        "f8": torch.randn(4).to(torch.float8_e4m3fn),
+    }
+    view = rollout_view(state, spec)
+    assert [view[k].dtype for k in state] == [
+        torch.float16,
+        torch.float64,
+        torch.int64,
+        torch.bool,
+        torch.float8_e4m3fn,
+    ]
+    assert torch.equal(view["ids"], state["ids"])
+    assert tensor_bytes(view["f8"]).tobytes() == tensor_bytes(state["f8"]).tobytes()
+    assert tensor_bytes(view["mask"]).tolist() == [1, 0, 1]
+    assert [safetensors_dtype(view[k]) for k in state] == ["F16", "F64", "I64", "BOOL", "F8_E4M3"]
+
+
+def test_view_of_bf16_parameters_is_the_parameters() -> None:
+    p = torch.randn(4, 4).to(torch.bfloat16)
+    view = rollout_view({"p": p}, ViewSpec())
+    assert tensor_bytes(view["p"]).tobytes() == tensor_bytes(p).tobytes()
+
+
+def test_tensor_bytes_of_shapes_and_strides() -> None:
+    t = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    assert tensor_bytes(t).tobytes() == np.arange(12, dtype="<i4").tobytes()
+    assert tensor_bytes(t.T).tobytes() == np.arange(12, dtype="<i4").reshape(3, 4).T.copy().tobytes()
+    assert tensor_bytes(torch.tensor(2.5)).view(np.float32).tolist() == [2.5]
+    assert tensor_bytes(torch.zeros(0)).size == 0

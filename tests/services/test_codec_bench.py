@@ -1,0 +1,58 @@
+"""`deltaboard bench codec` end to end on tiny trajectories: exact, and the JSON shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from services.cli import build_app
+
+FIELDS = {
+    "encoding",
+    "regime",
+    "lr",
+    "k",
+    "changed_fraction",
+    "bits_per_changed",
+    "encode_gbps",
+    "apply_gbps",
+    "exact",
+}
+
+
+def test_bench_codec_quick_on_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "codec.json"
+    args = [
+        "bench",
+        "codec",
+        "--quick",
+        "--size",
+        "tiny",
+        "--k",
+        "1",
+        "--k",
+        "3",
+        "--pairs",
+        "1",
+        "--warmup",
+        "2",
+    ]
+    result = CliRunner().invoke(build_app(), [*args, "--cache", str(tmp_path / "cache"), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "what limits it" in result.output
+    data = json.loads(out.read_text())
+    assert set(data) == {"results"}
+    records = data["results"]
+    keys = {(r["encoding"], r["regime"], r["lr"], r["k"]) for r in records}
+    assert len(keys) == len(records) == 5 * 2 * 1 * 2
+    assert {r["encoding"] for r in records} == {"full", "coo32", "pulse", "xor-zstd", "deltaboard"}
+    for r in records:
+        assert set(r) == FIELDS
+        assert r["exact"] is True
+        assert 0 < r["changed_fraction"] < 1
+        assert r["bits_per_changed"] > 0 and r["encode_gbps"] > 0 and r["apply_gbps"] > 0
+    ours = {(r["regime"], r["k"]): r["bits_per_changed"] for r in records if r["encoding"] == "deltaboard"}
+    coo = {(r["regime"], r["k"]): r["bits_per_changed"] for r in records if r["encoding"] == "coo32"}
+    assert all(ours[key] < coo[key] for key in ours)

@@ -279,7 +279,7 @@ class BoardClient:
             with open(part, "r+b" if have else "wb") as f:
                 f.seek(have)
                 f.truncate()
-                for chunk in response.iter_bytes(CHUNK):
+                for chunk in response.iter_bytes():  # httpx re-chunking would copy every byte
                     f.write(chunk)
                     digest.update(chunk)
                     have += len(chunk)

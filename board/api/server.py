@@ -1,8 +1,17 @@
-"""Running the board under uvicorn (used by `deltaboard board serve` and `python -m board.api`)."""
+"""Running the board: in this process under uvicorn (`deltaboard board serve`,
+`python -m board.api`), or as a child process for benchmarks and tests."""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 
 from board.settings import Settings
 
@@ -24,3 +33,38 @@ def serve(settings: Settings) -> None:
         timeout_keep_alive=75,
         backlog=4096,
     )
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for child boards in benches and tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def spawn(env: dict[str, str], log: Path, timeout_s: float = 60.0) -> subprocess.Popen[bytes]:
+    """Start `python -m board.api` with DELTABOARD_* settings in `env` (plus this process's
+    environment; DELTABOARD_PORT is required), wait until /healthz answers, and return the
+    process."""
+    host = env.get("DELTABOARD_HOST", "127.0.0.1")
+    url = f"http://{host}:{env['DELTABOARD_PORT']}/healthz"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "board.api"],
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"board exited with {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError(f"board did not answer {url} within {timeout_s}s")

@@ -4,6 +4,7 @@ manifests and plans."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -34,13 +35,24 @@ async def commit(run: str, body: CommitRequest, state: BoardState = Publisher) -
     return head
 
 
+@functools.lru_cache(maxsize=256)
+def _head_json(head: Head) -> bytes:
+    return head.model_dump_json().encode()
+
+
+def encoded(head: Head) -> Response:
+    """One serialisation per head, shared by every poller it wakes (a thousand pollers
+    would otherwise each validate and encode the same model)."""
+    return Response(_head_json(head), media_type="application/json")
+
+
 @router.get("/head", response_model=Head)
 async def head(
     run: str,
     after: int | None = Query(default=None, ge=-1, le=MAX_VERSION),
     wait: float = Query(default=0.0, ge=0, le=60),
     state: BoardState = Reader,
-) -> Head:
+) -> Response:
     """Answer at once if head > `after`; otherwise wait up to `wait` seconds for a commit."""
     await state.require_run(run)
     loop = asyncio.get_running_loop()
@@ -52,15 +64,15 @@ async def head(
             future = state.index.waiters.future(run)
             current = await state.head(run)
             if after is None or (current.version is not None and current.version > after):
-                return current
+                return encoded(current)
             remaining = deadline - loop.time()
             if remaining <= 0:
-                return current
+                return encoded(current)
             done, _ = await asyncio.wait({future}, timeout=remaining)
             if done:
                 woken = future.result()
                 if woken.version is not None and woken.version > after:
-                    return woken
+                    return encoded(woken)
     finally:
         state.metrics.waiting.dec()
 

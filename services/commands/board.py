@@ -56,3 +56,16 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})
         typer.echo(f"deltaboard board on http://{settings.host}:{settings.port} (data {settings.data_dir})")
         serve_board(settings)
+
+    @bench.command("board")
+    def bench_board(
+        quick: bool = typer.Option(False, "--quick", help="A shorter run (under a minute)."),
+        json_path: Path | None = typer.Option(
+            None, "--json", help="Also write the figures to this JSON file."
+        ),
+        pollers: int = typer.Option(1000, min=1, help="Concurrent long-pollers woken by one commit."),
+    ) -> None:
+        """Long-poll wake latency, head requests/s, commit latency, blob download GB/s."""
+        from services.bench.board_bench import run_board_bench
+
+        run_board_bench(quick, pollers, json_path)

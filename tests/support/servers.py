@@ -9,7 +9,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,20 +19,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from board.api.server import free_port, spawn
 from clients.board_client import BoardClient
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
-REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_until(
@@ -102,12 +94,7 @@ class BoardServer:
 
     def start(self) -> BoardServer:
         self.port = self.port or free_port()
-        env = {**os.environ, **self.env, "DELTABOARD_PORT": str(self.port)}
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "board.api"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
-            )
-        wait_until(lambda: http_ok(f"{self.url}/healthz"), "board", self.process, self.log)
+        self.process = spawn({**self.env, "DELTABOARD_PORT": str(self.port)}, self.log)
         return self
 
     def stop(self) -> None:

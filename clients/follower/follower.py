@@ -11,18 +11,26 @@ One update (`sync`) goes:
    dropped, since a keyframe replaces everything;
 2. fetch: the chain's manifests and blobs into the local cache, in parallel, resumable,
    sha256-checked (`fetch`);
-3. stage: the other slot (`slots`) is brought to the served version (replaying the cached
-   deltas it missed, or copying the served slot when those are gone), then the chain is
-   applied in place (`apply`), each tensor verified in O(changed elements) and the whole
-   state digest checked per version. The journal marks the slot dirty during the writes
-   and clean at the new version after them (`journal`);
+3. stage: the chain is applied in place to the other slot (`slots`), which already holds
+   the served version (see 5), each tensor verified in O(changed elements) before it is
+   written and the state digest checked per version (`apply`). The journal marks the slot
+   dirty during the writes and clean at the new version after them (`journal`);
 4. commit: `commit_hook(version, swap)` lets an engine drain or pause, `swap()` flips the
-   `current` link (atomic rename), the engine reloads and resumes; then the cache is
-   pruned, a heartbeat tells the board's fleet table, and `on_version` is called.
+   `current` link (atomic rename), the engine reloads and resumes; `on_version` is called;
+5. mirror: the slot that was served until now is brought to the same version, by
+   replaying the changes just written (kept in memory, at most `mirror_budget_bytes`)
+   or, after a keyframe, a long catch-up or a crash, by a local copy; then the cache is
+   pruned and a heartbeat tells the board's fleet table.
 
 A blob that fails to decode or verify is discarded and refetched once; a second failure
 raises `IntegrityError`. Until the swap nothing touches the served slot, so any failure
-(or a kill) leaves the served version intact, and a restart resumes from the journal.
+(or a kill) leaves the served version intact, and a restart resumes from the journal
+(blobs already downloaded stay in the cache; a dirty slot is copied from the served one).
+
+Durability: a killed process loses nothing that reached the page cache, so kill -9 at
+any instant is safe by default. `durable=True` also msyncs each slot before the journal
+marks it clean, for power loss; it costs the write-back of every dirty page, which with
+changes spread over a tensor is about the whole file.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -41,7 +50,7 @@ from board.errors import BoardError
 from board.schemas import Heartbeat, Manifest, Plan
 from board.view_spec import INDEX_FILE
 from clients.board_client import BoardClient
-from clients.follower.apply import BadBlob, apply_step
+from clients.follower.apply import BadBlob, Written, apply_step, replay
 from clients.follower.errors import FollowerError, IntegrityError
 from clients.follower.fetch import BlobCache, BlobReader, Fetcher
 from clients.follower.journal import Journal, SlotName, SlotRecord
@@ -52,12 +61,16 @@ from clients.follower.slots import Slots, other
 
 log = logging.getLogger("deltaboard.follower")
 
+# Memory a kept change costs: its int64 position plus old and new bits (up to 8 bytes each
+# for the widest dtype; 12 for bf16). Bounded by `mirror_budget_bytes`.
+CHANGE_BYTES = 24
+
 CommitHook = Callable[[int, Callable[[], None]], None]
 
 
 class Progress(Protocol):
-    """Receives progress of an update: phase "fetch" counts bytes, "apply" tensors, "copy"
-    slots (a full local copy, only after a bootstrap, a keyframe or a crash)."""
+    """Receives progress of an update: phase "fetch" counts bytes, "apply" tensors, "mirror"
+    and "copy" slots (a copy only after a bootstrap, a keyframe, a long catch-up or a crash)."""
 
     def start(self, phase: str, total: int) -> None: ...
 
@@ -86,6 +99,8 @@ class Follower:
         workers: int = 4,
         poll_s: float = 5.0,
         heartbeat_s: float = 10.0,
+        durable: bool = False,
+        mirror_budget_bytes: int = 512 * 2**20,
     ) -> None:
         self.board = board
         self.run = run
@@ -97,6 +112,11 @@ class Follower:
         self._poll_s = poll_s
         self._heartbeat_s = heartbeat_s
         self._last_beat = 0.0
+        self._durable = durable
+        self._mirror_budget = mirror_budget_bytes
+        self._pool = ThreadPoolExecutor(
+            max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="deltaboard-apply"
+        )
         self._lock = threading.RLock()
         self._slots = Slots(Path(directory))
         self._slots.open()
@@ -121,6 +141,7 @@ class Follower:
 
     def close(self) -> None:
         """Release the directory (its lock); the directory itself stays as it is."""
+        self._pool.shutdown()
         self._slots.close()
 
     def __enter__(self) -> Follower:
@@ -133,19 +154,12 @@ class Follower:
         """Reach `version` (default: head) and return the version served afterwards."""
         with self._lock:
             target = self._resolve(version)
-            if self.version != target:
-                refetched: set[str] = set()
-                while True:
-                    try:
-                        staged = self._stage(target)
-                        break
-                    except BadBlob as exc:
-                        if exc.sha in refetched:
-                            raise IntegrityError(f"{exc} (again after a refetch)") from exc
-                        log.warning("discarding and refetching: %s", exc)
-                        refetched.add(exc.sha)
-                        self._fetcher.refetch(exc.sha, self._bytes_progress())
+            held = self.version
+            if held != target:
+                staged, written = self._stage_verified(target)
                 self._commit(staged, target)
+                self._mirror(staged, held, written)
+                self._prune()
             self._heartbeat()
             return target
 
@@ -206,18 +220,6 @@ class Follower:
         self._fetcher.fetch(missing, self._bytes_progress())
         return [self._manifests.get(self.board, s.version) for s in steps]
 
-    def _replayable(self, record: SlotRecord, held: int | None) -> list[Manifest] | None:
-        """Cached deltas taking a slot at `record` to `held`, or None if any is missing."""
-        if record.state != "clean" or record.version is None or held is None or record.version > held:
-            return None
-        chain = [self._manifests.cached(v) for v in range(record.version + 1, held + 1)]
-        if any(
-            m is None or m.kind != "delta" or not all(self._blobs.has(s) for s in m.blob_shas())
-            for m in chain
-        ):
-            return None
-        return [m for m in chain if m is not None]
-
     def _assets(self) -> dict[str, bytes]:
         """The run's assets, except names that would shadow the weight files."""
         names = [
@@ -233,37 +235,57 @@ class Follower:
         self._state = self._state.with_slot(slot, record)
         self._journal.save(self._state)
 
-    def _stage(self, target: int) -> SlotName:
-        """Bring the non-served slot to `target`, verified; returns it."""
+    def _stage_verified(self, target: int) -> tuple[SlotName, list[Written] | None]:
+        """`_stage`, discarding and refetching (once each) blobs that fail to verify."""
+        refetched: set[str] = set()
+        while True:
+            try:
+                return self._stage(target)
+            except BadBlob as exc:
+                if exc.sha in refetched:
+                    raise IntegrityError(f"{exc} (again after a refetch)") from exc
+                log.warning("discarding and refetching: %s", exc)
+                refetched.add(exc.sha)
+                self._fetcher.refetch(exc.sha, self._bytes_progress())
+
+    def _stage(self, target: int) -> tuple[SlotName, list[Written] | None]:
+        """Bring the non-served slot to `target`, verified. Returns it, and the changes
+        written when they can bring the other slot forward too (None: copy it instead)."""
         current = self._slots.current()
         staging: SlotName = "A" if current is None else other(current)
         held = self.version
         record = self._state.slot(staging)
         if record.state == "clean" and record.version == target:
-            return staging  # staged before an interrupted commit
+            return staging, None  # staged before an interrupted commit
         chain = self._chain(held, target)
         fresh = chain[0].kind == "full"
-        replay = [] if fresh else self._replayable(record, held)
-        base = dict(record.digests)
         assets = self._assets() if fresh else {}
+        changed = sum(m.stats.changed_elements for m in chain)
+        keep = not fresh and changed * CHANGE_BYTES <= self._mirror_budget
+        written: list[Written] | None = [] if keep else None
 
         self._save(staging, SlotRecord(state="dirty"))
-        if replay is None:
+        base = record.digests
+        if not fresh and (record.state != "clean" or record.version != held):
             assert current is not None  # a delta chain starts from a served version
-            self._open_phase("copy", 1)
-            self._slots.copy(current, staging)
-            self._advance("copy", 1)
-            base = dict(self._state.slot(current).digests)
-            replay = []
-        digests = self._apply(staging, replay + chain, base, assets)
-        self._save(
-            staging,
-            SlotRecord(state="clean", version=target, digests=digests, state_digest=chain[-1].state_digest),
-        )
-        return staging
+            self._copy(current, staging)
+            base = self._state.slot(current).digests
+        digests = self._apply(staging, chain, dict(base), assets, written)
+        self._save(staging, SlotRecord(state="clean", version=target, digests=digests))
+        return staging, written
+
+    def _copy(self, src: SlotName, dst: SlotName) -> None:
+        self._open_phase("copy", 1)
+        self._slots.copy(src, dst)
+        self._advance("copy", 1)
 
     def _apply(
-        self, slot: SlotName, chain: list[Manifest], digests: dict[str, str], assets: dict[str, bytes]
+        self,
+        slot: SlotName,
+        chain: list[Manifest],
+        digests: dict[str, str],
+        assets: dict[str, bytes],
+        written: list[Written] | None,
     ) -> dict[str, str]:
         """Apply `chain` to a slot whose tensor digests are `digests` (a keyframe in the
         chain starts the slot over); returns the digests at the chain's end."""
@@ -281,15 +303,23 @@ class Follower:
                         maps, digests = None, {}
                     if maps is None:
                         maps = ShardMaps(slot_dir, writable=True)
-                    apply_step(maps, manifest, reader, digests, lambda n: self._advance("apply", n))
-            if maps is not None:
+                    apply_step(
+                        maps,
+                        manifest,
+                        reader,
+                        digests,
+                        self._pool,
+                        progress=lambda n: self._advance("apply", n),
+                        written=written,
+                    )
+            if maps is not None and self._durable:
                 maps.flush()
         finally:
             if maps is not None:
                 maps.close()
         return digests
 
-    # ---- commit ----------------------------------------------------------------------
+    # ---- commit and mirror -----------------------------------------------------------
 
     def _commit(self, staged: SlotName, version: int) -> None:
         held = self.version
@@ -302,17 +332,38 @@ class Follower:
         if self._slots.current() != staged:
             raise FollowerError(f"the commit hook returned without calling swap() for version {version}")
         log.info("serving version %d (was %s)", version, held)
-        self._prune(staged, other(staged))
         if self._on_version is not None:
             self._on_version(version)
 
-    def _prune(self, served: SlotName, stale: SlotName) -> None:
-        """Keep the served version's manifest and what the stale slot needs to catch up."""
-        version = self._state.slot(served).version
-        assert version is not None
-        replay = self._replayable(self._state.slot(stale), version) or []
-        self._manifests.keep_only({version} | {m.version for m in replay})
-        self._blobs.keep_only({sha for m in replay for sha in m.blob_shas()})
+    def _mirror(self, served: SlotName, base: int | None, written: list[Written] | None) -> None:
+        """Bring the slot that was served (at `base`) to the served version, so that the
+        next update stages on top of it: by replaying the changes just written when they
+        were kept, else by a local copy."""
+        stale = other(served)
+        record, now = self._state.slot(stale), self._state.slot(served)
+        if record.state == "clean" and record.version == now.version:
+            return
+        self._save(stale, SlotRecord(state="dirty"))
+        replayed = False
+        if written is not None and record.state == "clean" and record.version == base:
+            self._open_phase("mirror", 1)
+            maps = ShardMaps(self._slots.slot_dir(stale), writable=True)
+            try:
+                replayed = replay(maps, written, self._pool)
+                if replayed and self._durable:
+                    maps.flush()
+            finally:
+                maps.close()
+            self._advance("mirror", 1)
+        if not replayed:
+            self._copy(served, stale)
+        self._save(stale, now)
+
+    def _prune(self) -> None:
+        """Keep only the served version's manifest (for `verify`); the blobs are applied."""
+        version = self.version
+        self._manifests.keep_only(set() if version is None else {version})
+        self._blobs.keep_only(set())
 
     def _heartbeat(self) -> None:
         """Tell the board's fleet table which version this node serves (best effort)."""

@@ -35,7 +35,6 @@ class SlotRecord(BaseModel):
     state: Literal["empty", "dirty", "clean"] = "empty"
     version: int | None = None
     digests: dict[str, str] = Field(default_factory=dict)
-    state_digest: str = ""
 
 
 EMPTY = SlotRecord()

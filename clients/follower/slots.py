@@ -12,15 +12,17 @@ A follower directory looks like this::
 
 A new version is written into the *other* slot (staging) while the current one is
 served untouched; it becomes current by `rename(2)` of a fresh symlink over `current`,
-which is atomic. The slot that was served is not modified until the follower starts
-staging the version after next, so a reader that resolved `current` once
-(`os.path.realpath`) reads one consistent version for a whole version interval; engines
-integrated through the follower's commit hook reload inside the hook and never race.
+which is atomic. After the follower's commit hook returns, the slot that was served is
+brought to the new version too (the same changes written again, or a copy), so that it
+can stage the next one. Engines integrated through the commit hook reload inside the
+hook, while nothing else changes, and never see a mix. A reader outside the hook must
+resolve `current` once (`os.path.realpath`) and finish loading before the next version
+is committed.
 
-Disk cost: two copies of the view plus the cached patches of the last update (~1% of
-the view per version behind). The stale slot catches up by replaying the same cached
-patches, so steady-state updates write only changed bytes into both slots; a full local
-copy happens only after a bootstrap, a keyframe-based catch-up, or a crash mid-write.
+Disk cost: two copies of the view (plus, during an update, the blobs being applied: ~1%
+of the view per version behind, or one keyframe). Steady-state updates write only the
+changed bytes, into both slots; a full local copy happens only after a bootstrap, a
+keyframe-based catch-up, a long catch-up or a crash in the middle of a write.
 """
 
 from __future__ import annotations

@@ -9,8 +9,6 @@ mirror is ever needed, `exponent_of` is `(bits >> shift) & mask` with the table 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 # (shift, mask) of the exponent field in each floating dtype's bit pattern.
@@ -53,11 +51,10 @@ def value_contexts(old_bits: np.ndarray, dtype: str) -> np.ndarray:
 # weights have small ULPs, so the classes have very different change rates and coding each
 # one's ranks separately costs sum_c n_c H(p_c) bits instead of n H(p). Three classes catch
 # most of what a context per exponent would (measured on the benchmark trajectories).
-# Both sides compute the classes from the old bits; a device mirror needs `magnitude < t`
-# comparisons, `small = flatnonzero(magnitude < t_top << shift)` and the rank formulas of
-# `class_ranks`.
+# Both sides compute the classes from the old bits (`board.codec.classes`); a device
+# mirror needs two `magnitude_bits(old) < t << shift` comparisons and a cumulative count.
 
-SAMPLE_STRIDE = 8
+SAMPLE_STRIDE = 32
 
 
 def magnitude_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -86,8 +83,9 @@ def choose_thresholds(all_hist: np.ndarray, changed_hist: np.ndarray) -> tuple[i
     n_ch = np.concatenate([[0.0], np.cumsum(changed_hist.astype(np.float64))])
     total, changed = n_all[-1], n_ch[-1]
     plain = float(total * _h(np.array(changed / max(total, 1.0))))
-    present = np.flatnonzero((all_hist > 0) | (changed_hist > 0))
-    cand = np.unique(np.concatenate([present, present + 1]))
+    # only thresholds next to an exponent that has changes can matter
+    present = np.flatnonzero(changed_hist > 0)
+    cand = np.unique(np.concatenate([[0], present, present + 1]))
     lo, hi = np.meshgrid(cand, cand, indexing="ij")
     ok = lo <= hi
 
@@ -102,51 +100,3 @@ def choose_thresholds(all_hist: np.ndarray, changed_hist: np.ndarray) -> tuple[i
     costs = np.where(ok, costs, np.inf)
     i, j = np.unravel_index(int(np.argmin(costs)), costs.shape)
     return int(cand[i]), int(cand[j]), float(costs[i, j]), plain
-
-
-@dataclass(frozen=True)
-class PositionClasses:
-    """The old tensor's split: sorted positions of `low` and `mid` elements; `top` is the rest."""
-
-    numel: int
-    small: np.ndarray  # sorted positions with exponent < t_top (low and mid)
-    low: np.ndarray
-    mid: np.ndarray
-
-    @property
-    def sizes(self) -> tuple[int, int, int]:
-        return int(self.low.size), int(self.mid.size), self.numel - int(self.small.size)
-
-
-def split_classes(old_bits: np.ndarray, dtype: str, t_low: int, t_top: int) -> PositionClasses:
-    shift, _ = EXPONENT_FIELDS[dtype]
-    magnitude = magnitude_bits(old_bits, dtype)
-    small = np.flatnonzero(magnitude < old_bits.dtype.type(t_top << shift))
-    is_low = magnitude[small] < old_bits.dtype.type(t_low << shift)
-    return PositionClasses(int(old_bits.size), small, small[is_low], small[~is_low])
-
-
-def class_of(old_bits: np.ndarray, dtype: str, t_low: int, t_top: int) -> np.ndarray:
-    """0 (low), 1 (mid) or 2 (top) for the given old bits."""
-    e = exponent_of(old_bits, dtype)
-    return (e >= t_low).astype(np.int64) + (e >= t_top).astype(np.int64)
-
-
-def class_ranks(classes: PositionClasses, positions: np.ndarray, cls: np.ndarray) -> list[np.ndarray]:
-    """For each class, the ranks within it of the given positions of that class."""
-    low, mid, top = (positions[cls == c] for c in range(3))
-    return [
-        np.searchsorted(classes.low, low),
-        np.searchsorted(classes.mid, mid),
-        top - np.searchsorted(classes.small, top),
-    ]
-
-
-def class_positions(classes: PositionClasses, ranks: list[np.ndarray]) -> np.ndarray:
-    """Inverse of `class_ranks`: sorted positions from the ranks of each class."""
-    low = classes.low[ranks[0]]
-    mid = classes.mid[ranks[1]]
-    # the r-th top element sits after the j small elements that precede it: p = r + j
-    before = classes.small - np.arange(classes.small.size)
-    top = ranks[2] + np.searchsorted(before, ranks[2], side="right")
-    return np.sort(np.concatenate([low, mid, top]), kind="stable")

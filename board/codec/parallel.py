@@ -28,16 +28,16 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
-def split(n: int) -> list[tuple[int, int]]:
-    """Disjoint [start, stop) ranges covering [0, n): one per worker for large n."""
-    parts = _WORKERS if n >= _PARALLEL_MIN else 1
+def split(n: int, parallel_min: int = _PARALLEL_MIN) -> list[tuple[int, int]]:
+    """Disjoint [start, stop) ranges covering [0, n): one per worker from `parallel_min`."""
+    parts = _WORKERS if n >= parallel_min else 1
     bounds = [n * i // parts for i in range(parts + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(parts)]
 
 
-def map_ranges(fn: Callable[[int, int], T], n: int) -> list[T]:
-    """`fn(start, stop)` over `split(n)`, in order, threaded when it pays."""
-    ranges = split(n)
+def map_ranges(fn: Callable[[int, int], T], n: int, parallel_min: int = _PARALLEL_MIN) -> list[T]:
+    """`fn(start, stop)` over `split(n, parallel_min)`, in order, threaded when it pays."""
+    ranges = split(n, parallel_min)
     if len(ranges) == 1:
         return [fn(*ranges[0])]
     return list(_executor().map(lambda r: fn(*r), ranges))

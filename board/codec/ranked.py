@@ -12,7 +12,8 @@ import numpy as np
 
 from board.codec.bitio import Reader, Writer, decode_index_set, encode_index_set
 from board.codec.changes import Changes
-from board.codec.context import EXPONENT_FIELDS, class_of, class_positions, class_ranks, split_classes
+from board.codec.classes import class_of, class_positions, class_ranks, split_classes
+from board.codec.context import EXPONENT_FIELDS
 from board.codec.errors import PatchError
 
 
@@ -21,9 +22,11 @@ def encode(w: Writer, changes: Changes, old_bits: np.ndarray, t_low: int, t_top:
     cls = class_of(changes.old_bits, changes.dtype, t_low, t_top)
     w.u64(t_low)
     w.u64(t_top)
-    for ranks in class_ranks(classes, changes.positions, cls):
-        w.u64(ranks.size)
-        encode_index_set(w, ranks)
+    ranks = class_ranks(classes, changes.positions, cls)
+    for c in range(3):
+        mine = ranks[cls == c]
+        w.u64(mine.size)
+        encode_index_set(w, np.sort(mine))
 
 
 def decode(r: Reader, changed: int, old_bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -33,12 +36,14 @@ def decode(r: Reader, changed: int, old_bits: np.ndarray, dtype: str) -> np.ndar
     if not t_low <= t_top <= EXPONENT_FIELDS[dtype][1] + 1:
         raise PatchError(f"corrupted patch: exponent classes {t_low}, {t_top}")
     classes = split_classes(old_bits, dtype, t_low, t_top)
-    ranks = []
-    for size in classes.sizes:
+    ranks, labels = [], []
+    for c, size in enumerate(classes.sizes):
         count = r.u64()
         if count > size:
             raise PatchError("corrupted patch: more changes than elements in a class")
         ranks.append(decode_index_set(r, count, size))
+        labels.append(np.full(count, c, dtype=np.int64))
     if sum(x.size for x in ranks) != changed:
         raise PatchError("corrupted patch: class counts do not add up to the changed count")
-    return class_positions(classes, ranks)
+    positions = class_positions(classes, np.concatenate(ranks), np.concatenate(labels))
+    return np.sort(positions, kind="stable")

@@ -24,7 +24,6 @@ from publisher.snapshot import ViewBuffer
 CHUNK_ELEMENTS = 1 << 27
 
 
-
 @dataclass
 class ViewDiff:
     """Per changed tensor, its `Changes`; and how many bytes crossed to the host."""
@@ -47,24 +46,25 @@ def _nonzero_ne(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if len(parts) != 1 else parts[0]
 
 
-def _changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Group-global positions whose bits differ, ascending.
+def _changed(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-global positions whose bits differ (ascending), with their old and new bits.
 
     Narrow elements are compared as whole 64-bit words first (the buffers are padded to
     words): the full pass then reads memory at close to its bandwidth and the scan for
-    changes runs over 8/width times fewer entries; only changed words are split into
-    their elements, in order.
+    changes runs over 8/width times fewer entries. Only the changed words are gathered,
+    and viewed back as their elements (little-endian lanes) to find which changed.
     """
     width = old.element_size()
     if width == 8:
-        return _nonzero_ne(old, new)
-    per, bits = 8 // width, 8 * width
+        pos = _nonzero_ne(old, new)
+        return pos, old[pos], new[pos]
+    per = 8 // width
     old_w, new_w = old.view(torch.int64), new.view(torch.int64)
     words = _nonzero_ne(old_w, new_w)
-    x = old_w[words] ^ new_w[words]
-    lanes = torch.stack([((x >> (bits * k)) & ((1 << bits) - 1)) != 0 for k in range(per)], dim=1)
-    rows, lane = lanes.nonzero(as_tuple=True)
-    return words[rows] * per + lane
+    old_lanes = old_w[words].view(old.dtype).view(-1, per)
+    new_lanes = new_w[words].view(old.dtype).view(-1, per)
+    rows, lane = torch.ne(old_lanes, new_lanes).nonzero(as_tuple=True)
+    return words[rows] * per + lane, old_lanes[rows, lane], new_lanes[rows, lane]
 
 
 @torch.no_grad()
@@ -78,7 +78,7 @@ def diff_views(old: ViewBuffer, new: ViewBuffer) -> ViewDiff:
     result = ViewDiff()
     for group, new_bits in new.groups.items():
         old_bits = old.groups[group]
-        pos = _changed_positions(old_bits, new_bits)
+        pos, old_changed, new_changed = _changed(old_bits, new_bits)
         if pos.numel() == 0:
             continue
         slots = [s for s in new.layout.slots if s.group == group]
@@ -86,8 +86,8 @@ def diff_views(old: ViewBuffer, new: ViewBuffer) -> ViewDiff:
         owner = torch.searchsorted(starts, pos, right=True) - 1
         local = (pos - starts[owner]).cpu().numpy()
         counts = torch.bincount(owner, minlength=len(slots)).cpu().numpy()
-        old_h = old_bits[pos].cpu().numpy()
-        new_h = new_bits[pos].cpu().numpy()
+        old_h = old_changed.cpu().numpy()
+        new_h = new_changed.cpu().numpy()
         result.host_bytes += local.nbytes + counts.nbytes + old_h.nbytes + new_h.nbytes
         bounds = np.concatenate(([0], np.cumsum(counts)))
         for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):

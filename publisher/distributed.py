@@ -52,7 +52,9 @@ class _Verdict:
 class DistributedPublisher(Publisher):
     """A `Publisher` per rank; `publish(owned_state)` on every rank makes one version."""
 
-    def __init__(self, board: Any, run: str, *, group: dist.ProcessGroup | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, board: Any, run: str, *, group: dist.ProcessGroup | None = None, **kwargs: Any
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DistributedPublisher needs torch.distributed to be initialized")
         self._group = group if group is not None else dist.new_group(backend="gloo")
@@ -97,7 +99,8 @@ class DistributedPublisher(Publisher):
         dist.gather_object(payload, gathered, dst=0, group=self._group)
         verdict = [self._decide(proposal, gathered)] if gathered is not None else [None]
         dist.broadcast_object_list(verdict, src=0, group=self._group)
-        decided: _Verdict = verdict[0]
+        decided = verdict[0]
+        assert decided is not None
         if decided.forget_base and self.rank != 0:
             self._pipeline.forget_base()
         self.next_version = decided.next_version
@@ -118,8 +121,12 @@ class DistributedPublisher(Publisher):
             return _Verdict("fenced", str(exc), proposal.version, False)
         failures = [g for g in gathered if isinstance(g, str)]
         if failures:
-            return _Verdict("failed", f"version {proposal.version} not committed: {'; '.join(failures)}",
-                            proposal.version, False)
+            return _Verdict(
+                "failed",
+                f"version {proposal.version} not committed: {'; '.join(failures)}",
+                proposal.version,
+                False,
+            )
         ranks = [g for g in gathered if isinstance(g, RankVersion)]
         try:
             self._commit(proposal, ranks)
@@ -129,4 +136,3 @@ class DistributedPublisher(Publisher):
             resynced = self.next_version != proposal.version
             return _Verdict("failed", str(exc), self.next_version, resynced)
         return _Verdict("ok", "", proposal.version + 1, False)
-

@@ -22,7 +22,7 @@ from publisher.publisher import Publisher, PublishResult
 log = logging.getLogger(__name__)
 
 
-class DeltaboardCallback(TrainerCallback):  # type: ignore[misc]
+class DeltaboardCallback(TrainerCallback):
     """Publish every `every` optimizer steps; keeps the last future in `last`."""
 
     def __init__(self, publisher: Publisher, every: int = 1, close_at_end: bool = False) -> None:

@@ -10,6 +10,7 @@ which says so plainly instead of surfacing as an opaque 409.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Protocol
@@ -31,7 +32,9 @@ class LeaseClient(Protocol):
 class LeaseKeeper:
     """Holds and renews one run's lease; `check()` raises once fenced."""
 
-    def __init__(self, client: LeaseClient, run: str, holder: str, ttl_s: float, *, steal: bool = False) -> None:
+    def __init__(
+        self, client: LeaseClient, run: str, holder: str, ttl_s: float, *, steal: bool = False
+    ) -> None:
         self._client = client
         self._run = run
         self._holder = holder
@@ -83,8 +86,6 @@ class LeaseKeeper:
         self._stop.set()
         self._thread.join()
         if self._fenced is None:
-            try:
+            # A lease we cannot release expires after its TTL; close() must not fail for it.
+            with contextlib.suppress(Exception):
                 self._client.release_lease(self._run, self._holder, self.epoch)
-            except Exception:
-                # A lease we cannot release expires after its TTL; close() must not fail for it.
-                pass

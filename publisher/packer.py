@@ -71,7 +71,9 @@ class BlobPacker:
         self._error: BaseException | None = None
         self.blob_bytes = 0
 
-    def add(self, name: str, dtype: str, shape: tuple[int, ...], patch: bytes, digest: str, changed: int) -> None:
+    def add(
+        self, name: str, dtype: str, shape: tuple[int, ...], patch: bytes, digest: str, changed: int
+    ) -> None:
         self._raise_if_failed()
         if self._open and self._open_bytes + len(patch) > self._blob_max:
             self._seal()

@@ -52,7 +52,9 @@ Process = Callable[[Job[R], ViewBuffer | None], R]
 class SnapshotPipeline(Generic[R]):
     """Owns the view buffers, the job queue and the worker running `process(job, base)`."""
 
-    def __init__(self, spec: ViewSpec, process: Process[R], *, max_in_flight: int = 1, name: str = "") -> None:
+    def __init__(
+        self, spec: ViewSpec, process: Process[R], *, max_in_flight: int = 1, name: str = ""
+    ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         self._spec = spec
@@ -74,7 +76,9 @@ class SnapshotPipeline(Generic[R]):
         """The documented bound on view-buffer memory: (1 + max_in_flight) copies of the view."""
         return 0 if self.layout is None else (1 + self.max_in_flight) * self.layout.nbytes
 
-    def submit(self, state: Mapping[str, torch.Tensor], step: int | None, meta: Mapping[str, Any]) -> Future[R]:
+    def submit(
+        self, state: Mapping[str, torch.Tensor], step: int | None, meta: Mapping[str, Any]
+    ) -> Future[R]:
         """Snapshot `state` into a free buffer (waiting for one if all are in flight), queue it."""
         called = time.perf_counter()
         if self._closed:

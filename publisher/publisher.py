@@ -166,7 +166,11 @@ class Publisher:
         self._digests = digests
 
     def publish(
-        self, model_or_state_dict: ModelOrState, *, step: int | None = None, meta: Mapping[str, Any] | None = None
+        self,
+        model_or_state_dict: ModelOrState,
+        *,
+        step: int | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> Future[PublishResult]:
         """Snapshot the rollout view now; diff, encode, upload and commit in the background.
 

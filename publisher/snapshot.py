@@ -64,9 +64,7 @@ class ViewLayout:
             dtype = served_dtype(name, safetensors_dtype(tensor), spec)
             group = (str(tensor.device), width(dtype))
             offset = sizes.get(group, 0)
-            slots.append(
-                Slot(name, dtype, tuple(tensor.shape), group[0], group[1], offset, tensor.numel())
-            )
+            slots.append(Slot(name, dtype, tuple(tensor.shape), group[0], group[1], offset, tensor.numel()))
             sizes[group] = offset + tensor.numel()
         return cls(tuple(slots), sizes)
 
@@ -122,7 +120,7 @@ class ViewBuffer:
         cuda_groups = [g for g in self.groups if g[0].startswith("cuda")]
         self.ready = None
         if cuda_groups:
-            self.ready = torch.cuda.Event()
+            self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self.ready.record()
 
     def wait_ready(self) -> None:

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import argparse
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
 from publisher.publisher import Publisher, PublishResult
 
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
-def tiny_model(seed: int = 0) -> torch.nn.Module:
+
+def tiny_model(seed: int = 0) -> LlamaForCausalLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -45,7 +49,7 @@ def train(publisher: Publisher, steps: int, lr: float = 3e-4, seed: int = 0) -> 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        futures.append(publisher.publish(model, step=step, meta={"loss": float(loss)}))
+        futures.append(publisher.publish(model, step=step, meta={"loss": loss.item()}))
     return futures
 
 
@@ -60,8 +64,10 @@ def main() -> None:
     with Publisher(args.board, args.run, token=args.token, assets={"config.json": config}) as pub:
         for fut in train(pub, args.steps):
             r = fut.result()
-            print(f"version {r.version} ({r.kind}, step {r.step}): {r.changed_elements} changed, "
-                  f"{r.encoded_bytes} B, blocked {r.blocked_s * 1e3:.1f} ms")
+            print(
+                f"version {r.version} ({r.kind}, step {r.step}): {r.changed_elements} changed, "
+                f"{r.encoded_bytes} B, blocked {r.blocked_s * 1e3:.1f} ms"
+            )
 
 
 if __name__ == "__main__":

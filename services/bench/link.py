@@ -4,8 +4,8 @@ The publish benchmark compares deltas with full checkpoints *across a link*: on 
 both are CPU-bound and the comparison says nothing about the cross-region case the design
 targets. The proxy paces bytes with one token bucket per direction shared by every
 connection, like a single physical link would, so parallel uploads do not multiply the
-bandwidth. It runs in its own process (`LinkProcess`, `python -m services.bench.link`) so that its pacing loop does not
-compete with the publisher for the GIL.
+bandwidth. It runs in its own process (`LinkProcess`, `python -m services.bench.link`)
+so that its pacing loop does not compete with the publisher for the GIL.
 """
 
 from __future__ import annotations

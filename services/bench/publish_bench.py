@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
@@ -40,6 +40,9 @@ from rich.table import Table
 
 from services.bench.link import LinkProcess, free_port
 from services.trajectory import DEFAULT_CACHE, Trajectory, load_trajectory
+
+if TYPE_CHECKING:
+    from publisher.publisher import PublishResult
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,8 @@ class BenchConfig:
     fulls: int = 2
     size: str = "bench"
     lr: float = 1e-6
-    steps: int = 10  # shared with `bench codec --quick`'s trajectory cache
+    steps: int = 10
+    warmup_steps: int = 16  # as `bench codec`: Adam's state settled, as in post-training
     cache: Path = DEFAULT_CACHE
 
 
@@ -127,27 +131,19 @@ class TiledView:
 
 def _publish_series(
     url: str, token: str, run: str, view: TiledView, versions: range, keyframe_every: int
-) -> list[dict[str, float]]:
+) -> list[tuple[PublishResult, float]]:
+    """Publish `versions` one at a time; each result with the caller's time inside publish()."""
     from publisher.publisher import Publisher
 
-    rows = []
+    out = []
     with Publisher(url, run, token=token, keyframe_every=keyframe_every, lease_ttl_s=120) as pub:
         for v in versions:
             view.set_version(v)
             t0 = time.perf_counter()
             fut = pub.publish(view.state, step=v)
             blocked = time.perf_counter() - t0
-            r = fut.result()
-            rows.append(
-                {
-                    "kind": r.kind,
-                    "blocked_s": blocked,
-                    "e2e_s": r.e2e_s,
-                    "bytes": r.encoded_bytes,
-                    "changed_fraction": r.changed_elements / r.total_elements,
-                }
-            )
-    return rows
+            out.append((fut.result(), blocked))
+    return out
 
 
 def run(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -169,22 +165,24 @@ def run(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
         for gbit in config.links_gbit:
             with LinkProcess(host.removeprefix("http://"), int(port), gbit) as link:
                 progress(f"{gbit:g} Gbit/s: keyframe + {config.deltas} deltas")
-                deltas = _publish_series(
+                series = _publish_series(
                     link.url, token, f"delta-{gbit:g}", view, range(config.deltas + 1), 10**6
                 )
-                deltas = [d for d in deltas if d["kind"] == "delta"]
+                deltas = [(r, blocked) for r, blocked in series if r.kind == "delta"]
                 progress(f"{gbit:g} Gbit/s: {config.fulls} full checkpoints")
                 fulls = _publish_series(link.url, token, f"full-{gbit:g}", view, range(config.fulls), 1)
             results.append(
                 {
                     "view_gb": view.nbytes / 1e9,
-                    "changed_fraction": statistics.median(d["changed_fraction"] for d in deltas),
+                    "changed_fraction": statistics.median(
+                        r.changed_elements / r.total_elements for r, _ in deltas
+                    ),
                     "link_gbit": gbit,
-                    "blocked_ms": statistics.median(d["blocked_s"] for d in deltas) * 1e3,
-                    "delta_e2e_s": statistics.median(d["e2e_s"] for d in deltas),
-                    "full_e2e_s": statistics.median(f["e2e_s"] for f in fulls),
-                    "delta_bytes": int(statistics.median(d["bytes"] for d in deltas)),
-                    "full_bytes": int(statistics.median(f["bytes"] for f in fulls)),
+                    "blocked_ms": statistics.median(blocked for _, blocked in deltas) * 1e3,
+                    "delta_e2e_s": statistics.median(r.e2e_s for r, _ in deltas),
+                    "full_e2e_s": statistics.median(r.e2e_s for r, _ in fulls),
+                    "delta_bytes": int(statistics.median(r.encoded_bytes for r, _ in deltas)),
+                    "full_bytes": int(statistics.median(r.encoded_bytes for r, _ in fulls)),
                     "source": f"tiled {config.size} AdamW trajectory (fp32-master, lr {config.lr:g})",
                 }
             )

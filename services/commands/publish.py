@@ -57,7 +57,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                 directory,
                 client,
                 run,
-                spec=ViewSpec(default_dtype=dtype),  # type: ignore[arg-type]
+                spec=ViewSpec(default_dtype=dtype),
                 cache_dir=cache / run,
                 keyframe_every=keyframe_every,
                 on_uploaded=lambda n: bar.advance(task, n),

@@ -14,7 +14,15 @@ from publisher.device_diff import diff_views
 from publisher.snapshot import ViewBuffer, ViewLayout
 from publisher.view import rollout_view, safetensors_dtype, tensor_bytes
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float8_e4m3fn]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int8,
+    torch.bool,
+    torch.float8_e4m3fn,
+]
 SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, 65504.0, 3.0e38]
 
 
@@ -38,7 +46,11 @@ def _mutate(draw: st.DrawFn, t: torch.Tensor) -> torch.Tensor:
     flat = out.reshape(-1)
     if flat.numel() == 0:
         return out
-    bits = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    bits = (
+        flat.view(torch.uint8)
+        if flat.element_size() == 1
+        else flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    )
     idx = draw(st.lists(st.integers(0, flat.numel() - 1), max_size=flat.numel(), unique=True))
     if t.dtype == torch.bool:
         bits[idx] = 1 - bits[idx]

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import start_processes
 
-from tests.publisher.support import assert_same_view, materialize, view_bytes
+from tests.publisher.pub_support import assert_same_view, materialize, view_bytes
 
 VERSIONS = 3
 FAIL_AT = 1  # the version index at which the failing rank's uploads are refused
 
 
-def _state(version: int) -> dict:
+def _state(version: int) -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(7)
@@ -29,25 +30,31 @@ def _state(version: int) -> dict:
     for v in range(1, version + 1):
         gv = torch.Generator().manual_seed(100 + v)
         for name in list(state)[:4]:
-            state[name] = state[name] + torch.randn(state[name].shape, generator=gv) * state[name].abs() * 0.05
+            state[name] = (
+                state[name] + torch.randn(state[name].shape, generator=gv) * state[name].abs() * 0.05
+            )
     return state
 
 
-def _rank_main(rank: int, world: int, init_file: str, url: str, token: str, run: str, fail_rank: int, out: str):
+def _rank_main(
+    rank: int, world: int, init_file: str, url: str, token: str, run: str, fail_rank: int, out: str
+):
     import torch.distributed as dist
 
     from clients.board_client import BoardClient
     from publisher.distributed import DistributedPublisher, partition_by_name
-    from tests.publisher.support import FaultyTransport, error, is_blob_put
+    from tests.publisher.pub_support import FaultyTransport, error, is_blob_put
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     transport = FaultyTransport()
     client = BoardClient(url, token, transport=transport, retries=1, backoff_s=0.01)
-    outcomes = []
+    outcomes: list[dict[str, Any]] = []
     with DistributedPublisher(client, run, keyframe_every=100) as pub:
         for i in range(VERSIONS):
             failing = rank == fail_rank and i == FAIL_AT
-            transport.rule = (lambda r: error(400, "Injected") if is_blob_put(r) else None) if failing else None
+            transport.rule = (
+                (lambda r: error(400, "Injected") if is_blob_put(r) else None) if failing else None
+            )
             mine = partition_by_name(_state(i), rank, world)
             try:
                 r = pub.publish(mine, step=i).result()
@@ -64,7 +71,7 @@ def test_ranks_commit_one_version_atomically(board, tmp_path, monkeypatch, world
     run = f"dist-{world}"
     # spawned ranks import this module by name: they take the parent's sys.path
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
-    mp.start_processes(
+    start_processes(  # type: ignore[no-untyped-call]
         _rank_main,
         args=(world, str(tmp_path / "init"), board.url, board.publish_token, run, fail_rank, str(tmp_path)),
         nprocs=world,
@@ -77,7 +84,11 @@ def test_ranks_commit_one_version_atomically(board, tmp_path, monkeypatch, world
     assert set.union(*owned) == set(_state(0)) and sum(map(len, owned)) == len(_state(0))
     if fail_rank < 0:
         for r in range(world):
-            assert [(o["version"], o["kind"]) for o in outcomes[r]] == [(0, "full"), (1, "delta"), (2, "delta")]
+            assert [(o["version"], o["kind"]) for o in outcomes[r]] == [
+                (0, "full"),
+                (1, "delta"),
+                (2, "delta"),
+            ]
         for v in range(VERSIONS):
             assert_same_view(materialize(reader, run, v), view_bytes(_state(v)))
         return

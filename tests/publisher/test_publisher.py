@@ -10,7 +10,7 @@ import torch
 from board.schemas import ViewRule, ViewSpec
 from publisher.lease import FencedError
 from publisher.publisher import Publisher, PublishError
-from tests.publisher.support import (
+from tests.publisher.pub_support import (
     FaultyTransport,
     assert_same_view,
     error,
@@ -142,6 +142,7 @@ def test_back_pressure_bounds_versions_in_flight(board):
     t = threading.Thread(target=fourth)
     t.start()
     assert not returned.wait(0.5)  # every buffer is in flight: publish waits instead of allocating
+    assert pub._pipeline.layout is not None
     assert pub.memory_bound_bytes >= pub._pipeline.memory_bytes == 3 * pub._pipeline.layout.nbytes
     gate.set()
     t.join(30)

@@ -26,7 +26,9 @@ def materialize(client: BoardClient, run: str, version: int) -> dict[str, np.nda
         if manifest.kind == "full":
             held, digests = {}, {}
         for entry in manifest.tensors:
-            patch = client.get_blob(run, entry.blob.sha256, entry.blob.offset, entry.blob.offset + entry.blob.length)
+            patch = client.get_blob(
+                run, entry.blob.sha256, entry.blob.offset, entry.blob.offset + entry.blob.length
+            )
             held[entry.name] = codec.apply(held.get(entry.name), patch, digests.get(entry.name))
             digests[entry.name] = entry.digest
         assert codec.state_digest(digests.items()) == manifest.state_digest

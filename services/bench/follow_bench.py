@@ -1,0 +1,271 @@
+"""`deltaboard bench follow`: what a rollout node pays to keep up.
+
+The view is **synthetic, with the statistics that matter here**: bf16 weights drawn from
+N(0, 0.02), and each version moves a uniformly random 1% of the elements by one ULP up
+or down (RL steps change ~1% of a bf16 view, mostly by one ULP). Uniform positions are
+the worst case for in-place patching: every 4 KiB page of every shard is touched. The
+versions go through the real publisher and a real board process (loopback); the nodes
+are real `Follower`s on local disk. Figures:
+
+* `full_write_s`: writing the whole checkpoint (the view as a safetensors file) into the
+  page cache: what a node pays per version if it receives full checkpoints;
+* `apply_verify_s`: per version, from the end of the download to the swap: decode, verify
+  (O(changes)) and write only the changed elements in place (median over steady updates).
+  `mirror_s` is the follower's second write of the same changes into its other slot (the
+  A/B scheme's price for atomic versions), after the swap, off the critical path;
+* `bootstrap_s`: an empty node to serving the head (the run's one keyframe plus every
+  delta after it: the worst case of a keyframe schedule; download included), and
+  `bootstrap_keyframe_s` to serving the keyframe's version itself;
+* `catchup_*`: a node k = 32 versions behind: bytes it fetched, against one keyframe
+  (`keyframe_bytes`) and against all k deltas (`replay_bytes`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from clients.board_client import BoardClient
+from clients.follower import Follower
+from clients.follower.layout import shard_header
+from services.bench.publish_bench import board_process
+
+RUN = "bench-follow"
+Status = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    view_gb: float = 1.0
+    changed_fraction: float = 0.01
+    catchup_k: int = 32
+    steady: int = 4  # versions measured one at a time after the catch-up
+    tensor_elements: int = 8 * 2**20  # 16 MiB bf16 tensors, a large LM's matrix scale
+    seed: int = 0
+
+
+QUICK = BenchConfig(view_gb=0.125, catchup_k=32, steady=3)
+
+
+class SyntheticTrainer:
+    """bf16 tensors (numpy-backed, shared with torch) moved by one ULP at random positions."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        import torch
+
+        self.rng = np.random.default_rng(config.seed)
+        self.fraction = config.changed_fraction
+        count = max(1, round(config.view_gb * 1e9 / 2 / config.tensor_elements))
+        cols = 4096
+        rows = max(1, config.tensor_elements // cols)
+        self.bits: dict[str, np.ndarray] = {}
+        self.state: dict[str, torch.Tensor] = {}
+        for i in range(count):
+            weights = torch.randn(rows, cols, generator=torch.Generator().manual_seed(config.seed + i)) * 0.02
+            self.bits[f"layers.{i}.weight"] = (
+                weights.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            )
+            self.state[f"layers.{i}.weight"] = torch.from_numpy(self.bits[f"layers.{i}.weight"]).view(
+                torch.bfloat16
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.bits.values())
+
+    def step(self) -> None:
+        for bits in self.bits.values():
+            flat = bits.reshape(-1)
+            positions = self.rng.choice(flat.size, int(flat.size * self.fraction), replace=False)
+            flat[positions] += self.rng.choice(np.array([1, 0xFFFF], dtype=np.uint16), positions.size)
+
+
+@dataclass
+class Timeline:
+    """A `Progress` that records when one sync began, when each phase started, when the
+    version was served (swap), when the sync ended, and how many bytes it fetched."""
+
+    begun: float = 0.0
+    started: dict[str, float] = field(default_factory=dict)
+    fetched: int = 0
+    served_at: float = 0.0
+    ended: float = 0.0
+
+    def reset(self) -> None:
+        self.begun, self.started, self.fetched = time.perf_counter(), {}, 0
+
+    @property
+    def ready_s(self) -> float:
+        """From the sync call to the new version being served."""
+        return self.served_at - self.begun
+
+    @property
+    def apply_verify_s(self) -> float:
+        """From the start of applying (download done) to the swap."""
+        return self.served_at - self.started["apply"]
+
+    @property
+    def mirror_s(self) -> float:
+        """After the swap: the other slot brought forward, the cache pruned."""
+        return self.ended - self.served_at
+
+    def start(self, phase: str, total: int) -> None:
+        self.started.setdefault(phase, time.perf_counter())
+
+    def advance(self, phase: str, n: int) -> None:
+        if phase == "fetch":
+            self.fetched += n
+
+    def served(self, version: int) -> None:
+        self.served_at = time.perf_counter()
+
+
+@dataclass
+class Node:
+    follower: Follower
+    timeline: Timeline
+
+    def sync(self, version: int) -> Timeline:
+        self.timeline.reset()
+        self.follower.sync(version)
+        self.timeline.ended = time.perf_counter()
+        return self.timeline
+
+
+def node(client: BoardClient, directory: Path, name: str) -> Node:
+    timeline = Timeline()
+    follower = Follower(
+        client, RUN, directory, node_id=name, engine="bench", progress=timeline, on_version=timeline.served
+    )
+    return Node(follower, timeline)
+
+
+def publish(client: BoardClient, trainer: SyntheticTrainer, versions: int, status: Status) -> list[Any]:
+    from publisher.publisher import Publisher
+
+    results = []
+    with Publisher(client, RUN, keyframe_every=10**6, lease_ttl_s=300) as pub:
+        for v in range(versions):
+            status(f"publishing version {v}/{versions - 1}")
+            if v:
+                trainer.step()
+            results.append(pub.publish(trainer.state).result())
+    return results
+
+
+def full_write_s(trainer: SyntheticTrainer, directory: Path) -> float:
+    """Write the view as one safetensors checkpoint (header + every tensor), like a node
+    that receives whole checkpoints; the median of two runs, each into a new file."""
+    entries = [(name, "BF16", bits.shape) for name, bits in trainer.bits.items()]
+    prefix, _ = shard_header([(n, d, tuple(int(x) for x in s)) for n, d, s in entries])
+    times = []
+    for i in range(2):
+        path = directory / f"full-{i}.safetensors"
+        started = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(prefix)
+            for bits in trainer.bits.values():
+                f.write(bits.reshape(-1).view(np.uint8).data)
+        times.append(time.perf_counter() - started)
+        path.unlink()
+    return statistics.median(times)
+
+
+def run(config: BenchConfig, status: Status) -> dict[str, Any]:
+    k = config.catchup_k
+    with tempfile.TemporaryDirectory(prefix="deltaboard-bench-follow-") as tmp_name:
+        tmp = Path(tmp_name)
+        (tmp / "board").mkdir()
+        status("generating the view")
+        trainer = SyntheticTrainer(config)
+        with board_process(tmp / "board") as (url, token), BoardClient(url, token) as client:
+            results = publish(client, trainer, 1 + k + config.steady, status)
+            status("writing the full checkpoint")
+            full_s = full_write_s(trainer, tmp)
+            manifests = [client.manifest(RUN, v) for v in range(1, 1 + k)]
+            keyframe_bytes = client.plan(RUN, None, 0).total_bytes
+            planned = client.plan(RUN, 0, k)
+
+            status("bootstrapping new nodes")
+            fresh = node(client, tmp / "fresh", "fresh")
+            bootstrap_keyframe_s = fresh.sync(0).ready_s
+            fresh.follower.close()
+            fresh = node(client, tmp / "fresh-head", "fresh-head")
+            bootstrap_s = fresh.sync(k + config.steady).ready_s
+            fresh.follower.close()
+
+            status(f"a node {k} versions behind catching up")
+            behind = node(client, tmp / "behind", "behind")
+            behind.sync(0)
+            timeline = behind.sync(k)
+            catchup_s, catchup_bytes = timeline.ready_s, timeline.fetched
+
+            applies, mirrors, totals = [], [], []
+            for v in range(k + 1, k + 1 + config.steady):
+                status(f"steady updates: version {v}")
+                timeline = behind.sync(v)
+                applies.append(timeline.apply_verify_s)
+                mirrors.append(timeline.mirror_s)
+                totals.append(timeline.ready_s)
+            behind.follower.close()
+
+    apply_s = statistics.median(applies)
+    changed = statistics.median(r.changed_elements / r.total_elements for r in results[1:])
+    return {
+        "view_gb": trainer.nbytes / 1e9,
+        "changed_fraction": changed,
+        "apply_verify_s": apply_s,
+        "mirror_s": statistics.median(mirrors),
+        "update_ready_s": statistics.median(totals),
+        "full_write_s": full_s,
+        "apply_verify_ratio": apply_s / full_s,
+        "bootstrap_s": bootstrap_s,
+        "bootstrap_keyframe_s": bootstrap_keyframe_s,
+        "catchup_k": k,
+        "catchup_s": catchup_s,
+        "catchup_bytes": catchup_bytes,
+        "catchup_strategy": planned.strategy,
+        "keyframe_bytes": keyframe_bytes,
+        "replay_bytes": sum(m.stats.encoded_bytes for m in manifests),
+        "targets": {
+            "apply_verify_le_0.1x_full_write": apply_s <= 0.1 * full_s,
+            "catchup_le_one_keyframe": catchup_bytes <= keyframe_bytes,
+        },
+        "view": "synthetic: N(0, 0.02) bf16 weights, a uniformly random 1% of elements +-1 ULP per version",
+    }
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"bench follow: {report['view_gb']:.3f} GB bf16 view ({report['view']})")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("changed fraction per version", f"{report['changed_fraction']:.4%}"),
+        ("full checkpoint write", f"{report['full_write_s']:.3f} s"),
+        (
+            "apply + verify per version",
+            f"{report['apply_verify_s']:.3f} s ({report['apply_verify_ratio']:.3f}x)",
+        ),
+        ("mirror into the other slot (after the swap)", f"{report['mirror_s']:.3f} s"),
+        ("update ready, download included", f"{report['update_ready_s']:.3f} s"),
+        ("new node serving head (keyframe + all deltas)", f"{report['bootstrap_s']:.3f} s"),
+        ("new node serving a keyframe version", f"{report['bootstrap_keyframe_s']:.3f} s"),
+        (f"catch-up from {report['catchup_k']} behind", f"{report['catchup_s']:.3f} s"),
+        ("  bytes fetched", f"{report['catchup_bytes']:,} ({report['catchup_strategy']})"),
+        ("  one keyframe", f"{report['keyframe_bytes']:,}"),
+        (f"  replaying {report['catchup_k']} deltas", f"{report['replay_bytes']:,}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    for name, ok in report["targets"].items():
+        table.add_row(f"target {name}", "[green]met[/]" if ok else "[red]missed[/]")
+    console.print(table)

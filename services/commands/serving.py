@@ -50,6 +50,7 @@ def sidecar(
     token: str | None = typer.Option(None, envvar="DELTABOARD_TOKEN", help="board read token"),
     default_wait: float = typer.Option(30.0, help="seconds a constrained request waits by default"),
     max_wait: float = typer.Option(300.0, help="upper bound on any request's wait"),
+    poll: float = typer.Option(5.0, min=0.1, max=60.0, help="seconds per long-poll of the board's head"),
 ) -> None:
     """Serve the version-aware proxy in front of an engine, following the run's versions."""
     import uvicorn
@@ -71,6 +72,7 @@ def sidecar(
         node_id=node_id or os.uname().nodename,
         default_wait_s=default_wait,
         max_wait_s=max_wait,
+        poll_s=poll,
     )
     uvicorn.run(Sidecar(config).app, host=host, port=port, log_level="warning")
 

@@ -33,6 +33,7 @@ from services.engine.runtime import (
     generate,
     load_model,
 )
+from services.sidecar.background import wait_disconnect
 
 RETRY_AFTER_S = "1"
 
@@ -95,11 +96,6 @@ async def _steps(
         cancel.set()
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _sse(payload: dict[str, Any] | str) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
@@ -122,7 +118,7 @@ def create_app(state: EngineState) -> FastAPI:
         if stream:
             return StreamingResponse(_stream(completion, params, cancel), media_type="text/event-stream")
         collect = asyncio.ensure_future(_collect(completion, params, cancel))
-        disconnect = asyncio.ensure_future(_wait_disconnect(request))
+        disconnect = asyncio.ensure_future(wait_disconnect(request))
         await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         if not collect.done():
             cancel.set()

@@ -1,8 +1,10 @@
-"""Run an ASGI app with uvicorn on a loopback port in a background thread.
+"""HTTP serving helpers shared by the sidecar and the reference engine.
 
-The demo runs its sidecars in-process this way and the tests start real engines and
-sidecars this way: a real socket and a real HTTP server, without paying a process
-start (and a torch import) per server.
+`BackgroundServer` runs an ASGI app with uvicorn on a loopback port in a background
+thread: the demo runs its sidecars in-process this way and the tests start real engines
+and sidecars this way (a real socket and a real HTTP server, without paying a process
+start and a torch import per server). `wait_disconnect` returns when a client goes away,
+which is how both servers stop work nobody will read.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import socket
 import threading
 import time
 from typing import Any
+
+from starlette.requests import Request
 
 
 class BackgroundServer:
@@ -50,3 +54,9 @@ class BackgroundServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return once the client disconnects (call only after the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

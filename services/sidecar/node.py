@@ -19,11 +19,13 @@ from fastapi import FastAPI
 
 from board.errors import BoardError
 from clients.board_client import BoardClient
-from clients.engines import CommitMode, make_adapter
+from clients.engines import CommitMode, EngineAdapter, make_adapter
 from services.sidecar.gate import VersionGate
 from services.sidecar.metrics import SidecarMetrics
 from services.sidecar.proxy import ProxySettings, create_proxy_app
 from services.sidecar.sync import VersionSync
+
+SHUTDOWN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -38,16 +40,16 @@ class SidecarConfig:
     node_id: str = "node"
     default_wait_s: float = 30.0
     max_wait_s: float = 300.0
-    poll_s: float = 10.0
+    poll_s: float = 5.0
     drain_timeout_s: float = 60.0
 
 
 class Sidecar:
-    def __init__(self, config: SidecarConfig) -> None:
+    def __init__(self, config: SidecarConfig, adapter: EngineAdapter | None = None) -> None:
         self.config = config
         self.metrics = SidecarMetrics()
         self.gate = VersionGate(config.mode, config.drain_timeout_s)
-        self.adapter = make_adapter(config.engine_kind, config.engine_url)
+        self.adapter = adapter or make_adapter(config.engine_kind, config.engine_url)
         self.board = BoardClient(config.board_url, config.token)
         self.sync = VersionSync(self.gate, self.adapter, self.metrics, self._watch_head, config.poll_s)
         self._stop = threading.Event()
@@ -107,7 +109,7 @@ class Sidecar:
             yield
         finally:
             self._stop.set()
-            await asyncio.to_thread(self._thread.join, self.config.poll_s + 5)
-            self.follower.close()
-            self.adapter.close()
+            # A sync or swap in progress finishes; a head long-poll ends within poll_s.
+            await asyncio.to_thread(self._thread.join, self.config.poll_s + SHUTDOWN_TIMEOUT_S)
             self.board.close()
+            self.adapter.close()

@@ -29,6 +29,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.sidecar.background import wait_disconnect
 from services.sidecar.constraints import HEADER_PREFIX, ConstraintError, parse_constraint
 from services.sidecar.gate import Admitted, Refused, VersionGate
 from services.sidecar.metrics import SidecarMetrics
@@ -100,15 +101,10 @@ def _response_headers(upstream: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP | {"content-encoding"}}
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
     """Run `work` unless the client disconnects first (then cancel it): (finished, result)."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher = asyncio.ensure_future(wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:

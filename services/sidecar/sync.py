@@ -23,6 +23,9 @@ from services.sidecar.gate import VersionGate
 from services.sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger("deltaboard.sidecar")
+# Retries of a failed turn (board away, engine still starting) back off up to this: one
+# cheap call per node every few seconds, and a node back within seconds of its engine.
+MAX_BACKOFF_S = 2.0
 
 
 class FollowerPort(Protocol):
@@ -38,6 +41,8 @@ class FollowerPort(Protocol):
         """Reach `version` (or only send the fleet heartbeat when already there)."""
         ...
 
+    def close(self) -> None: ...
+
 
 HeadWatch = Callable[[int | None, float], int | None]
 """`(after, wait_s) -> head`: the board's head, long-polling while it is not past `after`."""
@@ -50,7 +55,7 @@ class VersionSync:
         adapter: EngineAdapter,
         metrics: SidecarMetrics,
         watch_head: HeadWatch,
-        poll_s: float = 10.0,
+        poll_s: float = 5.0,
     ) -> None:
         self.gate = gate
         self.adapter = adapter
@@ -99,19 +104,23 @@ class VersionSync:
             self._swap_in(version, lambda: None)
 
     def run(self, follower: FollowerPort, stop: threading.Event) -> None:
+        """Loop until `stop`; the loop owns `follower` and closes it on the way out."""
         self.follower = follower
         backoff = 0.5
-        while not stop.is_set():
-            try:
-                self._step(follower)
-                backoff = 0.5
-            except Exception as exc:  # network, board, engine or integrity trouble: keep serving, retry
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                log.warning("sync loop: %s", self.last_error)
-                stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+        try:
+            while not stop.is_set():
+                try:
+                    self._step(follower, stop)
+                    backoff = 0.5
+                except Exception as exc:  # board, engine or integrity trouble: keep serving, retry
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    log.warning("sync loop: %s", self.last_error)
+                    stop.wait(backoff)
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+        finally:
+            follower.close()
 
-    def _step(self, follower: FollowerPort) -> None:
+    def _step(self, follower: FollowerPort, stop: threading.Event) -> None:
         """One turn: load what the follower holds if the engine lacks it; else sync toward the
         next target; else wait for the head to move (heartbeating while idle)."""
         if not self.gate.healthy or self.gate.served != follower.version:
@@ -124,6 +133,8 @@ class VersionSync:
             follower.sync(target)
             return
         head = self.watch_head(self.gate.head, self.poll_s)
+        if stop.is_set():
+            return
         if head == self.gate.head and follower.version is not None:
             follower.sync(follower.version)  # already there: only the fleet heartbeat
         self.gate.publish_head(head)

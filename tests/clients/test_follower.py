@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import threading
 
-from clients.follower import Follower
-from tests.clients.support import assert_view, publish_states
+import numpy as np
+import pytest
+
+from board.schemas import RetentionPolicy
+from clients.follower import DirectoryError, Follower, FollowerError, IntegrityError
+from clients.follower.journal import Journal, SlotRecord
+from clients.follower.verify import served, verify_directory
+from tests.clients.support import assert_view, publish_states, read_dir
+from tests.support.servers import VENV_BIN
 
 SIZES = {
     "embed.weight": (256, 64),
@@ -16,18 +25,241 @@ SIZES = {
 }
 
 
-def test_bootstrap_then_catch_up_is_bit_exact(board, tmp_path):
+def test_bootstrap_catch_up_and_back_bit_exact_with_heartbeat(board, tmp_path):
     views = publish_states(board.client(board.publish_token), "r", SIZES, 6, keyframe_every=4)
     d = tmp_path / "model"
     with Follower(board.client(board.read_token), "r", d, node_id="n1", engine="test") as f:
+        assert f.version is None
         assert f.sync(2) == 2
         assert f.version == 2
         assert_view(d, views[2])
         assert json.loads((d / "config.json").read_text())["model_type"] == "test"
-        assert f.sync() == 5
+        assert f.sync() == 5  # a delta, a keyframe and a delta: starts from the keyframe
         assert_view(d, views[5])
         assert f.sync(1) == 1  # back in time: a keyframe chain
         assert_view(d, views[1])
+        assert f.model_dir == d
     fleet = board.client(board.read_token).fleet("r")
     assert [(n.node_id, n.version, n.engine) for n in fleet] == [("n1", 1, "test")]
     assert os.path.islink(d / "current")
+    # Both slots end at the served version (the stale one is mirrored), and the cache is empty.
+    state = Journal(d / ".deltaboard" / "journal.json").read()
+    assert state is not None and {r.version for r in state.slots.values()} == {1}
+    assert not any((d / ".deltaboard" / "cache" / "blobs").iterdir())
+
+
+def test_steady_updates_mirror_without_copy_and_sharded_layout(board, tmp_path):
+    from board.schemas import ViewSpec
+
+    spec = ViewSpec(shard_max_bytes=40_000)
+    views = publish_states(board.client(board.publish_token), "s", SIZES, 5, spec=spec)
+    d = tmp_path / "model"
+    phases: list[str] = []
+
+    class Record:
+        def start(self, phase: str, total: int) -> None:
+            phases.append(phase)
+
+        def advance(self, phase: str, n: int) -> None:
+            pass
+
+    with Follower(board.client(board.read_token), "s", d, node_id="n", progress=Record()) as f:
+        f.sync(1)
+        phases.clear()
+        for v in (2, 3, 4):
+            f.sync(v)
+            assert_view(d, views[v])
+    assert "copy" not in phases and phases.count("mirror") == 3
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert verify_directory(d).ok
+
+
+def test_commit_hook_controls_the_swap(board, tmp_path):
+    views = publish_states(board.client(board.publish_token), "h", SIZES, 3)
+    d = tmp_path / "model"
+    seen = []
+
+    def hook(version, swap):
+        before = read_dir(d) if version else None
+        swap()
+        seen.append(
+            (
+                version,
+                before is not None
+                and np.array_equal(before["head.weight"], views[version - 1]["head.weight"]),
+            )
+        )
+
+    with Follower(board.client(board.read_token), "h", d, node_id="n", commit_hook=hook) as f:
+        f.sync(0)
+        f.sync(1)
+    assert seen == [(0, False), (1, True)]  # until swap(), the old version is what is served
+
+    def refuse(version, swap):
+        raise RuntimeError("engine not ready")
+
+    with Follower(board.client(board.read_token), "h", d, node_id="n", commit_hook=refuse) as f:
+        with pytest.raises(RuntimeError):
+            f.sync(2)
+        assert f.version == 1
+        assert_view(d, views[1])
+    lazy = Follower(board.client(board.read_token), "h", d, node_id="n", commit_hook=lambda v, swap: None)
+    with lazy, pytest.raises(FollowerError, match="without calling swap"):
+        lazy.sync(2)
+    with Follower(board.client(board.read_token), "h", d, node_id="n") as f:
+        assert f.sync(2) == 2  # staged by the refused attempts: committed as is
+        assert_view(d, views[2])
+
+
+def test_follow_tracks_head_until_stopped(board, tmp_path):
+    from publisher.publisher import Publisher
+    from tests.clients.support import CONFIG, states, view_of
+
+    d = tmp_path / "model"
+    got: list[int] = []
+    done = threading.Event()
+    stop = threading.Event()
+
+    def seen(version):
+        got.append(version)
+        if version == 3:
+            done.set()
+
+    follower = Follower(board.client(board.read_token), "f", d, node_id="fw", on_version=seen, poll_s=1.0)
+    thread = threading.Thread(target=follower.follow, args=(stop,))
+    thread.start()
+    views = []
+    with Publisher(
+        board.client(board.publish_token), "f", assets={"config.json": json.dumps(CONFIG).encode()}
+    ) as pub:
+        for state in states(SIZES, 4):
+            views.append(view_of(state))
+            pub.publish(state).result()
+    assert done.wait(30)
+    stop.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert got == sorted(got) and got[-1] == 3
+    assert_view(d, views[3])
+    assert [n.version for n in board.client(board.read_token).fleet("f")] == [3]
+    follower.close()
+
+
+def test_corrupt_cached_blob_is_refetched_once(board, tmp_path, monkeypatch):
+    views = publish_states(board.client(board.publish_token), "c", SIZES, 3)
+    d = tmp_path / "model"
+    client = board.client(board.read_token)
+    with Follower(client, "c", d, node_id="n") as f:
+        f.sync(1)
+        # Bit rot in the local cache after download: the codec's checksum catches it.
+        real = f._fetcher.fetch
+        rotted = []
+
+        def rot(blobs, progress=None):
+            n = real(blobs, progress)
+            for path in (d / ".deltaboard" / "cache" / "blobs").iterdir():
+                if not rotted:
+                    rotted.append(path.name)
+                    data = bytearray(path.read_bytes())
+                    data[-1] ^= 0xFF
+                    path.write_bytes(bytes(data))
+            return n
+
+        monkeypatch.setattr(f._fetcher, "fetch", rot)
+        assert f.sync(2) == 2
+        assert rotted
+        assert_view(d, views[2])
+
+
+def test_bad_version_fails_loudly_and_leaves_the_served_one(board, tmp_path):
+    views = publish_states(board.client(board.publish_token), "b", SIZES, 2)
+    admin = board.client()
+    lease = admin.acquire_lease("b", "forger")
+    v1 = admin.manifest("b", 1)
+    # Version 2 re-uses version 1's patches, which were made against version 0: wrong base.
+    admin.commit("b", v1.model_copy(update={"version": 2, "parent": 1, "epoch": lease.epoch}))
+    d = tmp_path / "model"
+    with Follower(board.client(board.read_token), "b", d, node_id="n") as f:
+        f.sync(1)
+        with pytest.raises(IntegrityError, match="again after a refetch"):
+            f.sync(2)
+        assert f.version == 1
+    assert_view(d, views[1])
+
+
+def test_blob_corrupted_on_the_board_fails_after_one_refetch(board, tmp_path):
+    views = publish_states(board.client(board.publish_token), "x", SIZES, 2)
+    shas = board.client().manifest("x", 1).blob_shas()
+    for path in board.data_dir.rglob("*"):
+        if path.is_file() and path.name in shas:
+            path.write_bytes(b"not what was published")
+    d = tmp_path / "model"
+    with Follower(board.client(board.read_token), "x", d, node_id="n") as f:
+        f.sync(0)
+        with pytest.raises(IntegrityError, match="hashed wrong twice"):
+            f.sync(1)
+        assert f.version == 0
+    assert_view(d, views[0])
+
+
+def test_dirty_slot_after_a_crash_is_rebuilt(board, tmp_path):
+    views = publish_states(board.client(board.publish_token), "d", SIZES, 3)
+    d = tmp_path / "model"
+    with Follower(board.client(board.read_token), "d", d, node_id="n") as f:
+        f.sync(1)
+    # A crash in the middle of writing the staging slot: garbage written, journal says dirty.
+    current = served(d).slot_dir.name
+    stale = "A" if current == "B" else "B"
+    for shard in (d / ".deltaboard" / "slots" / stale).glob("*.safetensors"):
+        shard.write_bytes(b"\0" * shard.stat().st_size)
+    journal = Journal(d / ".deltaboard" / "journal.json")
+    state = journal.read()
+    assert state is not None
+    journal.save(state.with_slot(stale, SlotRecord(state="dirty")))
+    with Follower(board.client(board.read_token), "d", d, node_id="n") as f:
+        assert f.sync(2) == 2
+    assert_view(d, views[2])
+
+
+def test_pruned_base_bootstraps_from_a_keyframe(board, tmp_path):
+    views = publish_states(board.client(board.publish_token), "p", SIZES, 6, keyframe_every=4)
+    d = tmp_path / "model"
+    with Follower(board.client(board.read_token), "p", d, node_id="n") as f:
+        f.sync(1)
+        report = board.client().retention("p", RetentionPolicy(keep_last=2, grace_s=0))
+        assert 1 in report.deleted_manifests
+        assert f.sync() == 5
+    assert_view(d, views[5])
+
+
+def test_verify_detects_bit_rot_and_directories_are_guarded(board, tmp_path):
+    publish_states(board.client(board.publish_token), "v", SIZES, 2)
+    d = tmp_path / "model"
+    with Follower(board.client(board.read_token), "v", d, node_id="n") as f:
+        f.sync(1)
+        with pytest.raises(DirectoryError, match="another follower"):
+            Follower(board.client(board.read_token), "v", d, node_id="m")
+    with pytest.raises(DirectoryError, match="follows run"):
+        Follower(board.client(board.read_token), "other", d, node_id="m")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(DirectoryError, match="not empty"):
+        Follower(board.client(board.read_token), "v", foreign, node_id="m")
+
+    env = {"DELTABOARD_URL": board.url, "DELTABOARD_TOKEN": board.read_token, "PATH": str(VENV_BIN)}
+    ok = subprocess.run([str(VENV_BIN / "deltaboard"), "verify", str(d)], env=env, capture_output=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert b"board's manifest" in ok.stdout
+    shard = served(d).slot_dir / "model.safetensors"
+    with open(shard, "r+b") as fh:
+        fh.seek(-3, os.SEEK_END)
+        byte = fh.read(1)
+        fh.seek(-3, os.SEEK_END)
+        fh.write(bytes([byte[0] ^ 1]))
+    report = verify_directory(d)
+    assert not report.ok and report.bad_tensors and report.problems
+    bad = subprocess.run([str(VENV_BIN / "deltaboard"), "verify", str(d)], env=env, capture_output=True)
+    assert bad.returncode == 1
+    assert b"does not hash" in bad.stdout

@@ -14,6 +14,7 @@ handful of numpy passes over the *changed* elements only.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -150,50 +151,62 @@ def best_k(values: np.ndarray) -> int:
     return max(0, min(63, math.ceil(math.log2(ratio))))
 
 
-def rice_encode(w: Writer, values: np.ndarray, k: int | None = None) -> None:
-    """Append uint64 `values` Rice-coded (k chosen if not given)."""
-    values = values.astype(np.uint64, copy=False)
-    if k is None:
-        k = best_k(values)
-    w.u64(k)
-    q = (values >> np.uint64(k)).astype(np.int64)
-    ends = np.cumsum(q + 1) - 1
+def rice_encode(w: Writer, groups: Sequence[np.ndarray]) -> None:
+    """Append groups of uint64 values Rice-coded, each group with its own parameter.
+
+    One unary stream serves all groups, so finding the values costs the numpy calls of one
+    group (per-call overhead dominates at patch sizes); each group's remainders follow in
+    a section of fixed-width fields.
+    """
+    arrays = [g.astype(np.uint64, copy=False) for g in groups]
+    ks = [best_k(g) for g in arrays]
+    for k in ks:
+        w.u64(k)
+    counts = [g.size for g in arrays]
+    values = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.uint64)
+    widths = np.repeat(np.array(ks, dtype=np.uint64), counts)
+    ends = np.cumsum((values >> widths).astype(np.int64) + 1) - 1
     unary = np.zeros(int(ends[-1]) + 1 if ends.size else 0, dtype=np.uint8)
     unary[ends] = 1
     w.section(np.packbits(unary).tobytes())
-    w.section(pack_fixed(values, k))
+    for g, k in zip(arrays, ks, strict=True):
+        w.section(pack_fixed(g, k))
 
 
-def rice_decode(r: Reader, count: int) -> np.ndarray:
-    """Read `count` Rice-coded values back as uint64."""
-    k = r.u64()
-    if k > 63:
-        raise PatchError(f"corrupted patch: Rice parameter {k}")
+def rice_decode(r: Reader, counts: Sequence[int]) -> list[np.ndarray]:
+    """Read groups of `counts` Rice-coded values back as uint64 arrays."""
+    ks = [r.u64() for _ in counts]
+    if any(k > 63 for k in ks):
+        raise PatchError(f"corrupted patch: Rice parameters {ks}")
     unary = r.section()
-    low = r.section()
+    remainders = [unpack_fixed(r.section(), count, k) for count, k in zip(counts, ks, strict=True)]
+    total = sum(counts)
     ends = np.flatnonzero(np.unpackbits(np.frombuffer(unary, dtype=np.uint8)))
-    if ends.size < count:
+    if ends.size < total:
         raise PatchError("patch is truncated or corrupted (too few coded values)")
-    ends = ends[:count]
-    q = np.diff(ends, prepend=-1) - 1
-    values: np.ndarray = (q.astype(np.uint64) << np.uint64(k)) | unpack_fixed(low, count, k)
-    return values
+    q = np.diff(ends[:total], prepend=-1) - 1
+    quotients = np.split(q.astype(np.uint64), np.cumsum(counts)[:-1]) if counts else []
+    return [(qg << np.uint64(k)) | rg for qg, k, rg in zip(quotients, ks, remainders, strict=True)]
 
 
-def encode_index_set(w: Writer, positions: np.ndarray) -> None:
-    """Strictly increasing int64 positions as Rice-coded gaps (`p_j - p_{j-1} - 1`)."""
-    gaps = np.diff(positions, prepend=-1) - 1
-    rice_encode(w, gaps.astype(np.uint64))
+def encode_index_sets(w: Writer, sets: Sequence[np.ndarray]) -> None:
+    """Strictly increasing int64 position sets as Rice-coded gaps (`p_j - p_{j-1} - 1`)."""
+    rice_encode(w, [np.diff(p, prepend=-1) - 1 for p in sets])
 
 
-def decode_index_set(r: Reader, count: int, limit: int) -> np.ndarray:
-    """Positions written by `encode_index_set`, checked to lie in [0, limit)."""
-    gaps = rice_decode(r, count)
-    if count == 0:
+def decode_index_sets(r: Reader, counts: Sequence[int], limits: Sequence[int]) -> list[np.ndarray]:
+    """Position sets written by `encode_index_sets`, each checked to lie in [0, limit)."""
+    return [positions_from_gaps(g, limit) for g, limit in zip(rice_decode(r, counts), limits, strict=True)]
+
+
+def positions_from_gaps(gaps: np.ndarray, limit: int) -> np.ndarray:
+    """Strictly increasing positions from their gaps, checked to lie in [0, limit)."""
+    if gaps.size == 0:
         return np.empty(0, dtype=np.int64)
+    # bounding each gap first keeps the sum far from uint64 wrap-around
     if int(gaps.max()) >= limit:
-        raise PatchError("corrupted patch: a position lies outside the tensor")
+        raise PatchError("corrupted patch: a position lies outside its range")
     positions = np.cumsum(gaps + np.uint64(1), dtype=np.uint64) - np.uint64(1)
     if int(positions[-1]) >= limit:
-        raise PatchError("corrupted patch: a position lies outside the tensor")
+        raise PatchError("corrupted patch: a position lies outside its range")
     return positions.astype(np.int64)

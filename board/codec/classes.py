@@ -23,7 +23,7 @@ import numpy as np
 from board.codec.context import EXPONENT_FIELDS, magnitude_bits
 from board.codec.parallel import chunks, map_ranges
 
-_CHUNK = 1 << 17  # elements per pass chunk: a multiple of 64, small enough for L2
+_CHUNK = 1 << 18  # elements per pass chunk: a multiple of 64, small enough for L2
 _U1, _U2, _U4, _U8 = np.uint64(1), np.uint64(2), np.uint64(4), np.uint64(8)
 _M55, _M33, _M0F = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333), np.uint64(0x0F0F0F0F0F0F0F0F)
 _L01, _H80, _MFF = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080), np.uint64(0xFF)

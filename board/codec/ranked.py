@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from board.codec.bitio import Reader, Writer, decode_index_set, encode_index_set
+from board.codec.bitio import Reader, Writer, decode_index_sets, encode_index_sets
 from board.codec.changes import Changes
 from board.codec.classes import class_of, class_positions, class_ranks, split_classes
 from board.codec.context import EXPONENT_FIELDS
@@ -23,10 +23,10 @@ def encode(w: Writer, changes: Changes, old_bits: np.ndarray, t_low: int, t_top:
     w.u64(t_low)
     w.u64(t_top)
     ranks = class_ranks(classes, changes.positions, cls)
-    for c in range(3):
-        mine = ranks[cls == c]
+    per_class = [ranks[cls == c] for c in range(3)]
+    for mine in per_class:
         w.u64(mine.size)
-        encode_index_set(w, np.sort(mine))
+    encode_index_sets(w, per_class)
 
 
 def decode(r: Reader, changed: int, old_bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -36,14 +36,12 @@ def decode(r: Reader, changed: int, old_bits: np.ndarray, dtype: str) -> np.ndar
     if not t_low <= t_top <= EXPONENT_FIELDS[dtype][1] + 1:
         raise PatchError(f"corrupted patch: exponent classes {t_low}, {t_top}")
     classes = split_classes(old_bits, dtype, t_low, t_top)
-    ranks, labels = [], []
-    for c, size in enumerate(classes.sizes):
-        count = r.u64()
-        if count > size:
-            raise PatchError("corrupted patch: more changes than elements in a class")
-        ranks.append(decode_index_set(r, count, size))
-        labels.append(np.full(count, c, dtype=np.int64))
-    if sum(x.size for x in ranks) != changed:
+    counts = [r.u64() for _ in range(3)]
+    if any(count > size for count, size in zip(counts, classes.sizes, strict=True)):
+        raise PatchError("corrupted patch: more changes than elements in a class")
+    if sum(counts) != changed:
         raise PatchError("corrupted patch: class counts do not add up to the changed count")
-    positions = class_positions(classes, np.concatenate(ranks), np.concatenate(labels))
+    ranks = np.concatenate(decode_index_sets(r, counts, classes.sizes))
+    labels = np.repeat(np.arange(3), counts)
+    positions = class_positions(classes, ranks, labels)
     return np.sort(positions, kind="stable")

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from board.codec.bitio import Reader, Writer, decode_index_set, encode_index_set
+from board.codec.bitio import Reader, Writer, decode_index_sets, encode_index_sets
 from board.codec.changes import Changes
 
 
 def encode(w: Writer, changes: Changes) -> None:
-    encode_index_set(w, changes.positions)
+    encode_index_sets(w, [changes.positions])
 
 
 def decode(r: Reader, changed: int, old_bits: np.ndarray, dtype: str) -> np.ndarray:
-    return decode_index_set(r, changed, old_bits.size)
+    return decode_index_sets(r, [changed], [old_bits.size])[0]

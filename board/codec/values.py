@@ -24,9 +24,8 @@ import numpy as np
 from board.codec.bitio import (
     Reader,
     Writer,
-    decode_index_set,
-    encode_index_set,
     pack_varwidth,
+    positions_from_gaps,
     rice_decode,
     rice_encode,
     unpack_varwidth,
@@ -74,8 +73,7 @@ def encode_values(w: Writer, old_bits: np.ndarray, new_bits: np.ndarray, dtype: 
     zigzag = ((r << 1) ^ (r >> 63)).astype(np.uint64)
     missed = np.flatnonzero(zigzag)
     w.u64(missed.size)
-    encode_index_set(w, missed)
-    rice_encode(w, zigzag[missed] - np.uint64(1))
+    rice_encode(w, [np.diff(missed, prepend=-1) - 1, zigzag[missed] - np.uint64(1)])
     wide = c >= 2
     w.section(pack_varwidth(v[wide], c[wide] - 1))
 
@@ -93,9 +91,9 @@ def decode_values(r: Reader, old_bits: np.ndarray, dtype: str) -> np.ndarray:
     missed_count = r.u64()
     if missed_count > n:
         raise PatchError("corrupted patch: more mispredictions than changed elements")
-    missed = decode_index_set(r, missed_count, n)
+    gaps, sizes = rice_decode(r, [missed_count, missed_count])
     zigzag = np.zeros(n, dtype=np.uint64)
-    zigzag[missed] = rice_decode(r, missed_count) + np.uint64(1)
+    zigzag[positions_from_gaps(gaps, n)] = sizes + np.uint64(1)
     c = predicted[value_contexts(old_bits, dtype)] + (
         (zigzag >> np.uint64(1)).astype(np.int64) ^ -(zigzag & np.uint64(1)).astype(np.int64)
     )

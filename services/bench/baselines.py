@@ -14,14 +14,20 @@ manifest does.
 * `deltaboard`: `board.codec` patches, per changed tensor. The publisher carries the digest
   of the view it last published and the follower the digest of the view it holds, so the
   digests of the old view are inputs here, as they are in the system.
+* `deltaboard-sparse`: the same without the `context` encoding (no pass over the old
+  tensor on either side), to show what the context costs and saves.
+
+Per-tensor work runs on a pool of two threads (the machine's cores) for every encoding
+alike; numpy and zstd release the GIL.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 import zstandard
@@ -30,6 +36,18 @@ from board import codec
 
 View = Mapping[str, np.ndarray]
 Blobs = dict[str, bytes]
+T = TypeVar("T")
+_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench")
+
+
+def each(names: Iterable[str], fn: Callable[[str], T]) -> dict[str, T]:
+    """`fn(name)` for every name on the pool, in order."""
+    names = list(names)
+    return dict(zip(names, _POOL.map(fn, names), strict=True))
+
+
+def changed_only(blobs: Mapping[str, bytes | None]) -> Blobs:
+    return {name: blob for name, blob in blobs.items() if blob is not None}
 
 
 class Encoding(Protocol):
@@ -48,34 +66,31 @@ class Full:
     name = "full"
 
     def encode(self, old: View, new: View, dtypes: Mapping[str, str]) -> Blobs:
-        return {name: new[name].tobytes() for name in new}
+        return each(new, lambda name: new[name].tobytes())
 
     def apply(self, old: View, blobs: Blobs, dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
-        return {name: np.frombuffer(blobs[name], dtype=np.uint8).copy() for name in old}
+        return each(old, lambda name: np.frombuffer(blobs[name], dtype=np.uint8).copy())
 
 
 class Coo32:
     name = "coo32"
 
     def encode(self, old: View, new: View, dtypes: Mapping[str, str]) -> Blobs:
-        blobs = {}
-        for name in new:
+        def one(name: str) -> bytes | None:
             ch = codec.diff(old[name], new[name], dtypes[name])
-            if ch.count:
-                blobs[name] = ch.positions.astype("<i4").tobytes() + ch.new_bits.tobytes()
-        return blobs
+            return ch.positions.astype("<i4").tobytes() + ch.new_bits.tobytes() if ch.count else None
+
+        return changed_only(each(new, one))
 
     def apply(self, old: View, blobs: Blobs, dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
-        updates = {}
-        for name, blob in blobs.items():
-            w = codec.width(dtypes[name])
-            n = len(blob) // (4 + w)
+        def one(name: str) -> np.ndarray:
+            blob, bits = blobs[name], codec.uint_dtype(dtypes[name])
+            n = len(blob) // (4 + bits.itemsize)
             out = old[name].copy()
-            out.view(codec.uint_dtype(dtypes[name]))[np.frombuffer(blob, "<i4", n)] = np.frombuffer(
-                blob, codec.uint_dtype(dtypes[name]), n, 4 * n
-            )
-            updates[name] = out
-        return _patched(old, updates)
+            out.view(bits)[np.frombuffer(blob, "<i4", n)] = np.frombuffer(blob, bits, n, 4 * n)
+            return out
+
+        return _patched(old, each(blobs, one))
 
 
 _PULSE_RECORD = struct.Struct("<IQB")
@@ -89,9 +104,9 @@ class Pulse:
     name = "pulse"
 
     def encode(self, old: View, new: View, dtypes: Mapping[str, str]) -> Blobs:
+        diffs = each(new, lambda name: codec.diff(old[name], new[name], dtypes[name]))
         parts = []
-        for i, name in enumerate(new):
-            ch = codec.diff(old[name], new[name], dtypes[name])
+        for i, ch in enumerate(diffs.values()):
             if not ch.count:
                 continue
             deltas = np.diff(ch.positions, prepend=0)
@@ -123,20 +138,19 @@ class XorZstd:
     name = "xor-zstd"
 
     def encode(self, old: View, new: View, dtypes: Mapping[str, str]) -> Blobs:
-        cctx = zstandard.ZstdCompressor(level=1)
-        return {
-            name: cctx.compress(np.bitwise_xor(old[name], new[name]).data)
-            for name in new
-            if not np.array_equal(old[name], new[name])
-        }
+        def one(name: str) -> bytes | None:
+            if np.array_equal(old[name], new[name]):
+                return None
+            return zstandard.ZstdCompressor(level=1).compress(np.bitwise_xor(old[name], new[name]).data)
+
+        return changed_only(each(new, one))
 
     def apply(self, old: View, blobs: Blobs, dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
-        dctx = zstandard.ZstdDecompressor()
-        updates = {
-            name: np.bitwise_xor(old[name], np.frombuffer(dctx.decompress(blob), dtype=np.uint8))
-            for name, blob in blobs.items()
-        }
-        return _patched(old, updates)
+        def one(name: str) -> np.ndarray:
+            patch = zstandard.ZstdDecompressor().decompress(blobs[name])
+            return np.bitwise_xor(old[name], np.frombuffer(patch, dtype=np.uint8))
+
+        return _patched(old, each(blobs, one))
 
 
 @dataclass
@@ -145,29 +159,34 @@ class Deltaboard:
 
     name: str = "deltaboard"
     digests: dict[str, str] = field(default_factory=dict)
+    context: bool = True
 
     def encode(self, old: View, new: View, dtypes: Mapping[str, str]) -> Blobs:
-        blobs = {}
-        for name in new:
+        def one(name: str) -> bytes | None:
             ch = codec.diff(old[name], new[name], dtypes[name])
-            if ch.count:
-                blobs[name] = codec.encode_changes(ch, old[name], dtypes[name], old_digest=self.digests[name])
-        return blobs
+            if not ch.count:
+                return None
+            return codec.encode_changes(
+                ch, old[name], dtypes[name], old_digest=self.digests[name], context=self.context
+            )
+
+        return changed_only(each(new, one))
 
     def apply(self, old: View, blobs: Blobs, dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
-        updates = {name: codec.apply(old[name], blob, self.digests[name]) for name, blob in blobs.items()}
-        return _patched(old, updates)
+        return _patched(
+            old, each(blobs, lambda name: codec.apply(old[name], blobs[name], self.digests[name]))
+        )
 
 
 ENCODINGS: tuple[str, ...] = ("full", "coo32", "pulse", "xor-zstd", "deltaboard")
+VARIANTS: tuple[str, ...] = ("deltaboard-sparse",)
 
 
-def make(name: str) -> Encoding:
-    classes: dict[str, type[Encoding]] = {
-        "full": Full,
-        "coo32": Coo32,
-        "pulse": Pulse,
-        "xor-zstd": XorZstd,
-        "deltaboard": Deltaboard,
-    }
+def make(name: str, digests: dict[str, str]) -> Encoding:
+    """The encoding of that name; `digests` are the old view's (used by ours)."""
+    if name == "deltaboard":
+        return Deltaboard(digests=digests)
+    if name == "deltaboard-sparse":
+        return Deltaboard(name=name, digests=digests, context=False)
+    classes: dict[str, type[Encoding]] = {"full": Full, "coo32": Coo32, "pulse": Pulse, "xor-zstd": XorZstd}
     return classes[name]()

@@ -23,6 +23,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         k: list[int] = typer.Option([], help="Version distances (default 1 8 32; quick 1 8)."),
         pairs: int | None = typer.Option(None, help="Version pairs per setting (medians over them)."),
         warmup: int | None = typer.Option(None, help="Warm-up steps at 1e-3 before the measured steps."),
+        encoding: list[str] = typer.Option(
+            [],
+            help="Encodings (default: full coo32 pulse xor-zstd deltaboard; also deltaboard-sparse).",
+        ),
         cache: Path = typer.Option(DEFAULT_CACHE, help="Where trajectories are kept between runs."),
     ) -> None:
         """Bits per changed element, throughput and exactness of every encoding."""
@@ -32,12 +36,16 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from rich.progress import Progress
 
         from services.bench import codec_bench
+        from services.bench.baselines import ENCODINGS, VARIANTS
         from services.trajectory import REGIMES
 
         config = codec_bench.QUICK if quick else codec_bench.BenchConfig()
         bad = [r for r in regime if r not in REGIMES]
         if bad:
             raise typer.BadParameter(f"unknown regime {bad}; choose from {REGIMES}")
+        known = ENCODINGS + VARIANTS
+        if any(e not in known for e in encoding):
+            raise typer.BadParameter(f"unknown encoding in {encoding}; choose from {known}")
         config = replace(
             config,
             size=size,
@@ -47,6 +55,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             ks=tuple(k) or config.ks,
             pairs=pairs or config.pairs,
             warmup_steps=config.warmup_steps if warmup is None else warmup,
+            encodings=tuple(encoding) or config.encodings,
         )
         console = Console()
         with Progress(console=console, transient=True) as bar:

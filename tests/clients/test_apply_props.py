@@ -32,7 +32,7 @@ def manifest(version: int, kind: str, entries: list[TensorEntry], digests: dict[
         run="p",
         version=version,
         parent=None if version == 0 else version - 1,
-        kind=kind,  # type: ignore[arg-type]
+        kind="full" if kind == "full" else "delta",
         view=ViewSpec(shard_max_bytes=4096),
         epoch=1,
         created_at=0.0,

@@ -12,6 +12,7 @@ rotary `inv_freq` buffer, which a loaded checkpoint recomputes in fp32).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -26,7 +27,7 @@ from tests.clients.support import assert_view, view_of
 
 def test_follower_tracks_adamw_trajectory_bit_exact_with_same_logits(board, tmp_path):
     torch.manual_seed(0)
-    model = build_model("tiny", seed=0)
+    model: Any = build_model("tiny", seed=0)
     tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     assets = {"config.json": model.config.to_json_string().encode()}
     d = tmp_path / "node"

@@ -12,7 +12,7 @@ import pytest
 
 from board.schemas import RetentionPolicy
 from clients.follower import DirectoryError, Follower, FollowerError, IntegrityError
-from clients.follower.journal import Journal, SlotRecord
+from clients.follower.journal import Journal, SlotName, SlotRecord
 from clients.follower.verify import served, verify_directory
 from tests.clients.support import assert_view, publish_states, read_dir
 from tests.support.servers import VENV_BIN
@@ -154,7 +154,7 @@ def test_corrupt_cached_blob_is_refetched_once(board, tmp_path, monkeypatch):
         f.sync(1)
         # Bit rot in the local cache after download: the codec's checksum catches it.
         real = f._fetcher.fetch
-        rotted = []
+        rotted: list[str] = []
 
         def rot(blobs, progress=None):
             n = real(blobs, progress)
@@ -209,8 +209,7 @@ def test_dirty_slot_after_a_crash_is_rebuilt(board, tmp_path):
     with Follower(board.client(board.read_token), "d", d, node_id="n") as f:
         f.sync(1)
     # A crash in the middle of writing the staging slot: garbage written, journal says dirty.
-    current = served(d).slot_dir.name
-    stale = "A" if current == "B" else "B"
+    stale: SlotName = "A" if served(d).slot_dir.name == "B" else "B"
     for shard in (d / ".deltaboard" / "slots" / stale).glob("*.safetensors"):
         shard.write_bytes(b"\0" * shard.stat().st_size)
     journal = Journal(d / ".deltaboard" / "journal.json")

@@ -35,8 +35,6 @@ import typer
 
 RUN = "demo"
 PROMPT = [11, 7, 42, 99, 5, 1]
-# Unpublished steps that warm Adam's moments first, as a policy entering RL has them.
-WARMUP_STEPS = 10
 
 
 def free_port() -> int:
@@ -244,14 +242,16 @@ def start_nodes(
     return nodes
 
 
+@dataclass(frozen=True)
+class TrainerSettings:
+    lr: float
+    warmup_steps: int
+    max_tokens: int
+    delay_s: float
+
+
 def train_and_publish(
-    state: DemoState,
-    board_url: str,
-    token: str,
-    nodes: list[Node],
-    lr: float,
-    max_tokens: int,
-    delay_s: float,
+    state: DemoState, board_url: str, token: str, nodes: list[Node], settings: TrainerSettings
 ) -> None:
     from publisher.publisher import Publisher
     from services.trajectory import build_model, train
@@ -268,7 +268,7 @@ def train_and_publish(
             if nodes:  # pin before publishing: the node holds at this version for the request
                 node = nodes[version % len(nodes)]
                 thread = threading.Thread(
-                    target=pinned_request, args=(node, version, state, max_tokens), daemon=True
+                    target=pinned_request, args=(node, version, state, settings.max_tokens), daemon=True
                 )
                 thread.start()
                 pending.append(thread)
@@ -282,9 +282,12 @@ def train_and_publish(
                 state.step = step
 
         # train() yields 0 first (the initial view: the keyframe), then after every step
-        for step in train(model, steps=state.steps, lr=lr, regime="fp32-master", warmup_steps=WARMUP_STEPS):
+        steps = train(
+            model, steps=state.steps, lr=settings.lr, regime="fp32-master", warmup_steps=settings.warmup_steps
+        )
+        for step in steps:
             publish(step)
-            time.sleep(delay_s)
+            time.sleep(settings.delay_s)
     for thread in pending:
         thread.join()
 
@@ -357,6 +360,9 @@ def demo(
     steps: int = typer.Option(30, help="AdamW steps to train (one version each)"),
     nodes: int = typer.Option(3, min=0, max=8, help="rollout nodes (follower + sidecar + engine)"),
     lr: float = typer.Option(1e-6, help="learning rate (RL post-training uses 1e-6..3e-6)"),
+    warmup: int = typer.Option(
+        10, min=0, help="unpublished steps first, so Adam's moments are warm as a policy entering RL has them"
+    ),
     mode: str = typer.Option("quiesce", help="sidecar commit mode: quiesce or in_place"),
     max_tokens: int = typer.Option(4, min=1, help="tokens per pinned completion"),
     step_delay: float = typer.Option(
@@ -390,7 +396,8 @@ def demo(
             stack.callback(node.server.stop)
         state = DemoState(steps)
         with Live(get_renderable=lambda: render(state, fleet), console=console, refresh_per_second=4):
-            train_and_publish(state, board, token or "", fleet, lr, max_tokens, step_delay)
+            settings = TrainerSettings(lr, warmup, max_tokens, step_delay)
+            train_and_publish(state, board, token or "", fleet, settings)
             converged = await_convergence(fleet, state.head, timeout_s=60)
         report = summary(state, fleet, converged, time.monotonic() - started)
     console.print()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
         "from services.cli import main; main()",
         "demo",
         "--steps=4",
+        "--warmup=0",
         "--nodes=2",
         f"--workdir={tmp_path / 'work'}",
         f"--json={summary}",
@@ -45,3 +47,25 @@ def test_demo_refuses_an_unknown_commit_mode(tmp_path):
     command = [sys.executable, "-c", "from services.cli import main; main()", "demo", "--mode=eventually"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "quiesce" in done.stdout + done.stderr
+
+
+def test_demo_as_a_trainer_for_an_existing_board(board, tmp_path):
+    """What the compose file's trainer runs: publish to a board, no local nodes."""
+    summary = tmp_path / "summary.json"
+    command = [
+        sys.executable,
+        "-c",
+        "from services.cli import main; main()",
+        "demo",
+        f"--board={board.url}",
+        "--nodes=0",
+        "--steps=2",
+        "--warmup=0",
+        f"--json={summary}",
+    ]
+    env = {**os.environ, "DELTABOARD_TOKEN": board.publish_token}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(summary.read_text())
+    assert report["versions"] == 3 and report["nodes"] == [] and report["pinned_requests"] == 0
+    assert board.client(board.read_token).head("demo").version == 2

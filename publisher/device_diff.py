@@ -6,12 +6,15 @@ the changed positions and their old and new bit patterns, never a whole tensor: 
 bits are the context the codec conditions on, the new bits what it encodes. Bit
 patterns are compared as integers, so -0/+0 differ and an unchanged NaN is unchanged.
 
-The comparison walks each group in chunks of `CHUNK_ELEMENTS` so that the transient
-mask costs at most that many bytes, whatever the view's size.
+The view is diffed in batches of consecutive tensors (`batches`); within a batch the
+comparison walks in chunks of `CHUNK_ELEMENTS` so that the transient mask costs at most
+that many bytes, whatever the view's size.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,9 +22,11 @@ import torch
 
 from board.codec import Changes
 from board.codec.dtypes import uint_dtype
-from publisher.snapshot import ViewBuffer
+from publisher.snapshot import Slot, ViewBuffer, ViewLayout, word_aligned
 
 CHUNK_ELEMENTS = 1 << 27
+CPU_BATCH_BYTES = 1 << 25
+CUDA_BATCH_BYTES = 1 << 31
 
 
 @dataclass
@@ -67,37 +72,79 @@ def _changed(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.
     return words[rows] * per + lane, old_lanes[rows, lane], new_lanes[rows, lane]
 
 
-@torch.no_grad()
-def diff_views(old: ViewBuffer, new: ViewBuffer) -> ViewDiff:
-    """Changes from `old` to `new`, two buffers of the same layout.
+def batches(layout: ViewLayout, batch_bytes: int) -> list[list[Slot]]:
+    """Consecutive slots of one group, about `batch_bytes` each: the unit of the pipeline."""
+    out: list[list[Slot]] = []
+    size = 0
+    for slot in layout.slots:
+        if not out or out[-1][-1].group != slot.group or size + slot.nbytes > batch_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(slot)
+        size += slot.nbytes
+    return out
 
-    Per group: one comparison per chunk, one gather of the old and new bits at the
-    changed positions, and a `searchsorted` over the slots' offsets to cut the result
-    per tensor, all on the device; then four small transfers to the host.
+
+@torch.no_grad()
+def diff_slots(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> ViewDiff:
+    """Changes of consecutive slots of one group (see `batches`).
+
+    One comparison over their range, one gather of the changed words, a `searchsorted`
+    over the slots' offsets to cut the result per tensor, all on the device; then four
+    small transfers to the host.
     """
     result = ViewDiff()
-    for group, new_bits in new.groups.items():
-        old_bits = old.groups[group]
-        pos, old_changed, new_changed = _changed(old_bits, new_bits)
-        if pos.numel() == 0:
-            continue
-        slots = [s for s in new.layout.slots if s.group == group]
-        starts = torch.tensor([s.offset for s in slots], dtype=torch.int64, device=pos.device)
-        owner = torch.searchsorted(starts, pos, right=True) - 1
-        local = (pos - starts[owner]).cpu().numpy()
-        counts = torch.bincount(owner, minlength=len(slots)).cpu().numpy()
-        old_h = old_changed.cpu().numpy()
-        new_h = new_changed.cpu().numpy()
-        result.host_bytes += local.nbytes + counts.nbytes + old_h.nbytes + new_h.nbytes
-        bounds = np.concatenate(([0], np.cumsum(counts)))
-        for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):
-            if hi > lo:
-                unsigned = uint_dtype(slot.dtype)
-                result.changes[slot.name] = Changes(
-                    slot.dtype,
-                    slot.numel,
-                    local[lo:hi],
-                    old_h[lo:hi].view(unsigned),
-                    new_h[lo:hi].view(unsigned),
-                )
+    group = slots[0].group
+    start = slots[0].offset
+    stop = word_aligned(slots[-1].offset + slots[-1].numel, group[1])
+    pos, old_changed, new_changed = _changed(old.groups[group][start:stop], new.groups[group][start:stop])
+    if pos.numel() == 0:
+        return result
+    starts = torch.tensor([s.offset - start for s in slots], dtype=torch.int64, device=pos.device)
+    owner = torch.searchsorted(starts, pos, right=True) - 1
+    local = (pos - starts[owner]).cpu().numpy()
+    counts = torch.bincount(owner, minlength=len(slots)).cpu().numpy()
+    old_h = old_changed.cpu().numpy()
+    new_h = new_changed.cpu().numpy()
+    result.host_bytes += local.nbytes + counts.nbytes + old_h.nbytes + new_h.nbytes
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):
+        if hi > lo:
+            unsigned = uint_dtype(slot.dtype)
+            result.changes[slot.name] = Changes(
+                slot.dtype,
+                slot.numel,
+                local[lo:hi],
+                old_h[lo:hi].view(unsigned),
+                new_h[lo:hi].view(unsigned),
+            )
+    return result
+
+
+def batch_bytes_for(layout: ViewLayout) -> int:
+    """Small batches on the CPU (the diff of one overlaps the encoding of the previous),
+    large ones on CUDA (each batch costs a few synchronisations)."""
+    on_cuda = any(device.startswith("cuda") for device, _ in layout.group_numel)
+    return CUDA_BATCH_BYTES if on_cuda else CPU_BATCH_BYTES
+
+
+def iter_diffs(old: ViewBuffer, new: ViewBuffer) -> Iterator[ViewDiff]:
+    """The diff batch by batch, the next batch computed in a helper thread while the
+    caller encodes the current one (torch releases the GIL in its kernels)."""
+    todo = batches(new.layout, batch_bytes_for(new.layout))
+    with ThreadPoolExecutor(1, thread_name_prefix="deltaboard-diff") as pool:
+        pending = [pool.submit(diff_slots, old, new, b) for b in todo[:1]]
+        for nxt in todo[1:]:
+            pending.append(pool.submit(diff_slots, old, new, nxt))
+            yield pending.pop(0).result()
+        for fut in pending:
+            yield fut.result()
+
+
+def diff_views(old: ViewBuffer, new: ViewBuffer) -> ViewDiff:
+    """Changes from `old` to `new`, two buffers of the same layout, in one result."""
+    result = ViewDiff()
+    for part in iter_diffs(old, new):
+        result.changes.update(part.changes)
+        result.host_bytes += part.host_bytes
     return result

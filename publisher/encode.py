@@ -8,11 +8,12 @@ tensor's digest follows from the committed base's digest in O(changed elements)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from board import codec
-from publisher.device_diff import diff_views
+from publisher.device_diff import iter_diffs
 from publisher.packer import BlobPacker, TensorPart
 from publisher.snapshot import ViewBuffer
 
@@ -28,6 +29,7 @@ class RankVersion:
     total_elements: int
     view_bytes: int
     host_bytes: int  # bytes the diff moved from the device to the host
+    diff_s: float  # time spent waiting for the diff, beyond what encoding hid (0 for keyframes)
 
 
 def encode_rank(
@@ -38,6 +40,7 @@ def encode_rank(
 ) -> RankVersion:
     """Encode `buffer` as a keyframe (`base` None) or as a delta against `base`."""
     layout = buffer.layout
+    slots = {s.name: s for s in layout.slots}
     tensors = tuple((s.name, s.dtype, s.shape) for s in layout.slots)
     total = sum(s.numel for s in layout.slots)
     digests = dict(base_digests)
@@ -46,15 +49,19 @@ def encode_rank(
             patch = codec.keyframe(buffer.host_bytes(slot), slot.dtype)
             digests[slot.name] = codec.read_header(patch).result_digest
             packer.add(slot.name, slot.dtype, slot.shape, patch, digests[slot.name], slot.numel)
-        return RankVersion(tensors, tuple(packer.finish()), digests, total, total, layout.nbytes, 0)
-    diff = diff_views(base, buffer)
-    for slot in layout.slots:
-        changes = diff.changes.get(slot.name)
-        if changes is None:
-            continue
-        digests[slot.name] = codec.digest_update(base_digests[slot.name], changes)
-        patch = codec.encode_changes(changes, None, slot.dtype, old_digest=base_digests[slot.name])
-        packer.add(slot.name, slot.dtype, slot.shape, patch, digests[slot.name], changes.count)
-    return RankVersion(
-        tensors, tuple(packer.finish()), digests, diff.changed_elements, total, layout.nbytes, diff.host_bytes
-    )
+        return RankVersion(tensors, tuple(packer.finish()), digests, total, total, layout.view_bytes, 0, 0.0)
+    changed = host_bytes = 0
+    diff_s = 0.0
+    started = time.perf_counter()
+    for part in iter_diffs(base, buffer):
+        diff_s += time.perf_counter() - started  # time waiting for the diff, not hidden by encoding
+        for name, changes in part.changes.items():
+            slot = slots[name]
+            digests[name] = codec.digest_update(base_digests[name], changes)
+            patch = codec.encode_changes(changes, None, slot.dtype, old_digest=base_digests[name])
+            packer.add(name, slot.dtype, slot.shape, patch, digests[name], changes.count)
+            changed += changes.count
+        host_bytes += part.host_bytes
+        started = time.perf_counter()
+    parts = tuple(packer.finish())
+    return RankVersion(tensors, parts, digests, changed, total, layout.view_bytes, host_bytes, diff_s)

@@ -1,7 +1,8 @@
 """Snapshot in the caller's thread, everything else in one background worker.
 
 Memory is bounded by buffer count, not by how fast the trainer calls: the pipeline owns
-`1 + max_in_flight` view buffers, allocated on first use on the tensors' device:
+`1 + max_in_flight` view buffers, allocated (and zeroed) at the first snapshot on the
+tensors' device:
 
 * `base`: the view of the last **committed** version (what the next delta diffs against);
 * up to `max_in_flight` snapshots queued or being processed.
@@ -63,7 +64,6 @@ class SnapshotPipeline(Generic[R]):
         self.layout: ViewLayout | None = None
         self.base: ViewBuffer | None = None
         self._free: list[ViewBuffer] = []
-        self._allocated = 0
         self._cond = threading.Condition()
         self._jobs: queue.Queue[Job[R] | None] = queue.Queue()
         self._pending = 0
@@ -84,10 +84,10 @@ class SnapshotPipeline(Generic[R]):
         if self._closed:
             raise RuntimeError("the publisher is closed")
         if self.layout is None:
-            self.layout = ViewLayout.of(state, self._spec)
+            self._allocate(ViewLayout.of(state, self._spec))
         else:
             self.layout.check(state)
-        buffer = self._take_buffer(self.layout)
+        buffer = self._take_buffer()
         try:
             buffer.fill(state)
         except BaseException:
@@ -100,14 +100,18 @@ class SnapshotPipeline(Generic[R]):
         self._jobs.put(job)
         return future
 
-    def _take_buffer(self, layout: ViewLayout) -> ViewBuffer:
+    def _allocate(self, layout: ViewLayout) -> None:
+        """Every buffer at once, when the first snapshot shows the layout: the memory bound
+        is reached (and its pages touched) up front, never in the middle of a run."""
+        self.layout = layout
+        self._free = [ViewBuffer(layout) for _ in range(1 + self.max_in_flight)]
+
+    def _take_buffer(self) -> ViewBuffer:
+        """A free buffer; waits while all are in flight (the back-pressure)."""
         with self._cond:
-            while not self._free and self._allocated >= 1 + self.max_in_flight:
+            while not self._free:
                 self._cond.wait()
-            if self._free:
-                return self._free.pop()
-            self._allocated += 1
-        return ViewBuffer(layout)
+            return self._free.pop()
 
     def _give_back(self, buffer: ViewBuffer) -> None:
         with self._cond:
@@ -140,8 +144,8 @@ class SnapshotPipeline(Generic[R]):
         """Make `state` (a committed version's view) the base, before the first submit."""
         if self.layout is not None:
             raise RuntimeError("adopt a base before the first publish")
-        self.layout = ViewLayout.of(state, self._spec)
-        buffer = self._take_buffer(self.layout)
+        self._allocate(ViewLayout.of(state, self._spec))
+        buffer = self._take_buffer()
         buffer.fill(state)
         buffer.wait_ready()
         self.base = buffer

@@ -67,6 +67,9 @@ class PublishResult:
     host_bytes: int  # bytes the diff moved device -> host (0 for keyframes)
     blocked_s: float  # time the caller spent inside publish()
     e2e_s: float  # from the publish() call to the commit
+    diff_s: float  # the device diff (part of encode_s)
+    encode_s: float  # diff, encode and upload of this rank's part
+    commit_s: float  # gathering the ranks' parts and committing
 
 
 def state_of(obj: ModelOrState) -> Mapping[str, torch.Tensor]:
@@ -212,6 +215,7 @@ class Publisher:
         full = base is None or version % self.keyframe_every == 0
         proposal = Proposal(version, "full" if full else "delta", job.step, job.meta)
         outcome: RankVersion | BaseException
+        started = time.perf_counter()
         try:
             if self._lease is not None:
                 self._lease.check()
@@ -219,8 +223,10 @@ class Publisher:
             outcome = encode_rank(job.buffer, None if full else base, self._digests, self._packer())
         except Exception as exc:
             outcome = exc
+        encoded = time.perf_counter()
         self._agree(proposal, outcome)
         assert isinstance(outcome, RankVersion)
+        committed = time.perf_counter()
         self._digests = dict(outcome.digests)
         self.next_version = version + 1
         return PublishResult(
@@ -232,7 +238,10 @@ class Publisher:
             encoded_bytes=sum(p.blob.length for p in outcome.parts),
             host_bytes=outcome.host_bytes,
             blocked_s=job.blocked_s,
-            e2e_s=time.perf_counter() - job.called_at,
+            e2e_s=committed - job.called_at,
+            diff_s=outcome.diff_s,
+            encode_s=encoded - started,
+            commit_s=committed - encoded,
         )
 
     def _packer(self) -> BlobPacker:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,20 @@ def _follower(
     )
 
 
+@contextmanager
+def _failures(console: Console) -> Iterator[None]:
+    """Turn the follower's and the board's errors into one red line and exit status 1: an
+    operator needs what went wrong (integrity, auth, unknown run), not a traceback."""
+    from board.errors import BoardError
+    from clients.follower import FollowerError
+
+    try:
+        yield
+    except (FollowerError, BoardError) as exc:
+        console.print(f"[red]{type(exc).__name__}: {exc}[/]")
+        raise typer.Exit(1) from exc
+
+
 def _bar(console: Console) -> Progress:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -96,6 +111,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         console = Console()
         started = time.perf_counter()
         with (
+            _failures(console),
             BoardClient(board, token) as client,
             _bar(console) as bar,
             _follower(client, run, to, node_id, workers, bar) as follower,
@@ -125,7 +141,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        with BoardClient(board, token) as client, _bar(console) as bar:
+        with _failures(console), BoardClient(board, token) as client, _bar(console) as bar:
             announce = lambda v: console.print(f"[bold]{run}[/] serving version {v}")  # noqa: E731
             with _follower(client, run, to, node_id, workers, bar, announce) as follower:
                 console.print(f"following {run} into {to} (holding {follower.version})")
@@ -150,11 +166,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from clients.follower.verify import served, verify_directory
 
         console = Console()
-        now = served(directory)
-        manifest = None
-        if board is not None:
-            with BoardClient(board, token) as client:
-                manifest = client.manifest(now.run, now.version)
+        with _failures(console):
+            now = served(directory)
+            manifest = None
+            if board is not None:
+                with BoardClient(board, token) as client:
+                    manifest = client.manifest(now.run, now.version)
         with _bar(console) as bar:
             task = bar.add_task(f"hashing {now.run}@{now.version}", total=None)
             report = verify_directory(directory, manifest, lambda n: bar.advance(task, n))

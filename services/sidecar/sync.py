@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from board.errors import BoardError
 from clients.engines import EngineAdapter, EngineAdapterError
 from services.sidecar.constraints import next_target
 from services.sidecar.gate import VersionGate
@@ -130,7 +131,15 @@ class VersionSync:
             return
         target = next_target(self.gate.served, self.gate.head, self.gate.pins())
         if target is not None:
-            follower.sync(target)
+            try:
+                follower.sync(target)
+            except BoardError as exc:
+                # A pinned version the board no longer holds (retention) must not hold the
+                # node back: follow the head; the gate then answers the pin 410 Gone.
+                if exc.status != 404 or target == self.gate.head:
+                    raise
+                log.warning("cannot stop at pinned version %s (%s): following the head", target, exc)
+                follower.sync(self.gate.head)
             return
         head = self.watch_head(self.gate.head, self.poll_s)
         if stop.is_set():

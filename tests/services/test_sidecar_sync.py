@@ -1,0 +1,121 @@
+"""The sidecar's version loop, one turn at a time, against a follower with injected faults."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from board.errors import BoardError
+from clients.engines import EngineAdapter
+from services.sidecar.constraints import VersionConstraint
+from services.sidecar.gate import Admitted, Refused, VersionGate
+from services.sidecar.metrics import SidecarMetrics
+from services.sidecar.sync import VersionSync
+
+
+class RecordingAdapter(EngineAdapter):
+    kind = "recording"
+
+    def __init__(self) -> None:
+        super().__init__("http://127.0.0.1:9")
+        self.calls: list[tuple[str, object]] = []
+
+    def pause(self, mode):
+        self.calls.append(("pause", mode))
+
+    def reload(self, model_dir, version):
+        self.calls.append(("reload", version))
+
+    def resume(self, mode):
+        self.calls.append(("resume", mode))
+
+
+class FakeFollower:
+    """Versions appear on request; those in `missing` answer as the board does for a pruned one."""
+
+    def __init__(self, sync: VersionSync, missing: dict[int, int]) -> None:
+        self.version: int | None = None
+        self.model_dir = Path("/nonexistent")
+        self.synced: list[int] = []
+        self._sync = sync
+        self._missing = missing
+
+    def sync(self, version=None):
+        if version in self._missing:
+            raise BoardError(self._missing[version], "UnknownVersion", f"version {version} is gone")
+        if version != self.version:
+            self._sync.commit_hook(version, lambda: setattr(self, "version", version))
+        self.synced.append(version)
+        return version
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+
+    async def cancel_pending():
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run_coroutine_threadsafe(cancel_pending(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    loop.close()
+
+
+def make(loop, mode, missing=None, head=5):
+    gate = VersionGate(mode)
+    gate.bind(loop)
+    adapter = RecordingAdapter()
+    sync = VersionSync(gate, adapter, SidecarMetrics(), lambda after, wait: head, poll_s=0.1)
+    gate.publish_head(head)
+    follower = FakeFollower(sync, missing or {})
+    sync.follower = follower  # what run() does before its first turn
+    return gate, adapter, sync, follower
+
+
+def pin(loop, gate, **constraint):
+    """Start a waiting request and return its future once the gate lists its pin."""
+    future = asyncio.run_coroutine_threadsafe(gate.admit(VersionConstraint(**constraint), 30.0), loop)
+    while not gate.pins():
+        threading.Event().wait(0.01)
+    return future
+
+
+def test_the_node_stops_at_a_pinned_version_then_goes_on_to_the_head(loop):
+    gate, adapter, sync, follower = make(loop, "in_place")
+    waiting = pin(loop, gate, exact=2)
+    sync._step(follower, threading.Event())
+    assert follower.synced == [2] and isinstance(waiting.result(5), Admitted)
+    assert adapter.calls == [("pause", "in_place"), ("reload", 2), ("resume", "in_place")]
+    asyncio.run_coroutine_threadsafe(gate.release(), loop).result()
+    sync._step(follower, threading.Event())
+    assert follower.synced == [2, 5] and gate.served == 5
+
+
+def test_a_pruned_pin_does_not_hold_the_node_back_and_its_request_is_gone(loop):
+    gate, _, sync, follower = make(loop, "quiesce", missing={1: 404})
+    waiting = pin(loop, gate, exact=1)
+    sync._step(follower, threading.Event())
+    assert follower.synced == [5] and gate.served == 5
+    refused = waiting.result(5)
+    assert isinstance(refused, Refused) and refused.code == "WeightVersionGone"
+
+
+def test_other_board_failures_are_retried_not_skipped(loop):
+    gate, _, sync, follower = make(loop, "quiesce", missing={1: 503})
+    pin(loop, gate, exact=1)
+    with pytest.raises(BoardError):
+        sync._step(follower, threading.Event())
+    assert follower.synced == [] and gate.served is None

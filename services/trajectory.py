@@ -40,7 +40,9 @@ class ModelSize:
 
 SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(hidden=192, intermediate=512, layers=2, vocab=2048),  # ~1.7M parameters: tests, demo
-    "bench": ModelSize(hidden=384, intermediate=1024, layers=6, vocab=8192),  # ~17M parameters: benchmarks
+    # ~27M parameters in tensors of 0.6-6.3M elements: closer to real layers, whose size
+    # (not their count) is what weight sync moves
+    "bench": ModelSize(hidden=768, intermediate=2048, layers=2, vocab=8192),
 }
 DEFAULT_CACHE = Path(".bench/trajectories")
 WARMUP_LR = 1e-3

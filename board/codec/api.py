@@ -148,6 +148,12 @@ def _whole(header: PatchHeader, payload: memoryview) -> np.ndarray:
 def decode(patch: bytes | memoryview, old: np.ndarray | None, old_digest: str | None = None) -> Changes:
     """The verified changes a patch makes to `old` (all elements for a keyframe)."""
     header, payload = unpack(patch)
+    return _decode(header, payload, old, old_digest)
+
+
+def _decode(
+    header: PatchHeader, payload: memoryview, old: np.ndarray | None, old_digest: str | None
+) -> Changes:
     if header.encoding == "keyframe":
         new_bits = as_bits(_whole(header, payload), header.dtype)
         old_bits = np.zeros_like(new_bits) if old is None else as_bits(old, header.dtype, "old")
@@ -181,6 +187,6 @@ def apply(old: np.ndarray | None, patch: bytes | memoryview, old_digest: str | N
     if header.encoding == "replace":
         _check_base(header, old, old_digest)
         return _whole(header, payload)
-    changes = decode(patch, old, old_digest)
+    changes = _decode(header, payload, old, old_digest)
     assert old is not None
     return _materialize(old, changes)

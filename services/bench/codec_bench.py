@@ -34,10 +34,10 @@ class BenchConfig:
     regimes: tuple[Regime, ...] = REGIMES
     lrs: tuple[float, ...] = (1e-6, 3e-6)
     ks: tuple[int, ...] = (1, 8, 32)
-    pairs: int = 6
+    pairs: int = 4
     seed: int = 0
     warmup_steps: int = 16
-    repeats: int = 3
+    repeats: int = 2
     cache: Path = DEFAULT_CACHE
     encodings: tuple[str, ...] = ENCODINGS
 
@@ -47,7 +47,7 @@ class BenchConfig:
         return max(self.ks) + self.pairs
 
 
-QUICK = BenchConfig(lrs=(1e-6,), ks=(1, 8), pairs=2, repeats=2)
+QUICK = BenchConfig(lrs=(1e-6,), ks=(1, 4), pairs=2, warmup_steps=6, repeats=1)
 
 
 @dataclass(frozen=True)
@@ -256,3 +256,37 @@ def render(report: Report, console: Console) -> None:
             f"{e.deltaboard:.2f}",
         )
     console.print(ent)
+    _print_targets(report, console)
+
+
+def _print_targets(report: Report, console: Console) -> None:
+    """The issue's targets (bench, fp32-master, lr 1e-6, k = 1, medians), met or not."""
+    by_key = {(r.encoding, r.regime, r.lr, r.k): r for r in report.records}
+    ours = by_key.get(("deltaboard", "fp32-master", 1e-6, 1))
+    pulse = by_key.get(("pulse", "fp32-master", 1e-6, 1))
+    xor = by_key.get(("xor-zstd", "fp32-master", 1e-6, 1))
+    if ours is None or pulse is None or xor is None:
+        return
+    checks = [
+        ("bits per changed element <= 10", ours.bits_per_changed, ours.bits_per_changed <= 10),
+        (
+            "x pulse <= 0.4",
+            ours.bits_per_changed / pulse.bits_per_changed,
+            ours.bits_per_changed <= 0.4 * pulse.bits_per_changed,
+        ),
+        (
+            "x xor-zstd <= 0.5",
+            ours.bits_per_changed / xor.bits_per_changed,
+            ours.bits_per_changed <= 0.5 * xor.bits_per_changed,
+        ),
+        ("encode GB/s >= 1", ours.encode_gbps, ours.encode_gbps >= 1),
+        ("decode+apply GB/s >= 2", ours.apply_gbps, ours.apply_gbps >= 2),
+        (
+            "bit-exact everywhere",
+            float(all(r.exact for r in report.records)),
+            all(r.exact for r in report.records),
+        ),
+    ]
+    for what, value, ok in checks:
+        mark = "[green]met[/green]" if ok else "[red]missed[/red]"
+        console.print(f"target {what}: {value:.3f} {mark}")

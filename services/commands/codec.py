@@ -17,10 +17,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     def bench_codec(
         quick: bool = typer.Option(False, "--quick", help="Fewer settings and pairs: under a minute."),
         json_path: Path | None = typer.Option(None, "--json", help="Write {'results': [...]} here."),
-        size: str = typer.Option("bench", help="Model size of the trajectories: bench (~17M) or tiny."),
+        size: str = typer.Option("bench", help="Model size of the trajectories: bench (~27M) or tiny."),
         regime: list[str] = typer.Option([], help="fp32-master and/or bf16 (default: both)."),
         lr: list[float] = typer.Option([], help="Learning rates (default 1e-6 3e-6; quick 1e-6)."),
-        k: list[int] = typer.Option([], help="Version distances (default 1 8 32; quick 1 8)."),
+        k: list[int] = typer.Option([], help="Version distances (default 1 8 32; quick 1 4)."),
         pairs: int | None = typer.Option(None, help="Version pairs per setting (medians over them)."),
         warmup: int | None = typer.Option(None, help="Warm-up steps at 1e-3 before the measured steps."),
         encoding: list[str] = typer.Option(
@@ -58,6 +58,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             encodings=tuple(encoding) or config.encodings,
         )
         console = Console()
+        if not console.is_terminal:  # logs and pipes: keep the table's columns readable
+            console = Console(width=160)
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("starting", total=None)
 

@@ -57,7 +57,7 @@ from clients.follower.journal import Journal, SlotName, SlotRecord
 from clients.follower.layout import materialize
 from clients.follower.manifests import ManifestCache
 from clients.follower.patcher import ShardMaps
-from clients.follower.slots import Slots, other
+from clients.follower.slots import CURRENT, Slots, other
 
 log = logging.getLogger("deltaboard.follower")
 
@@ -221,11 +221,11 @@ class Follower:
         return [self._manifests.get(self.board, s.version) for s in steps]
 
     def _assets(self) -> dict[str, bytes]:
-        """The run's assets, except names that would shadow the weight files."""
+        """The run's assets, except names that would shadow the weight files or `current`."""
         names = [
             n
             for n in self.board.get_run(self.run).assets
-            if not n.endswith(".safetensors") and n != INDEX_FILE
+            if not n.endswith(".safetensors") and n != INDEX_FILE and n.split("/")[0] != CURRENT
         ]
         return {n: self.board.get_asset(self.run, n) for n in names}
 

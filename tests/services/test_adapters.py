@@ -3,17 +3,20 @@ real reference engine."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import httpx
 import pytest
 
-from clients.engines import EngineAdapterError, make_adapter
+from clients.engines import CommitMode, EngineAdapter, EngineAdapterError, make_adapter
 from services.engine.app import EngineState, create_app
 from services.sidecar.background import BackgroundServer
 from tests.services.fakes.engines import fake_sglang, fake_vllm
 from tests.services.fakes.tiny_model import save_tiny_model
 
 
-def swap(adapter, mode, directory, version):
+def swap(adapter: EngineAdapter, mode: CommitMode, directory: Path, version: int) -> None:
     adapter.pause(mode)
     adapter.reload(directory, version)
     adapter.resume(mode)
@@ -21,7 +24,7 @@ def swap(adapter, mode, directory, version):
 
 @pytest.fixture
 def sglang():
-    calls = []
+    calls: list[tuple[str, Any]] = []
     with BackgroundServer(fake_sglang(calls)) as server:
         adapter = make_adapter("sglang", server.url)
         yield adapter, calls
@@ -30,7 +33,7 @@ def sglang():
 
 @pytest.fixture
 def vllm():
-    calls = []
+    calls: list[tuple[str, Any]] = []
     with BackgroundServer(fake_vllm(calls)) as server:
         adapter = make_adapter("vllm", server.url)
         yield adapter, calls

@@ -41,6 +41,12 @@ def parse_cli(args: list[str]) -> Any:
     return command.make_context(" ".join(path), args)
 
 
+def host_of(url: str) -> tuple[str, int | None]:
+    match = URL_HOST.match(url)
+    assert match is not None, f"not a URL: {url}"
+    return match[1], int(match[2]) if match[2] else None
+
+
 def settings_fields() -> set[str]:
     return {f"DELTABOARD_{name.upper()}" for name in Settings.model_fields}
 
@@ -54,7 +60,8 @@ def dockerfile_targets() -> set[str]:
 
 
 def services() -> dict[str, dict[str, Any]]:
-    return COMPOSE["services"]
+    found: dict[str, dict[str, Any]] = COMPOSE["services"]
+    return found
 
 
 def deltaboard_services() -> dict[str, dict[str, Any]]:
@@ -78,8 +85,8 @@ def test_compose_has_the_whole_system():
     for replica in ("board-1", "board-2"):
         ctx = parse_cli(command_of(services()[replica]))
         assert ctx.params["store"].startswith("s3://")
-        assert URL_HOST.match(ctx.params["s3_endpoint"])[1] == "seaweedfs"
-        assert URL_HOST.match(ctx.params["redis"])[1] == "redis"
+        assert host_of(ctx.params["s3_endpoint"])[0] == "seaweedfs"
+        assert host_of(ctx.params["redis"])[0] == "redis"
 
 
 def test_compose_builds_and_mounts_files_that_exist():
@@ -152,7 +159,8 @@ def objects(kind: str) -> dict[str, dict[str, Any]]:
 
 
 def containers(deployment: dict[str, Any]) -> list[dict[str, Any]]:
-    return deployment["spec"]["template"]["spec"]["containers"]
+    found: list[dict[str, Any]] = deployment["spec"]["template"]["spec"]["containers"]
+    return found
 
 
 @pytest.mark.parametrize("doc", MANIFESTS, ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
@@ -212,7 +220,7 @@ def test_board_deployment_uses_s3_and_redis_settings():
     config = objects("ConfigMap")["deltaboard-board"]["data"]
     assert set(config) <= settings_fields()
     assert config["DELTABOARD_STORE"].startswith("s3://") and config["DELTABOARD_S3_ENDPOINT"]
-    assert URL_HOST.match(config["DELTABOARD_REDIS"])[1] in objects("Service")
+    assert host_of(config["DELTABOARD_REDIS"])[0] in objects("Service")
     s3_keys = set(objects("Secret")["deltaboard-s3"]["stringData"])
     assert (
         s3_keys <= settings_fields() and {"DELTABOARD_S3_ACCESS_KEY", "DELTABOARD_S3_SECRET_KEY"} <= s3_keys
@@ -230,11 +238,8 @@ def test_rollout_pod_pairs_engine_and_sidecar():
     assert sidecar.params["engine_url"] == f"http://127.0.0.1:{engine.params['port']}"
     mounts = [{m["name"] for m in c["volumeMounts"]} for c in by_name.values()]
     assert mounts[0] & mounts[1], "engine and sidecar must share the model volume"
-    host = URL_HOST.match(sidecar.params["board"])
-    assert (
-        host[1] in objects("Service")
-        and int(host[2]) == objects("Service")[host[1]]["spec"]["ports"][0]["port"]
-    )
+    host, port = host_of(sidecar.params["board"])
+    assert host in objects("Service") and port == objects("Service")[host]["spec"]["ports"][0]["port"]
     assert by_name["sidecar"]["ports"][0]["containerPort"] == sidecar.params["port"]
 
 

@@ -33,7 +33,9 @@ def run_view(config: Any, view: dict[str, Any]) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        config, dtype=torch.bfloat16, attn_implementation="eager"
+    )
     model.load_state_dict(view)
     return model.eval()
 
@@ -52,7 +54,7 @@ def pinned(url: str, version: int, out: dict[int, httpx.Response]) -> None:
 @pytest.mark.parametrize("mode", ["quiesce", "in_place"])
 def test_pinned_request_returns_the_logprobs_of_that_version(board, tmp_path, mode):
     model = build_model("tiny", seed=0)
-    config = model.config
+    config: Any = model.config
     views: dict[int, dict[str, Any]] = {}
     answers: dict[int, httpx.Response] = {}
     requests: list[threading.Thread] = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -30,13 +32,13 @@ def engine(models):
         yield client, models
 
 
-def load(client, directory, version):
+def load(client: httpx.Client, directory: Path, version: int | None) -> httpx.Response:
     response = client.post("/reload", json={"model": str(directory), "weight_version": version})
     assert response.status_code == 200, response.text
     return response
 
 
-def load_direct(directory):
+def load_direct(directory: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(directory, dtype="auto", attn_implementation="eager")

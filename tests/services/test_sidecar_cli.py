@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -24,7 +25,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 90.0) -> None:
+def wait_for(url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 90.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert process.poll() is None, f"exited with {process.returncode}: {log.read_text()[-2000:]}"
@@ -43,7 +44,8 @@ def test_engine_and_sidecar_processes_serve_a_published_version(board, tmp_path)
             [*CLI, "engine", f"--model={tmp_path / 'dir'}", f"--port={engine_port}"], stdout=out, stderr=out
         )
     model = build_model("tiny", seed=2)
-    assets = {"config.json": model.config.to_json_string().encode()}
+    config: Any = model.config
+    assets = {"config.json": config.to_json_string().encode()}
     with Publisher(board.url, "cli", token=board.publish_token, assets=assets) as publisher:
         publisher.publish(model).result()
     with logs["sidecar"].open("wb") as out:

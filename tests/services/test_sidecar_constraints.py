@@ -105,7 +105,7 @@ def test_decide_agrees_with_the_bounds(exact, lo, hi, lag, served, extra):
     elif high is not None and served > high:
         assert isinstance(decision, Gone)
     else:
-        assert decision == Wait(low)
+        assert low is not None and decision == Wait(low)
 
 
 @given(optional, optional, optional, versions, versions)

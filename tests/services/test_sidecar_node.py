@@ -4,18 +4,20 @@ reload and its recovery, the fleet heartbeat, max_lag, and a restart on a held d
 from __future__ import annotations
 
 import threading
-import time
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from clients.engines import EngineAdapterError
+from clients.engines import EngineAdapter, EngineAdapterError
 from clients.engines.reference import ReferenceAdapter
 from publisher.publisher import Publisher
 from services.engine.app import EngineState, create_app
 from services.sidecar.background import BackgroundServer
 from services.sidecar.node import Sidecar, SidecarConfig
 from services.trajectory import build_model, train
+from tests.services.fakes.polling import wait_until
 
 RUN = "node"
 
@@ -27,20 +29,13 @@ class FlakyAdapter(ReferenceAdapter):
         super().__init__(url)
         self.healed = threading.Event()
 
-    def reload(self, model_dir, version):
+    def reload(self, model_dir: Path, version: int) -> None:
         if not self.healed.is_set():
             raise EngineAdapterError("injected: the engine could not load the weights")
         super().reload(model_dir, version)
 
 
-def wait_until(predicate, what, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
-def complete(url, **weight_version):
+def complete(url: str, **weight_version: float) -> httpx.Response:
     body = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "weight_version": weight_version}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
@@ -50,14 +45,17 @@ def published(board):
     """A run with versions 0..2 and a way to publish more."""
     model = build_model("tiny", seed=1)
     steps = train(model, steps=4, lr=1e-4, regime="fp32-master")
-    assets = {"config.json": model.config.to_json_string().encode()}
+    config: Any = model.config
+    assets = {"config.json": config.to_json_string().encode()}
     with Publisher(board.url, RUN, token=board.publish_token, assets=assets) as publisher:
         next(steps)
         publisher.publish(model).result()
         yield lambda: (next(steps), publisher.publish(model).result().version)[1]
 
 
-def sidecar_for(board, engine_url, directory, adapter=None):
+def sidecar_for(
+    board: Any, engine_url: str, directory: Path, adapter: EngineAdapter | None = None
+) -> Sidecar:
     config = SidecarConfig(
         board.url, RUN, directory, engine_url, token=board.read_token, node_id="n1", poll_s=1.0
     )

@@ -7,7 +7,9 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -18,6 +20,7 @@ from services.sidecar.gate import VersionGate
 from services.sidecar.metrics import SidecarMetrics
 from services.sidecar.proxy import ProxySettings, create_proxy_app
 from tests.services.fakes.echo import echo_engine
+from tests.services.fakes.polling import wait_until
 from tests.services.fakes.tiny_model import save_tiny_model
 
 PROMPT = [3, 1, 4, 1, 5]
@@ -41,7 +44,7 @@ class Node:
         self.server = BackgroundServer(app).start()
         self.client = httpx.Client(base_url=self.server.url, timeout=60)
 
-    def serve(self, version: int, reload=None) -> None:
+    def serve(self, version: int, reload: Callable[[], object] | None = None) -> None:
         self.gate.begin_swap()
         if reload is not None:
             reload()
@@ -89,7 +92,9 @@ def echo_node(echo):
     n.close()
 
 
-def completion(node, weight_version=None, headers=None, **extra):
+def completion(
+    node: Node, weight_version: Any = None, headers: dict[str, str] | None = None, **extra: Any
+) -> httpx.Response:
     body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 0, **extra}
     if weight_version is not None:
         body["weight_version"] = weight_version
@@ -147,7 +152,7 @@ def test_stream_restamping_keeps_every_event(echo_node, done):
 
 
 def test_behind_request_waits_for_catch_up(node, engine, model_dir):
-    result = {}
+    result: dict[str, httpx.Response] = {}
     waiter = threading.Thread(target=lambda: result.update(r=completion(node, {"exact": 2, "wait": 30})))
     waiter.start()
     while node.client.get("/sidecar/status").json()["pins"] != [[2, 2]]:
@@ -197,15 +202,9 @@ def test_engine_down_is_503_with_retry_after():
         n.close()
 
 
-def aborted(engine):
-    return httpx.get(f"{engine}/health").json()["aborted"]
-
-
-def wait_until(predicate, what):
-    deadline = time.monotonic() + 30
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
+def aborted(engine: str) -> int:
+    count: int = httpx.get(f"{engine}/health").json()["aborted"]
+    return count
 
 
 def test_client_disconnect_aborts_the_upstream_request(node, engine):
@@ -225,7 +224,7 @@ def test_client_disconnect_aborts_the_upstream_request(node, engine):
 
 def test_quiesce_swap_drains_in_flight_requests_first(node, engine):
     httpx.post(f"{engine}/pause")
-    result = {}
+    result: dict[str, httpx.Response] = {}
     request = threading.Thread(target=lambda: result.update(r=completion(node)))
     request.start()
     wait_until(lambda: node.gate.inflight == 1, "request never admitted")
@@ -245,7 +244,7 @@ def test_in_place_swap_reports_the_range_it_spanned(engine, model_dir):
     try:
         n.serve(1)
         httpx.post(f"{engine}/pause")
-        result = {}
+        result: dict[str, httpx.Response] = {}
         request = threading.Thread(target=lambda: result.update(r=completion(n)))
         request.start()
         wait_until(lambda: n.gate.inflight == 1, "request never admitted")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 from board.errors import BoardError
-from clients.engines import EngineAdapter
+from clients.engines import CommitMode, EngineAdapter
 from services.sidecar.constraints import VersionConstraint
 from services.sidecar.gate import Admitted, Refused, VersionGate
 from services.sidecar.metrics import SidecarMetrics
@@ -23,13 +24,13 @@ class RecordingAdapter(EngineAdapter):
         super().__init__("http://127.0.0.1:9")
         self.calls: list[tuple[str, object]] = []
 
-    def pause(self, mode):
+    def pause(self, mode: CommitMode) -> None:
         self.calls.append(("pause", mode))
 
-    def reload(self, model_dir, version):
+    def reload(self, model_dir: Path, version: int) -> None:
         self.calls.append(("reload", version))
 
-    def resume(self, mode):
+    def resume(self, mode: CommitMode) -> None:
         self.calls.append(("resume", mode))
 
 
@@ -43,7 +44,8 @@ class FakeFollower:
         self._sync = sync
         self._missing = missing
 
-    def sync(self, version=None):
+    def sync(self, version: int | None = None) -> int:
+        assert version is not None, "the sidecar always names the version it wants"
         if version in self._missing:
             raise BoardError(self._missing[version], "UnknownVersion", f"version {version} is gone")
         if version != self.version:
@@ -51,7 +53,7 @@ class FakeFollower:
         self.synced.append(version)
         return version
 
-    def close(self):
+    def close(self) -> None:
         pass
 
 
@@ -62,7 +64,7 @@ def loop():
     thread.start()
     yield loop
 
-    async def cancel_pending():
+    async def cancel_pending() -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
@@ -74,7 +76,9 @@ def loop():
     loop.close()
 
 
-def make(loop, mode, missing=None, head=5):
+def make(
+    loop: asyncio.AbstractEventLoop, mode: CommitMode, missing: dict[int, int] | None = None, head: int = 5
+) -> tuple[VersionGate, RecordingAdapter, VersionSync, FakeFollower]:
     gate = VersionGate(mode)
     gate.bind(loop)
     adapter = RecordingAdapter()
@@ -85,7 +89,7 @@ def make(loop, mode, missing=None, head=5):
     return gate, adapter, sync, follower
 
 
-def pin(loop, gate, **constraint):
+def pin(loop: asyncio.AbstractEventLoop, gate: VersionGate, **constraint: int) -> Future[Admitted | Refused]:
     """Start a waiting request and return its future once the gate lists its pin."""
     future = asyncio.run_coroutine_threadsafe(gate.admit(VersionConstraint(**constraint), 30.0), loop)
     while not gate.pins():

@@ -28,6 +28,6 @@ def save_tiny_model(directory: Path, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
     model.save_pretrained(directory)
     return directory

@@ -40,7 +40,12 @@ def safetensors_dtype(t: torch.Tensor) -> str:
 
 
 def rollout_view(state_dict: dict[str, torch.Tensor], spec: ViewSpec) -> dict[str, torch.Tensor]:
-    """Served tensors by name, contiguous, on each tensor's own device."""
+    """Served tensors by name, contiguous, on each tensor's own device.
+
+    A tensor that needs no cast (bf16 parameters in a bf16 view, integers) is returned
+    as is, sharing the parameter's memory: copy it before the next optimizer step if it
+    must stay the *old* view.
+    """
     view: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, t in state_dict.items():

@@ -1,7 +1,9 @@
 """The lossless patch codec: raw tensor bytes in, self-verifying patches out.
 
-Pure numpy, no I/O, no torch (the board server imports it). See docs/contract.md §1 and
-`board.codec.api` for the choice of encodings; `board.codec.digest` for the additive digest.
+Pure numpy, no I/O, no torch (the board server imports it). See docs/contract.md §1,
+`board.codec.api` for the choice of encodings, `board.codec.header` for the patch layout,
+`board.codec.values` and `board.codec.classes` for the context coding, and
+`board.codec.digest` for the additive digest.
 """
 
 from board.codec.api import apply, decode, encode, encode_changes, keyframe, read_header

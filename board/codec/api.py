@@ -1,15 +1,17 @@
 """encode / apply / decode: the codec's public operations on raw tensor bytes.
 
-`encode_changes` codes a `Changes` with every candidate encoding that can pay off for its
-changed fraction and keeps the smallest: `sparse` always; `context` (positions ranked
+Every delta patch is positions (by one of three codings) followed by the same ULP-step
+coding of the values (`board.codec.values`). `encode_changes` builds the candidates that
+can pay off for the changed fraction and keeps the smallest: `context` (positions ranked
 within classes of the old exponent) for floating tensors when the old bytes are at hand
-and the classes' estimated entropy saves at least `_CONTEXT_GAIN`; `dense` above 1/8
-changed; whole-tensor `replace` above 1/4 changed when the old bytes are at hand.
+and the classes' estimated entropy is at most `_CONTEXT_GAIN` of the plain one, else
+`sparse` (gaps); `dense` (bitmap) above 1/8 changed; whole-tensor `replace` above 1/4
+changed when the old bytes are at hand.
 
 Context and the device path: ULP steps only use the *old bits at the changed positions*,
 which `Changes.old_bits` already carries. The `context` encoding also needs the old tensor
-on the host (one comparison pass; `board.codec.context` documents it for a torch mirror);
-without `old` (only `old_digest`), the encoder falls back to the other encodings.
+on the host (one branch-free pass; `board.codec.classes` says what a torch mirror would
+compute); without `old` (only `old_digest`) or with `context=False` it is not tried.
 
 Verification: `apply`/`decode` check the base digest (trusting `old_digest` if given, so the
 cost stays O(changed)), then the result digest, updated from the base in O(changed) through

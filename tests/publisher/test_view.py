@@ -72,3 +72,11 @@ def test_tensor_bytes_of_shapes_and_strides() -> None:
     assert tensor_bytes(t.T).tobytes() == np.arange(12, dtype="<i4").reshape(3, 4).T.copy().tobytes()
     assert tensor_bytes(torch.tensor(2.5)).view(np.float32).tolist() == [2.5]
     assert tensor_bytes(torch.zeros(0)).size == 0
+
+
+def test_uncast_tensors_alias_their_parameter() -> None:
+    """Documented: no cast, no copy (the caller copies what must stay old)."""
+    p = torch.zeros(3, dtype=torch.bfloat16)
+    view = rollout_view({"p": p}, ViewSpec())
+    p.add_(1)
+    assert view["p"].tolist() == [1.0, 1.0, 1.0]

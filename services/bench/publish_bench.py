@@ -153,7 +153,12 @@ def run(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     torch.set_num_threads(2)
     progress(f"trajectory ({config.size}, fp32-master, lr {config.lr:g})")
     traj = load_trajectory(
-        size=config.size, regime="fp32-master", lr=config.lr, steps=config.steps, cache=config.cache
+        size=config.size,
+        regime="fp32-master",
+        lr=config.lr,
+        steps=config.steps,
+        warmup_steps=config.warmup_steps,
+        cache=config.cache,
     )
     view = TiledView(traj, config.view_gb, max(config.deltas, config.fulls - 1))
     results = []
@@ -183,10 +188,68 @@ def run(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
                     "full_e2e_s": statistics.median(r.e2e_s for r, _ in fulls),
                     "delta_bytes": int(statistics.median(r.encoded_bytes for r, _ in deltas)),
                     "full_bytes": int(statistics.median(r.encoded_bytes for r, _ in fulls)),
-                    "source": f"tiled {config.size} AdamW trajectory (fp32-master, lr {config.lr:g})",
+                    "source": f"tiled {config.size} AdamW trajectory (fp32-master, lr {config.lr:g}, "
+                    f"after {config.warmup_steps} warm-up steps)",
                 }
             )
     return {**results[0], "results": results}
+
+
+def device_throughput(
+    view_gb: float, device: str, changed_fraction: float = 0.01, repeats: int = 5
+) -> dict[str, Any]:
+    """Snapshot + diff of a bf16 view on `device` (what one version costs before encoding).
+
+    The view is 64 MiB tensors of bf16 parameters; between versions a `changed_fraction`
+    of elements moves by one ULP. Medians over `repeats` versions; the device is
+    synchronised around each timed stage.
+    """
+    import torch
+
+    from board.schemas import ViewSpec
+    from publisher.device_diff import diff_views
+    from publisher.snapshot import ViewBuffer, ViewLayout
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    shape = (4096, 8192)
+    count = max(1, round(view_gb * 1e9 / (2 * shape[0] * shape[1])))
+    g = torch.Generator(device=device).manual_seed(0)
+    state = {f"w{i}": torch.randn(shape, generator=g, device=device).to(torch.bfloat16) for i in range(count)}
+    layout = ViewLayout.of(state, ViewSpec())
+    base, snap = ViewBuffer(layout), ViewBuffer(layout)
+    base.fill(state)
+    snapshot_s, diff_s, host_bytes, changed = [], [], [], []
+    for _ in range(repeats):
+        for t in state.values():  # the optimizer step: a few elements move by one ULP
+            bits = t.view(torch.int16)
+            bits.add_((torch.rand(shape, generator=g, device=device) < changed_fraction).to(torch.int16))
+        sync()
+        t0 = time.perf_counter()
+        snap.fill(state)
+        sync()
+        t1 = time.perf_counter()
+        d = diff_views(base, snap)
+        sync()
+        t2 = time.perf_counter()
+        snapshot_s.append(t1 - t0)
+        diff_s.append(t2 - t1)
+        host_bytes.append(d.host_bytes)
+        changed.append(d.changed_elements)
+        base, snap = snap, base
+    gb = layout.view_bytes / 1e9
+    snap_med, diff_med = statistics.median(snapshot_s), statistics.median(diff_s)
+    return {
+        "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(),
+        "view_gb": gb,
+        "changed_fraction": statistics.median(changed) / (layout.view_bytes / 2),
+        "snapshot_gbps": gb / snap_med,
+        "diff_gbps": gb / diff_med,
+        "snapshot_diff_gbps": gb / (snap_med + diff_med),
+        "host_bytes": int(statistics.median(host_bytes)),
+    }
 
 
 def render(report: dict[str, Any], console: Console) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -78,19 +79,30 @@ def state_pairs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], dict[str, tor
 SPEC = ViewSpec(rules=(ViewRule(pattern="t1", dtype="fp32"), ViewRule(pattern="t2", dtype="raw")))
 
 
+# CUDA joins where there is one (the device machine): the same checks, on the tensors' device.
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=60, deadline=None)
-@given(state_pairs(), st.integers(1, 64))
-def test_device_diff_matches_codec_diff(pair, chunk):
-    old_state, new_state = pair
+@given(state_pairs(), st.integers(1, 64), st.integers(1, 256))
+def test_device_diff_matches_codec_diff(device, pair, chunk, batch_bytes):
+    old_state, new_state = ({k: v.to(device) for k, v in s.items()} for s in pair)
     layout = ViewLayout.of(old_state, SPEC)
     a, b = ViewBuffer(layout), ViewBuffer(layout)
     a.fill(old_state)
     b.fill(new_state)
-    saved, device_diff.CHUNK_ELEMENTS = device_diff.CHUNK_ELEMENTS, chunk  # cross chunk edges
+    saved = device_diff.CHUNK_ELEMENTS, device_diff.CPU_BATCH_BYTES, device_diff.CUDA_BATCH_BYTES
+    # tiny chunks and batches: cross every chunk and batch edge
+    device_diff.CHUNK_ELEMENTS, device_diff.CPU_BATCH_BYTES, device_diff.CUDA_BATCH_BYTES = (
+        chunk,
+        batch_bytes,
+        batch_bytes,
+    )
     try:
         result = diff_views(a, b)
     finally:
-        device_diff.CHUNK_ELEMENTS = saved
+        device_diff.CHUNK_ELEMENTS, device_diff.CPU_BATCH_BYTES, device_diff.CUDA_BATCH_BYTES = saved
     old_view, new_view = rollout_view(old_state, SPEC), rollout_view(new_state, SPEC)
     changed_total = 0
     for slot in layout.slots:
@@ -112,18 +124,30 @@ def test_device_diff_matches_codec_diff(pair, chunk):
     assert result.changed_elements == changed_total
 
 
-def test_only_changes_cross_to_host():
-    state = {"w": torch.randn(1000, 100), "b": torch.randn(100)}
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_changes_cross_to_host(device, monkeypatch):
+    state = {"w": torch.randn(1000, 100, device=device), "b": torch.randn(100, device=device)}
     layout = ViewLayout.of(state, ViewSpec())
     a, b = ViewBuffer(layout), ViewBuffer(layout)
     a.fill(state)
     state["w"][3, 7] += 1.0
     state["w"][999, 99] += 1.0
     b.fill(state)
+    moved: list[int] = []
+    real_cpu = torch.Tensor.cpu
+
+    def counting_cpu(t: torch.Tensor, *args, **kwargs):  # every device->host copy of the diff
+        if t.device.type != "cpu":
+            moved.append(t.numel() * t.element_size())
+        return real_cpu(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counting_cpu)
     result = diff_views(a, b)
     assert result.changed_elements == 2
     # two positions (int64) + old and new bf16 bits + per-slot counts: nothing near a tensor's size
     assert result.host_bytes == 2 * (8 + 2 + 2) + 8 * len(layout.slots)
+    if device != "cpu":
+        assert sum(moved) == result.host_bytes
     assert list(result.changes["w"].positions) == [307, 99999]
 
 
@@ -132,8 +156,5 @@ def test_layout_refuses_a_different_state():
     layout = ViewLayout.of(state, ViewSpec())
     layout.check({"w": torch.ones(4)})
     for bad in ({"w": torch.zeros(5)}, {"v": torch.zeros(4)}, {"w": torch.zeros(4), "v": torch.zeros(1)}):
-        try:
+        with pytest.raises(ValueError, match="changed"):
             layout.check(bad)
-        except ValueError:
-            continue
-        raise AssertionError(f"{bad} accepted")

@@ -51,7 +51,7 @@ from board.schemas import Heartbeat, Manifest, Plan
 from board.view_spec import INDEX_FILE
 from clients.board_client import BoardClient
 from clients.follower.apply import BadBlob, Written, apply_step, replay
-from clients.follower.errors import FollowerError, IntegrityError
+from clients.follower.errors import DirectoryError, FollowerError, IntegrityError
 from clients.follower.fetch import BlobCache, BlobReader, Fetcher
 from clients.follower.journal import Journal, SlotName, SlotRecord
 from clients.follower.layout import materialize
@@ -64,6 +64,8 @@ log = logging.getLogger("deltaboard.follower")
 # Memory a kept change costs: its int64 position plus old and new bits (up to 8 bytes each
 # for the widest dtype; 12 for bf16). Bounded by `mirror_budget_bytes`.
 CHANGE_BYTES = 24
+# Tensors decoded and written at once: numpy and zstd release the GIL, so one per core.
+APPLY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 CommitHook = Callable[[int, Callable[[], None]], None]
 
@@ -114,14 +116,16 @@ class Follower:
         self._last_beat = 0.0
         self._durable = durable
         self._mirror_budget = mirror_budget_bytes
-        self._pool = ThreadPoolExecutor(
-            max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="deltaboard-apply"
-        )
         self._lock = threading.RLock()
         self._slots = Slots(Path(directory))
         self._slots.open()
         self._journal = Journal(self._slots.journal_path)
-        self._state = self._journal.load(run)
+        try:
+            self._state = self._journal.load(run)
+        except DirectoryError:
+            self._slots.close()
+            raise
+        self._pool = ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="deltaboard-apply")
         self._blobs = BlobCache(self._slots.blob_dir)
         self._fetcher = Fetcher(board, run, self._blobs, workers=workers)
         self._manifests = ManifestCache(self._slots.manifest_dir, run)
@@ -181,7 +185,7 @@ class Follower:
                 failures = 0
             except IntegrityError:
                 raise
-            except (BoardError, FollowerError, httpx.HTTPError, OSError) as exc:
+            except (BoardError, FollowerError, httpx.HTTPError, OSError, ValueError) as exc:
                 failures += 1
                 delay = min(0.5 * 2**failures, 30.0)
                 log.warning("follow: %s; retrying in %.1fs", exc, delay)
@@ -267,10 +271,12 @@ class Follower:
         self._save(staging, SlotRecord(state="dirty"))
         base = record.digests
         if not fresh and (record.state != "clean" or record.version != held):
-            assert current is not None  # a delta chain starts from a served version
+            if current is None:
+                raise FollowerError(f"the board's plan to {target} starts with a delta but nothing is served")
             self._copy(current, staging)
             base = self._state.slot(current).digests
         digests = self._apply(staging, chain, dict(base), assets, written)
+        self._make_durable(staging)
         self._save(staging, SlotRecord(state="clean", version=target, digests=digests))
         return staging, written
 
@@ -312,8 +318,6 @@ class Follower:
                         progress=lambda n: self._advance("apply", n),
                         written=written,
                     )
-            if maps is not None and self._durable:
-                maps.flush()
         finally:
             if maps is not None:
                 maps.close()
@@ -350,14 +354,18 @@ class Follower:
             maps = ShardMaps(self._slots.slot_dir(stale), writable=True)
             try:
                 replayed = replay(maps, written, self._pool)
-                if replayed and self._durable:
-                    maps.flush()
             finally:
                 maps.close()
             self._advance("mirror", 1)
         if not replayed:
             self._copy(served, stale)
+        self._make_durable(stale)
         self._save(stale, now)
+
+    def _make_durable(self, slot: SlotName) -> None:
+        """With `durable`, flush a slot's files to disk before the journal calls it clean."""
+        if self._durable:
+            self._slots.fsync(slot)
 
     def _prune(self) -> None:
         """Keep only the served version's manifest (for `verify`); the blobs are applied."""

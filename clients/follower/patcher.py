@@ -87,11 +87,5 @@ class ShardMaps:
         p = self.placements[name]
         self.tensor(name).view(uint_dtype(p.dtype))[positions] = new_bits
 
-    def flush(self) -> None:
-        """Ask the kernel to write dirty pages back (msync); needed only for power loss,
-        a killed process loses nothing that reached the mapping."""
-        for mapped in self._maps.values():
-            mapped.flush()
-
     def close(self) -> None:
         self._maps.clear()

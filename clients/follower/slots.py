@@ -122,6 +122,17 @@ class Slots:
         self.reset(dst)
         shutil.copytree(self.slot_dir(src), self.slot_dir(dst), dirs_exist_ok=True)
 
+    def fsync(self, name: SlotName) -> None:
+        """Flush every file of a slot to disk (writes made through mappings included)."""
+        for path in self.slot_dir(name).rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        fsync_dir(self.slot_dir(name))
+
     def swap(self, name: SlotName) -> None:
         """Make `name` current: a new symlink renamed over `current` (atomic), then the
         top-level links refreshed for entries the new slot has and the old one had not."""

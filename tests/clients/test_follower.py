@@ -63,7 +63,7 @@ def test_steady_updates_mirror_without_copy_and_sharded_layout(board, tmp_path):
         def advance(self, phase: str, n: int) -> None:
             pass
 
-    with Follower(board.client(board.read_token), "s", d, node_id="n", progress=Record()) as f:
+    with Follower(board.client(board.read_token), "s", d, node_id="n", progress=Record(), durable=True) as f:
         f.sync(1)
         phases.clear()
         for v in (2, 3, 4):

@@ -55,6 +55,8 @@ class EngineState:
     requests: int = 0
     aborted: int = 0
     reloads: int = 0
+    generating: int = 0  # generation threads alive
+    tokens: int = 0  # tokens generated, all requests
 
     def reload(self, directory: Path, version: int | None) -> None:
         with self.reload_lock:
@@ -77,12 +79,16 @@ async def _steps(
     def work() -> None:
         try:
             for step in generate(state.slot, prompt_ids, params, cancel):
+                state.tokens += 1
                 loop.call_soon_threadsafe(queue.put_nowait, step)
             loop.call_soon_threadsafe(queue.put_nowait, None)
         except BaseException as exc:  # handed to the consumer, which re-raises it
             if not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
+        finally:
+            state.generating -= 1
 
+    state.generating += 1
     threading.Thread(target=work, name="engine-generate", daemon=True).start()
     try:
         while True:
@@ -148,6 +154,7 @@ def create_app(state: EngineState) -> FastAPI:
         except (EngineNotLoaded, Cancelled) as exc:
             yield _sse({"error": {"code": type(exc).__name__, "message": str(exc)}})
         finally:
+            cancel.set()  # whoever ended the stream (client gone, error), stop generating
             if not finished:
                 state.aborted += 1
 
@@ -204,6 +211,8 @@ def create_app(state: EngineState) -> FastAPI:
             "requests": state.requests,
             "aborted": state.aborted,
             "reloads": state.reloads,
+            "generating": state.generating,
+            "tokens": state.tokens,
         }
 
     @app.post("/reload")

@@ -184,7 +184,8 @@ class Trajectory:
 
 
 def _key(size: str, regime: Regime, lr: float, steps: int, seed: int, warmup: int) -> str:
-    text = f"v{_FORMAT}-{size}-{regime}-{lr:g}-{steps}-{seed}-{warmup}-{WARMUP_LR:g}"
+    # the model's dimensions are part of the key: changing a size must not reuse old views
+    text = f"v{_FORMAT}-{SIZES[size]}-{regime}-{lr:g}-{steps}-{seed}-{warmup}-{WARMUP_LR:g}"
     return f"{size}-{regime}-{lr:g}-{steps}-s{seed}-w{warmup}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 

@@ -36,13 +36,14 @@ def train_step(state: dict[str, torch.Tensor], seed: int) -> None:
     g = torch.Generator().manual_seed(1000 + seed)
     for name in ("embed.weight", "layer.0.weight"):
         t = state[name]
-        t.add_(torch.randn(t.shape, generator=g) * t.abs() * 0.0005)
+        t.add_((torch.randn(t.shape, generator=g) * 0.0005).to(t.device) * t.abs())
     state["step_count"] += 1
 
 
-def test_keyframe_then_deltas_rebuild_every_version(board):
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_keyframe_then_deltas_rebuild_every_version(board, device):
     client = board.client(board.publish_token)
-    state = make_state()
+    state = {k: v.to(device) for k, v in make_state().items()}
     spec = ViewSpec(rules=(ViewRule(pattern="norm.*", dtype="fp32"),))
     views = []
     with Publisher(client, "run-a", spec=spec, keyframe_every=3, assets={"config.json": b'{"a": 1}'}) as pub:

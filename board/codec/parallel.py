@@ -9,6 +9,7 @@ arrays stay in L2 instead of streaming through memory several times.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -19,13 +20,15 @@ T = TypeVar("T")
 _PARALLEL_MIN = 1 << 18
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def _executor() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="codec")
-    return _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="codec")
+        return _pool
 
 
 def split(n: int, parallel_min: int = _PARALLEL_MIN) -> list[tuple[int, int]]:

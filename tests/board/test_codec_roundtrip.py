@@ -76,6 +76,10 @@ def test_context_encoding_on_training_like_changes() -> None:
     patch = codec.encode(case.old, case.new, "BF16")
     assert codec.read_header(patch).encoding == "context"
     assert codec.apply(case.old, patch).tobytes() == case.new.tobytes()
+    plain = codec.encode(case.old, case.new, "BF16", context=False)
+    assert codec.read_header(plain).encoding == "sparse"
+    assert codec.apply(case.old, plain).tobytes() == case.new.tobytes()
+    assert len(patch) < 0.9 * len(plain)
 
 
 @pytest.mark.parametrize("dtype", list(codec.WIDTHS))

@@ -27,12 +27,13 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from services.sidecar.background import wait_disconnect
 from services.sidecar.constraints import HEADER_PREFIX, ConstraintError, parse_constraint
 from services.sidecar.gate import Admitted, Refused, VersionGate
 from services.sidecar.metrics import SidecarMetrics
+from services.sidecar.stamping import Release, StampedStream, range_headers, restamped_stream, stamp
 
 HOP_BY_HOP = {
     "connection",
@@ -80,15 +81,6 @@ def _refusal(refused: Refused) -> JSONResponse:
     )
 
 
-def _range_headers(start: int | None, end: int | None) -> dict[str, str]:
-    headers = {}
-    if start is not None:
-        headers["X-Weight-Version-Start"] = str(start)
-    if end is not None:
-        headers["X-Weight-Version-End"] = str(end)
-    return headers
-
-
 def _forward_headers(request: Request) -> dict[str, str]:
     return {
         k: v
@@ -115,88 +107,6 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> tuple[
     with contextlib.suppress(asyncio.CancelledError, Exception):  # abandoned either way
         await task
     return False, None
-
-
-def _stamp(payload: bytes, start: int | None, end: int | None) -> bytes | None:
-    """`payload` (JSON) with the version range added, or None when it is not a JSON object."""
-    try:
-        decoded = json.loads(payload)
-    except ValueError:
-        return None
-    if not isinstance(decoded, dict):
-        return None
-    decoded["weight_version"] = {"start": start, "end": end}
-    return json.dumps(decoded, separators=(",", ":")).encode()
-
-
-def _event_data(event: bytes) -> bytes | None:
-    lines = [line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")]
-    return b"\n".join(lines) if lines else None
-
-
-class _Release:
-    """Release a request's admission exactly once, remembering the version it ended with."""
-
-    def __init__(self, gate: VersionGate) -> None:
-        self._gate = gate
-        self._end: int | None = None
-        self.done = False
-
-    async def __call__(self) -> int | None:
-        if not self.done:
-            self.done = True
-            self._end = await self._gate.release()
-        return self._end
-
-
-class _GuardedStream(StreamingResponse):
-    """A stream that always releases its admission and closes the upstream, even when the
-    client went away before the first byte (when the body iterator never ran)."""
-
-    def __init__(self, upstream: httpx.Response, release: _Release, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._upstream = upstream
-        self._release = release
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._upstream.aclose()
-            await self._release()
-
-
-async def _restamped_stream(
-    upstream: httpx.Response, start: int | None, release: _Release
-) -> AsyncIterator[bytes]:
-    """Pass SSE events through, holding one back so the last data event can carry the range."""
-    buffer = b""
-    held: bytes | None = None
-    async for chunk in upstream.aiter_raw():
-        buffer += chunk.replace(b"\r\n", b"\n")
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            data = _event_data(event)
-            if data == b"[DONE]":
-                yield _final_event(held, start, await release())
-                held = None
-            elif data is not None:
-                if held is not None:
-                    yield held + b"\n\n"
-                held = event
-                continue
-            yield event + b"\n\n"
-    if held is not None or not release.done:
-        yield _final_event(held, start, await release())
-
-
-def _final_event(held: bytes | None, start: int | None, end: int | None) -> bytes:
-    data = _event_data(held) if held is not None else None
-    stamped = _stamp(data, start, end) if data is not None else None
-    if stamped is not None:
-        return b"data: " + stamped + b"\n\n"
-    tail = b"data: " + json.dumps({"weight_version": {"start": start, "end": end}}).encode() + b"\n\n"
-    return (held + b"\n\n" + tail) if held is not None else tail
 
 
 def create_proxy_app(
@@ -272,7 +182,7 @@ def create_proxy_app(
         return await _forward(request, path, raw, admission.start)
 
     async def _forward(request: Request, path: str, raw: bytes, start: int | None) -> Response:
-        release = _Release(gate)
+        release = Release(gate)
         upstream_request = client.build_request(
             request.method,
             "/" + path,
@@ -288,13 +198,13 @@ def create_proxy_app(
                 return Response(status_code=499)
             headers = _response_headers(upstream)
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                headers.update(_range_headers(start, start if gate.mode == "quiesce" else None))
+                headers.update(range_headers(start, start if gate.mode == "quiesce" else None))
                 metrics.requests.labels("proxied").inc()
                 streaming = True
-                return _GuardedStream(
+                return StampedStream(
                     upstream,
                     release,
-                    content=_restamped_stream(upstream, start, release),
+                    content=restamped_stream(upstream, start, release),
                     status_code=upstream.status_code,
                     headers=headers,
                 )
@@ -304,9 +214,9 @@ def create_proxy_app(
                 metrics.requests.labels("aborted").inc()
                 return Response(status_code=499)
             end = await release()
-            headers.update(_range_headers(start, end))
+            headers.update(range_headers(start, end))
             if "json" in upstream.headers.get("content-type", ""):
-                content = _stamp(content, start, end) or content
+                content = stamp(content, start, end) or content
             metrics.requests.labels("proxied").inc()
             return Response(content, status_code=upstream.status_code, headers=headers)
         except httpx.TransportError as exc:

@@ -55,6 +55,7 @@ class BenchConfig:
     lr: float = 1e-6
     steps: int = 10
     warmup_steps: int = 16  # as `bench codec`: Adam's state settled, as in post-training
+    device: str = "cpu"  # where the trainer's tensors live (cuda: the snapshot and diff run there)
     cache: Path = DEFAULT_CACHE
 
 
@@ -100,7 +101,7 @@ def board_process(data_dir: Path) -> Iterator[tuple[str, str]]:
 class TiledView:
     """The synthetic trainer: tiled trajectory views as bf16 tensors, moved version by version."""
 
-    def __init__(self, traj: Trajectory, view_gb: float, last_version: int) -> None:
+    def __init__(self, traj: Trajectory, view_gb: float, last_version: int, device: str = "cpu") -> None:
         import torch
 
         if last_version >= traj.steps:
@@ -111,7 +112,7 @@ class TiledView:
         self.state: dict[str, torch.Tensor] = {}
         for j in range(self.copies):
             for t in traj.tensors:
-                self.state[f"copies.{j}.{t.name}"] = torch.empty(t.shape, dtype=torch.bfloat16)
+                self.state[f"copies.{j}.{t.name}"] = torch.empty(t.shape, dtype=torch.bfloat16, device=device)
         self._tensors = traj.tensors
 
     @property
@@ -160,7 +161,7 @@ def run(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
         warmup_steps=config.warmup_steps,
         cache=config.cache,
     )
-    view = TiledView(traj, config.view_gb, max(config.deltas, config.fulls - 1))
+    view = TiledView(traj, config.view_gb, max(config.deltas, config.fulls - 1), config.device)
     results = []
     with (
         tempfile.TemporaryDirectory(prefix="deltaboard-bench-") as tmp,
@@ -188,6 +189,7 @@ def run(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
                     "full_e2e_s": statistics.median(r.e2e_s for r, _ in fulls),
                     "delta_bytes": int(statistics.median(r.encoded_bytes for r, _ in deltas)),
                     "full_bytes": int(statistics.median(r.encoded_bytes for r, _ in fulls)),
+                    "device": config.device,
                     "source": f"tiled {config.size} AdamW trajectory (fp32-master, lr {config.lr:g}, "
                     f"after {config.warmup_steps} warm-up steps)",
                 }

@@ -77,8 +77,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             None, help="Size of the bf16 view in GB (default 1; quick 0.125)."
         ),
         link_gbit: list[float] = typer.Option([], help="Emulated link speeds in Gbit/s (default 1 10)."),
-        device: str | None = typer.Option(
-            None, help="Only measure snapshot + diff throughput on this device (e.g. cuda), no board."
+        device: str = typer.Option("cpu", help="Where the trainer's tensors live: cpu or cuda."),
+        throughput: bool = typer.Option(
+            False, "--throughput", help="Only snapshot + diff throughput on --device (no board, no link)."
         ),
     ) -> None:
         """Deltas vs full checkpoints of a bf16 view through a board across an emulated link."""
@@ -90,7 +91,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from services.bench import publish_bench
 
         console = Console()
-        if device is not None:
+        if throughput:
             figures = publish_bench.device_throughput(view_gb or (1.0 if quick else 8.0), device)
             console.print_json(data=figures)
             if json_path is not None:
@@ -98,7 +99,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             return
         config = publish_bench.QUICK if quick else publish_bench.BenchConfig()
         config = replace(
-            config, view_gb=view_gb or config.view_gb, links_gbit=tuple(link_gbit) or config.links_gbit
+            config,
+            view_gb=view_gb or config.view_gb,
+            links_gbit=tuple(link_gbit) or config.links_gbit,
+            device=device,
         )
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("starting", total=None)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import threading
 
+import httpx
 import numpy as np
 import pytest
 
@@ -262,3 +263,31 @@ def test_verify_detects_bit_rot_and_directories_are_guarded(board, tmp_path):
     bad = subprocess.run([str(VENV_BIN / "deltaboard"), "verify", str(d)], env=env, capture_output=True)
     assert bad.returncode == 1
     assert b"does not hash" in bad.stdout
+
+
+class FlakyBlobs(httpx.HTTPTransport):
+    """A real transport whose first `fail` blob downloads die: a dropped connection, then 503s."""
+
+    def __init__(self, fail: int) -> None:
+        super().__init__()
+        self.fail = fail
+        self.failed = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET" and "/blobs/" in request.url.path and self.failed < self.fail:
+            self.failed += 1
+            if self.failed == 1:
+                raise httpx.ConnectError("injected: connection dropped", request=request)
+            return httpx.Response(503, json={"error": {"code": "Unavailable", "message": "injected"}})
+        return super().handle_request(request)
+
+
+def test_downloads_are_retried_with_backoff(board, tmp_path):
+    views = publish_states(board.client(board.publish_token), "t", SIZES, 2)
+    flaky = FlakyBlobs(fail=3)
+    # No retries inside the client: the follower's own retry loop must carry the downloads.
+    client = board.client(board.read_token, retries=0, transport=flaky)
+    with Follower(client, "t", tmp_path / "model", node_id="n", workers=1) as f:
+        assert f.sync(1) == 1
+    assert flaky.failed == 3
+    assert_view(tmp_path / "model", views[1])

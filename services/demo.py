@@ -28,10 +28,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import typer
+
+if TYPE_CHECKING:  # FastAPI and uvicorn load only when nodes run
+    from services.sidecar.background import BackgroundServer
+    from services.sidecar.node import Sidecar
 
 RUN = "demo"
 PROMPT = [11, 7, 42, 99, 5, 1]
@@ -130,8 +134,8 @@ class DemoState:
 class Node:
     id: str
     url: str
-    sidecar: Any
-    server: Any
+    sidecar: Sidecar
+    server: BackgroundServer
 
     def served(self) -> int | None:
         served: int | None = self.sidecar.gate.served
@@ -260,7 +264,7 @@ def train_and_publish(
     config: Any = model.config
     assets = {"config.json": config.to_json_string().encode()}
     pending: list[threading.Thread] = []
-    with Publisher(board_url, RUN, token=token, assets=assets, keyframe_every=10**6) as publisher:
+    with Publisher(board_url, RUN, token=token, assets=assets) as publisher:
         first = publisher.next_version
 
         def publish(step: int) -> None:
@@ -293,14 +297,22 @@ def train_and_publish(
 
 
 def await_convergence(nodes: list[Node], head: int | None, timeout_s: float) -> dict[str, bool]:
+    """Whether each node reached `head`, both in its sidecar and in its engine."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(n.served() != head for n in nodes):
         time.sleep(0.1)
-    converged = {}
-    for node in nodes:
-        engine = httpx.get(f"{node.sidecar.config.engine_url}/health", timeout=5).json()
-        converged[node.id] = node.served() == head and engine.get("weight_version") == head
-    return converged
+    return {node.id: node.served() == head and engine_version(node) == head for node in nodes}
+
+
+def engine_version(node: Node) -> int | None:
+    """The version the node's engine itself says it serves (None if it cannot say)."""
+    try:
+        version: int | None = httpx.get(f"{node.sidecar.config.engine_url}/health", timeout=5).json()[
+            "weight_version"
+        ]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    return version
 
 
 def summary(

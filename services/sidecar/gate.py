@@ -1,12 +1,13 @@
 """The sidecar's version state: which version the engine serves, admission, and swaps.
 
 Lives on the proxy's event loop. Requests are *admitted* (counted in flight) only when
-their constraint holds and no swap is in progress; a swap stops admissions, optionally
-drains the requests in flight (`quiesce`), and is entered from the follower's thread
-through `begin_swap` / `end_swap`. Because admission and the served version change under
-one lock, a response's version range (served at admission, served at release) is
-exact: in `quiesce` mode start == end; in `in_place` mode a swap may fall in between and
-the range says so.
+their constraint holds and no swap is in progress; a swap stops admissions and is
+entered from the follower's thread through `begin_swap` / `end_swap`. Before swapping,
+`quiesce` drains every request in flight; `in_place` waits only for the requests whose
+constraint does not accept the new version (an `exact` or `max` pin below it) and swaps
+under the others. Because admission and the served version change under one lock, a
+response's version range (served at admission, served at release) is exact: in `quiesce`
+mode start == end; in `in_place` mode a swap may fall in between and the range says so.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -28,6 +30,7 @@ T = TypeVar("T")
 class Admitted:
     start: int | None
     waited_s: float
+    high: int | None  # the highest version the request accepts: a swap past it waits for it
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class VersionGate:
         self.head: int | None = None
         self.swapping = False
         self.inflight = 0
+        self._bounded: Counter[int] = Counter()  # requests in flight by their highest version
         self.healthy = True
         self.sync_s = 1.0
         self.interval_s = 1.0
@@ -77,8 +81,11 @@ class VersionGate:
                     if isinstance(decision, Gone):
                         return self._refuse(410, "WeightVersionGone", decision.reason, constraint, None)
                     if isinstance(decision, Serve) and not self.swapping and self.healthy:
+                        high = constraint.high()
                         self.inflight += 1
-                        return Admitted(self.served, time.monotonic() - started)
+                        if high is not None:
+                            self._bounded[high] += 1
+                        return Admitted(self.served, time.monotonic() - started, high)
                     low = decision.low if isinstance(decision, Wait) else (self.served or 0)
                     self._pins[key] = (low, constraint.high())
                     remaining = deadline - time.monotonic()
@@ -103,10 +110,14 @@ class VersionGate:
         required = constraint.describe(self.head)
         return Refused(status, code, message, required, self.served, self.head, retry)
 
-    async def release(self) -> int | None:
-        """A request finished: the version it ends with."""
+    async def release(self, high: int | None) -> int | None:
+        """A request (admitted with highest version `high`) finished: the version it ends with."""
         async with self._cond:
             self.inflight -= 1
+            if high is not None:
+                self._bounded[high] -= 1
+                if not self._bounded[high]:
+                    del self._bounded[high]
             self._cond.notify_all()
             return self.served
 
@@ -120,14 +131,23 @@ class VersionGate:
                 self.head, self._head_at = head, now
                 self._cond.notify_all()
 
-    async def _begin_swap(self) -> None:
+    def holds_until_done(self, admitted: Admitted) -> bool:
+        """Whether no swap can happen under this request (within the drain timeout)."""
+        pinned = admitted.high is not None and admitted.start is not None and admitted.high <= admitted.start
+        return self.mode == "quiesce" or pinned
+
+    def _may_swap_to(self, version: int) -> bool:
+        if self.mode == "quiesce":
+            return self.inflight == 0
+        return all(high >= version for high in self._bounded)
+
+    async def _begin_swap(self, version: int) -> None:
         async with self._cond:
             self.swapping = True
-            if self.mode == "quiesce":
-                # Past the timeout, swap anyway: those responses' ranges will say start != end.
-                with contextlib.suppress(TimeoutError):
-                    drained = self._cond.wait_for(lambda: self.inflight == 0)
-                    await asyncio.wait_for(drained, self.drain_timeout_s)
+            # Past the timeout, swap anyway: those responses' ranges will say start != end.
+            with contextlib.suppress(TimeoutError):
+                drained = self._cond.wait_for(lambda: self._may_swap_to(version))
+                await asyncio.wait_for(drained, self.drain_timeout_s)
 
     async def _end_swap(self, version: int | None, healthy: bool, sync_s: float) -> None:
         async with self._cond:
@@ -141,9 +161,9 @@ class VersionGate:
         assert self._loop is not None, "gate is not bound to an event loop"
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def begin_swap(self) -> None:
-        """From the follower's thread: stop admissions (and drain, in quiesce mode)."""
-        self._call(self._begin_swap())
+    def begin_swap(self, version: int) -> None:
+        """From the follower's thread: stop admissions and drain what `version` would break."""
+        self._call(self._begin_swap(version))
 
     def end_swap(self, version: int | None, healthy: bool, sync_s: float) -> None:
         """From the follower's thread: the engine now serves `version` (or failed to load)."""

@@ -4,9 +4,9 @@ Each request goes through `VersionGate.admit` (served / wait / 409 / 410), is fo
 with its `weight_version` removed, and comes back with the version range it was served
 with:
 
-- headers `X-Weight-Version-Start` and `X-Weight-Version-End` (for a stream the end is
-  only known up front in `quiesce` mode, where it equals the start; in `in_place` mode
-  the header is absent and the stream's last event says),
+- headers `X-Weight-Version-Start` and `X-Weight-Version-End` (a stream's headers carry
+  the end only when the gate holds its version until the request is done: `quiesce`
+  mode, or a request pinned at the served version; otherwise the last event says),
 - a JSON object body gains `"weight_version": {"start": s, "end": e}`,
 - a stream's last data event (the one before `data: [DONE]`) gains the same field.
 
@@ -179,10 +179,11 @@ def create_proxy_app(
             return _refusal(admission)
         assert isinstance(admission, Admitted)
         metrics.wait_seconds.observe(admission.waited_s)
-        return await _forward(request, path, raw, admission.start)
+        return await _forward(request, path, raw, admission)
 
-    async def _forward(request: Request, path: str, raw: bytes, start: int | None) -> Response:
-        release = Release(gate)
+    async def _forward(request: Request, path: str, raw: bytes, admission: Admitted) -> Response:
+        start = admission.start
+        release = Release(gate, admission.high)
         upstream_request = client.build_request(
             request.method,
             "/" + path,
@@ -198,7 +199,7 @@ def create_proxy_app(
                 return Response(status_code=499)
             headers = _response_headers(upstream)
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                headers.update(range_headers(start, start if gate.mode == "quiesce" else None))
+                headers.update(range_headers(start, start if gate.holds_until_done(admission) else None))
                 metrics.requests.labels("proxied").inc()
                 streaming = True
                 return StampedStream(

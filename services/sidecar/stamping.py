@@ -51,15 +51,16 @@ def _event_data(event: bytes) -> bytes | None:
 class Release:
     """Release a request's admission exactly once, remembering the version it ended with."""
 
-    def __init__(self, gate: VersionGate) -> None:
+    def __init__(self, gate: VersionGate, high: int | None) -> None:
         self._gate = gate
+        self._high = high
         self._end: int | None = None
         self.done = False
 
     async def __call__(self) -> int | None:
         if not self.done:
             self.done = True
-            self._end = await self._gate.release()
+            self._end = await self._gate.release(self._high)
         return self._end
 
 

@@ -74,7 +74,7 @@ class VersionSync:
     def _swap_in(self, version: int, swap: Callable[[], None]) -> None:
         assert self.follower is not None
         started = time.monotonic()
-        self.gate.begin_swap()
+        self.gate.begin_swap(version)
         served, healthy = self.gate.served, self.gate.healthy
         try:
             self.adapter.pause(self.gate.mode)

@@ -45,7 +45,7 @@ class Node:
         self.client = httpx.Client(base_url=self.server.url, timeout=60)
 
     def serve(self, version: int, reload: Callable[[], object] | None = None) -> None:
-        self.gate.begin_swap()
+        self.gate.begin_swap(version)
         if reload is not None:
             reload()
         self.gate.end_swap(version, True, 0.01)
@@ -255,6 +255,28 @@ def test_in_place_swap_reports_the_range_it_spanned(engine, model_dir):
         request.join()
         assert result["r"].json()["weight_version"] == {"start": 1, "end": 2}
         assert result["r"].headers["x-weight-version-end"] == "2"
+    finally:
+        n.close()
+
+
+def test_in_place_swap_waits_for_requests_pinned_below_the_new_version(engine, model_dir):
+    n = Node(engine, mode="in_place")
+    try:
+        n.serve(1)
+        httpx.post(f"{engine}/pause")
+        result: dict[str, httpx.Response] = {}
+        request = threading.Thread(target=lambda: result.update(r=completion(n, {"exact": 1})))
+        request.start()
+        wait_until(lambda: n.gate.inflight == 1, "request never admitted")
+        swap = threading.Thread(target=n.serve, args=(2,))
+        swap.start()
+        wait_until(lambda: n.gate.swapping, "swap never started")
+        assert swap.is_alive() and n.gate.served == 1  # version 2 would break the pinned request
+        httpx.post(f"{engine}/resume")
+        request.join()
+        swap.join()
+        assert result["r"].json()["weight_version"] == {"start": 1, "end": 1}
+        assert n.gate.served == 2
     finally:
         n.close()
 

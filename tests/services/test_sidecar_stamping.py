@@ -21,7 +21,7 @@ class EndsAt:
         self.end = end
         self.released = 0
 
-    async def release(self) -> int:
+    async def release(self, high: int | None) -> int:
         self.released += 1
         return self.end
 
@@ -45,7 +45,7 @@ def run_stream(body: bytes, cuts: list[int], start: int, end: int) -> tuple[list
     gate = EndsAt(end)
 
     async def collect() -> list[bytes]:
-        release = Release(cast(VersionGate, gate))
+        release = Release(cast(VersionGate, gate), None)
         return [part async for part in restamped_stream(cast(Any, Chunked(body, cuts)), start, release)]
 
     out = asyncio.run(collect())

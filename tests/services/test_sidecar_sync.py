@@ -103,7 +103,7 @@ def test_the_node_stops_at_a_pinned_version_then_goes_on_to_the_head(loop):
     sync._step(follower, threading.Event())
     assert follower.synced == [2] and isinstance(waiting.result(5), Admitted)
     assert adapter.calls == [("pause", "in_place"), ("reload", 2), ("resume", "in_place")]
-    asyncio.run_coroutine_threadsafe(gate.release(), loop).result()
+    asyncio.run_coroutine_threadsafe(gate.release(2), loop).result()
     sync._step(follower, threading.Event())
     assert follower.synced == [2, 5] and gate.served == 5
 

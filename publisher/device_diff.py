@@ -26,7 +26,7 @@ from publisher.snapshot import Slot, ViewBuffer, ViewLayout, word_aligned
 
 CHUNK_ELEMENTS = 1 << 27
 CPU_BATCH_BYTES = 1 << 25
-CUDA_BATCH_BYTES = 1 << 31
+CUDA_BATCH_BYTES = 1 << 30
 
 
 @dataclass
@@ -72,6 +72,33 @@ def _changed(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.
     return words[rows] * per + lane, old_lanes[rows, lane], new_lanes[rows, lane]
 
 
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8}
+
+
+def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """Small device tensors on the host, in one copy into pinned memory.
+
+    The only device->host traffic of the diff. One packed copy into page-locked memory
+    (torch's caching host allocator reuses the blocks) runs at the bus' speed, where one
+    pageable copy per array would pay a staging copy and a synchronisation each. CPU
+    tensors are returned as they are (numpy views, no copy). The int64 arrays come
+    first, so every array starts aligned.
+    """
+    if tensors[0].device.type == "cpu":
+        return [t.numpy() for t in tensors]
+    packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+    host = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    torch.cuda.current_stream(packed.device).synchronize()
+    flat = host.numpy()
+    out, offset = [], 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        out.append(flat[offset : offset + size].view(_NUMPY[t.dtype]))
+        offset += size
+    return out
+
+
 def batches(layout: ViewLayout, batch_bytes: int) -> list[list[Slot]]:
     """Consecutive slots of one group, about `batch_bytes` each: the unit of the pipeline."""
     out: list[list[Slot]] = []
@@ -90,8 +117,8 @@ def diff_slots(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> ViewD
     """Changes of consecutive slots of one group (see `batches`).
 
     One comparison over their range, one gather of the changed words, a `searchsorted`
-    over the slots' offsets to cut the result per tensor, all on the device; then four
-    small transfers to the host.
+    over the slots' offsets to cut the result per tensor, all on the device; then one
+    small transfer to the host (`to_host`).
     """
     result = ViewDiff()
     group = slots[0].group
@@ -102,10 +129,9 @@ def diff_slots(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> ViewD
         return result
     starts = torch.tensor([s.offset - start for s in slots], dtype=torch.int64, device=pos.device)
     owner = torch.searchsorted(starts, pos, right=True) - 1
-    local = (pos - starts[owner]).cpu().numpy()
-    counts = torch.bincount(owner, minlength=len(slots)).cpu().numpy()
-    old_h = old_changed.cpu().numpy()
-    new_h = new_changed.cpu().numpy()
+    local, counts, old_h, new_h = to_host(
+        pos - starts[owner], torch.bincount(owner, minlength=len(slots)), old_changed, new_changed
+    )
     result.host_bytes += local.nbytes + counts.nbytes + old_h.nbytes + new_h.nbytes
     bounds = np.concatenate(([0], np.cumsum(counts)))
     for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):

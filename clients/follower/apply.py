@@ -72,6 +72,7 @@ def _apply_entry(
         return None
     if held is None:
         raise FollowerError(f"no digest held for tensor {entry.name!r}: the slot is not at the parent")
+    maps.prefault(entry.name, header.changed)
     changes = codec.decode(patch, maps.tensor(entry.name), held)
     maps.write_changes(entry.name, changes.positions, changes.new_bits)
     return changes
@@ -121,6 +122,7 @@ def replay(maps: ShardMaps, written: list[Written], pool: Executor) -> bool:
     """
 
     def one(w: Written) -> bool:
+        maps.prefault(w.name, w.changes.count)
         bits = maps.tensor(w.name).view(w.changes.new_bits.dtype)
         if not np.array_equal(bits[w.changes.positions], w.changes.old_bits):
             return False

@@ -28,9 +28,10 @@ raises `IntegrityError`. Until the swap nothing touches the served slot, so any 
 (blobs already downloaded stay in the cache; a dirty slot is copied from the served one).
 
 Durability: a killed process loses nothing that reached the page cache, so kill -9 at
-any instant is safe by default. `durable=True` also msyncs each slot before the journal
-marks it clean, for power loss; it costs the write-back of every dirty page, which with
-changes spread over a tensor is about the whole file.
+any instant is safe by default (renames are atomic; nothing is fsynced). `durable=True`
+also survives power loss: each slot's files are fsynced before the journal marks it
+clean, and the journal and the `current` link are fsynced; it costs the write-back of
+every dirty page, which with changes spread over a tensor is about the whole file.
 """
 
 from __future__ import annotations
@@ -117,9 +118,9 @@ class Follower:
         self._durable = durable
         self._mirror_budget = mirror_budget_bytes
         self._lock = threading.RLock()
-        self._slots = Slots(Path(directory))
+        self._slots = Slots(Path(directory), durable=durable)
         self._slots.open()
-        self._journal = Journal(self._slots.journal_path)
+        self._journal = Journal(self._slots.journal_path, durable=durable)
         try:
             self._state = self._journal.load(run)
         except DirectoryError:

@@ -8,8 +8,10 @@ never trusted: it is rebuilt from the other slot (a local copy) or from scratch.
 applying idempotent without logging every changed byte: recovery restarts from the last
 clean state, and the downloaded blobs are still in the local cache.
 
-The file is written to a temporary name, fsynced and renamed over the old one, so a kill
-at any instant leaves either the old or the new journal, never a torn one.
+The file is written to a temporary name and renamed over the old one, so a kill at any
+instant leaves either the old or the new journal, never a torn one. Power loss is a
+different matter: only a `durable` journal fsyncs (together with the slots' data, see
+`Follower(durable=...)`), since a journal that survives without its data would not help.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ class JournalState(BaseModel):
 
 
 class Journal:
-    """Reads and atomically replaces `path` (a JSON `JournalState`)."""
+    """Reads and atomically replaces `path` (a JSON `JournalState`); `durable` also fsyncs."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, durable: bool = False) -> None:
         self.path = path
+        self.durable = durable
 
     def read(self) -> JournalState | None:
         """The saved state, None if there is none yet."""
@@ -81,18 +84,21 @@ class Journal:
         return state
 
     def save(self, state: JournalState) -> None:
-        atomic_write(self.path, state.model_dump_json().encode())
+        atomic_write(self.path, state.model_dump_json().encode(), durable=self.durable)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves the old or the new content, never a mix."""
+def atomic_write(path: Path, data: bytes, *, durable: bool = False) -> None:
+    """Write `data` to `path` so that a killed process leaves the old or the new content,
+    never a mix (rename is atomic); `durable` also survives power loss (fsyncs)."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def fsync_dir(directory: Path) -> None:

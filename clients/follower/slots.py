@@ -48,8 +48,9 @@ def other(name: SlotName) -> SlotName:
 class Slots:
     """The on-disk structure of one follower directory, and the only code that changes it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, durable: bool = False) -> None:
         self.root = root
+        self.durable = durable
         self.meta = root / META
         self.current_link = root / CURRENT
         self._lock_file: IO[bytes] | None = None
@@ -140,7 +141,8 @@ class Slots:
         tmp.unlink(missing_ok=True)
         tmp.symlink_to(Path(META) / "slots" / name)
         os.replace(tmp, self.current_link)
-        fsync_dir(self.root)
+        if self.durable:
+            fsync_dir(self.root)
         self._refresh_links(name)
 
     def _refresh_links(self, name: SlotName) -> None:

@@ -72,7 +72,8 @@ class Entropy:
     k: int
     positions: float
     positions_given_exponent: float
-    values: float
+    steps: float
+    steps_given_exponent: float
     deltaboard: float
 
 
@@ -92,10 +93,18 @@ def _h(p: np.ndarray) -> np.ndarray:
     return np.asarray(-(p * np.log2(q) + (1.0 - p) * np.log2(r)))
 
 
-def _entropy_terms(old: View, new: View, dtypes: Mapping[str, str]) -> tuple[float, float, float, int]:
-    """(position bits, position bits given the old exponent, step bits, changed count)."""
+def _empirical_bits(symbols: np.ndarray) -> float:
+    """Total bits of an i.i.d. code at the empirical distribution of `symbols`."""
+    _, counts = np.unique(symbols, return_counts=True)
+    return float(-(counts * np.log2(counts / max(1, symbols.size))).sum()) if counts.size else 0.0
+
+
+def _entropy_terms(old: View, new: View, dtypes: Mapping[str, str]) -> tuple[float, float, float, float]:
+    """Bits per changed element: positions (memoryless, per tensor), positions given the
+    old sign and exponent, ULP steps, ULP steps given the old sign and exponent."""
     pos = ctx = 0.0
     steps: list[np.ndarray] = []
+    buckets: list[np.ndarray] = []
     for name in old:
         ch = codec.diff(old[name], new[name], dtypes[name])
         n = old[name].size // codec.width(dtypes[name])
@@ -103,21 +112,22 @@ def _entropy_terms(old: View, new: View, dtypes: Mapping[str, str]) -> tuple[flo
             continue
         pos += n * float(_h(np.array(ch.count / n)))
         bits = old[name].view(codec.uint_dtype(dtypes[name])).astype(np.uint64)
-        width = codec.width(dtypes[name])
         # sign and exponent of the old value: the top bits of the pattern (9 for 16-bit floats)
-        shift = np.uint64(max(0, 8 * width - 9))
-        bucket = (bits >> shift).astype(np.int64)
+        bucket = (bits >> np.uint64(max(0, 8 * codec.width(dtypes[name]) - 9))).astype(np.int64)
         total = np.bincount(bucket)
         hit = np.bincount(bucket[ch.positions], minlength=total.size)
         used = total > 0
         ctx += float((total[used] * _h(hit[used] / total[used])).sum())
-        d = ch.new_bits.astype(np.int64) - ch.old_bits.astype(np.int64)
-        steps.append(d)
-    all_steps = np.concatenate(steps) if steps else np.empty(0, dtype=np.int64)
-    _, counts = np.unique(all_steps, return_counts=True)
-    probs = counts / max(1, all_steps.size)
-    val = float(-(counts * np.log2(probs)).sum()) if counts.size else 0.0
-    return pos, ctx, val, int(all_steps.size)
+        steps.append(ch.new_bits.astype(np.int64) - ch.old_bits.astype(np.int64))
+        buckets.append(bucket[ch.positions])
+    if not steps:
+        return 0.0, 0.0, 0.0, 0.0
+    d, b = np.concatenate(steps), np.concatenate(buckets)
+    # step given bucket: H(bucket, step) - H(bucket), with steps clipped into one key
+    joint = b * (1 << 20) + np.clip(d, -(1 << 19), (1 << 19) - 1)
+    m = d.size
+    given = _empirical_bits(joint) - _empirical_bits(b)
+    return pos / m, ctx / m, _empirical_bits(d) / m, given / m
 
 
 def _measure(
@@ -155,27 +165,25 @@ def _bench_trajectory(
     view_gb = traj.view_bytes / 1e9
     for k in config.ks:
         rows: dict[str, list[tuple[float, float, float, float, bool]]] = {e: [] for e in config.encodings}
-        ent: list[tuple[float, float, float, float]] = []
+        ent: list[tuple[float, float, float, float, float]] = []
         for t in range(1, 1 + config.pairs):
             old, new = traj.view(t), traj.view(t + k)
             digests = {name: codec.digest(old[name], dtypes[name]) for name in old}
             changed = max(1, _changed(old, new, dtypes))
             for name in config.encodings:
                 size, enc_s, app_s, exact = _measure(name, old, new, dtypes, digests, config.repeats)
-                rows[name].append(
-                    (changed / numel, size * 8 / changed, view_gb / enc_s, view_gb / app_s, exact)
-                )
+                bits = size * 8 / changed
+                rows[name].append((changed / numel, bits, view_gb / enc_s, view_gb / app_s, exact))
                 if name == "deltaboard":
-                    pos, ctx, val, n = _entropy_terms(old, new, dtypes)
-                    ent.append((pos / max(1, n), ctx / max(1, n), val / max(1, n), size * 8 / changed))
+                    ent.append((*_entropy_terms(old, new, dtypes), bits))
                 tick()
         for name, values in rows.items():
             med = [statistics.median(v[i] for v in values) for i in range(4)]
             exact = all(v[4] for v in values)
             report.records.append(Record(name, regime, lr, k, med[0], med[1], med[2], med[3], exact))
         if ent:
-            med = [statistics.median(e[i] for e in ent) for i in range(4)]
-            report.entropies.append(Entropy(regime, lr, k, med[0], med[1], med[2], med[3]))
+            med = [statistics.median(e[i] for e in ent) for i in range(5)]
+            report.entropies.append(Entropy(regime, lr, k, *med))
 
 
 def run(config: BenchConfig, progress: Callable[[str, int, int], None] | None = None) -> Report:
@@ -243,18 +251,12 @@ def render(report: Report, console: Console) -> None:
         )
     console.print(table)
     ent = Table(title="deltaboard: what limits it (bits per changed element, medians)")
-    for col in ("regime", "lr", "k", "H(positions)", "H(positions | old exponent)", "H(ULP step)", "spent"):
+    columns = ("regime", "lr", "k", "H(positions)", "H(positions | old exp)", "H(step)", "H(step | old exp)")
+    for col in (*columns, "spent"):
         ent.add_column(col, justify="right")
     for e in report.entropies:
-        ent.add_row(
-            e.regime,
-            f"{e.lr:g}",
-            str(e.k),
-            f"{e.positions:.2f}",
-            f"{e.positions_given_exponent:.2f}",
-            f"{e.values:.2f}",
-            f"{e.deltaboard:.2f}",
-        )
+        figures = (e.positions, e.positions_given_exponent, e.steps, e.steps_given_exponent, e.deltaboard)
+        ent.add_row(e.regime, f"{e.lr:g}", str(e.k), *(f"{x:.2f}" for x in figures))
     console.print(ent)
     _print_targets(report, console)
 

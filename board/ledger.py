@@ -49,15 +49,14 @@ class Ledger:
     # ---- reading records ---------------------------------------------------------------
 
     def _read(self, key: str, model: type[M]) -> tuple[M, str] | None:
-        try:
-            data, etag = self.store.get(key)
-        except ObjectNotFound:
-            return None
-        return model.model_validate_json(data), etag
+        found = self.store.read_record(key)
+        return None if found is None else (model.model_validate_json(found[0]), found[1])
 
     def run(self, run: str) -> RunRecord | None:
-        found = self._read(run_key(run), RunRecord)
-        return None if found is None else found[0]
+        try:
+            return RunRecord.model_validate_json(self.store.get(run_key(run)))
+        except ObjectNotFound:
+            return None
 
     def head(self, run: str) -> tuple[HeadRecord, str]:
         found = self._read(head_key(run), HeadRecord)
@@ -69,10 +68,8 @@ class Ledger:
         return self._read(lease_key(run), LeaseRecord)
 
     def manifest_bytes(self, run: str, version: int) -> bytes | None:
-        try:
-            return self.store.get(manifest_key(run, version))[0]
-        except ObjectNotFound:
-            return None
+        found = self.store.read_record(manifest_key(run, version))
+        return None if found is None else found[0]
 
     def blob_size(self, run: str, sha256: str) -> int | None:
         info = self.store.stat(blob_key(run, sha256))
@@ -93,7 +90,7 @@ class Ledger:
             created = True
         # The head record may be missing if a creator died between the two writes.
         with contextlib.suppress(PreconditionFailed):
-            self.store.put(head_key(req.name), encode(HeadRecord()), if_none_match=True)
+            self.store.write_record(head_key(req.name), encode(HeadRecord()), None)
         return record, created
 
     # ---- leases ------------------------------------------------------------------------
@@ -122,7 +119,7 @@ class Ledger:
             epoch = max(head.epoch, current.epoch if current else 0) + 1
             record = LeaseRecord(holder=req.holder, epoch=epoch, expires_at=now + req.ttl_s)
             try:
-                self.store.put(lease_key(run), encode(record), if_none_match=etag is None, if_match=etag)
+                self.store.write_record(lease_key(run), encode(record), etag)
             except PreconditionFailed:
                 continue
             lease = Lease(run=run, holder=record.holder, epoch=record.epoch, expires_at=record.expires_at)
@@ -136,7 +133,7 @@ class Ledger:
                 return head
             raised = head.model_copy(update={"epoch": epoch})
             try:
-                self.store.put(head_key(run), encode(raised), if_match=etag)
+                self.store.write_record(head_key(run), encode(raised), etag)
                 return raised
             except PreconditionFailed:
                 continue
@@ -157,7 +154,7 @@ class Ledger:
         record, etag = self._own_lease(run, holder, epoch)
         renewed = record.model_copy(update={"expires_at": self.clock() + req.ttl_s})
         try:
-            self.store.put(lease_key(run), encode(renewed), if_match=etag)
+            self.store.write_record(lease_key(run), encode(renewed), etag)
         except PreconditionFailed:
             raise conflict("StaleEpoch", "the lease changed while renewing") from None
         return Lease(run=run, holder=holder, epoch=epoch, expires_at=renewed.expires_at)
@@ -167,9 +164,8 @@ class Ledger:
         self.head(run)
         record, etag = self._own_lease(run, holder, epoch)
         try:
-            self.store.put(
-                lease_key(run), encode(record.model_copy(update={"expires_at": 0.0})), if_match=etag
-            )
+            released = record.model_copy(update={"expires_at": 0.0})
+            self.store.write_record(lease_key(run), encode(released), etag)
         except PreconditionFailed:
             raise conflict("StaleEpoch", "the lease changed while releasing") from None
 
@@ -184,7 +180,7 @@ class Ledger:
         self._write_manifest(run, manifest, head)
         new_head = HeadRecord(version=manifest.version, kind=manifest.kind, epoch=manifest.epoch)
         try:
-            self.store.put(head_key(run), encode(new_head), if_match=head_etag)
+            self.store.write_record(head_key(run), encode(new_head), head_etag)
         except PreconditionFailed:
             now, _ = self.head(run)
             if now.epoch > manifest.epoch:
@@ -203,14 +199,14 @@ class Ledger:
         key = manifest_key(run, manifest.version)
         data = encode(manifest)
         try:
-            self.store.put(key, data, if_none_match=True)
+            self.store.write_record(key, data, None)
             return
         except PreconditionFailed:
             pass
-        try:
-            existing, etag = self.store.get(key)
-        except ObjectNotFound:
-            raise conflict("NotHead", "manifest slot changed concurrently; retry") from None
+        found = self.store.read_record(key)
+        if found is None:
+            raise conflict("NotHead", "manifest slot changed concurrently; retry")
+        existing, etag = found
         if existing == data:
             return
         try:
@@ -219,7 +215,7 @@ class Ledger:
             other = None
         if other is None or other.epoch < manifest.epoch:
             try:
-                self.store.put(key, data, if_match=etag)
+                self.store.write_record(key, data, etag)
                 return
             except PreconditionFailed:
                 pass
@@ -239,14 +235,14 @@ class Ledger:
                     out.append(record)
         return out
 
-    def committed_versions(self, run: str, head: int | None) -> list[VersionRecord]:
-        """Version records of the committed manifests still stored (for the index)."""
+    def committed_versions(self, run: str, head: int | None, after: int | None = None) -> list[VersionRecord]:
+        """Version records of the committed manifests (above `after`) still stored, for the index."""
         if head is None:
             return []
         records = []
-        for info in self.store.list(f"runs/{run}/manifests/"):
-            version = manifest_version(info.key)
-            if version is None or version > head:
+        listed = {manifest_version(info.key) for info in self.store.list(f"runs/{run}/manifests/")}
+        for version in sorted(v for v in listed if v is not None):
+            if version > head or (after is not None and version <= after):
                 continue
             data = self.manifest_bytes(run, version)
             if data is None:

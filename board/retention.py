@@ -66,9 +66,9 @@ def apply_retention(
         if version is not None and (head is None or version > head):
             # Possibly a commit in flight: its blobs stay.
             with contextlib.suppress(ObjectNotFound, ValidationError):
-                referenced |= Manifest.model_validate_json(store.get(info.key)[0]).blob_shas()
+                referenced |= Manifest.model_validate_json(store.get(info.key)).blob_shas()
     for version in selection.delete:
-        store.delete(manifest_key(run, version))
+        store.delete_record(manifest_key(run, version))
     prefix = blob_key(run, "")
     last_active = {
         info.key[len(prefix) :]: max(info.modified, touches.get(info.key[len(prefix) :], 0.0))

@@ -23,6 +23,9 @@ class Settings(BaseSettings):
     presign_expiry_s: int = Field(default=3600, gt=0)
     redis: str | None = Field(default=None, description="redis://host:port/db for several replicas")
     redis_namespace: str = "deltaboard"
+    reconcile_s: float = Field(
+        default=5.0, ge=0, description="with Redis: compare heads with the store (0: never)"
+    )
     auth_config: Path | None = None
     tokens: str = Field(default="", description="comma-separated scope:token[:run-glob]")
     anonymous_read: bool = False
@@ -32,6 +35,11 @@ class Settings(BaseSettings):
     max_wait_s: float = Field(default=60.0, gt=0)
     fsync: bool = True
     log_level: str = "warning"
+
+    @property
+    def reconciles(self) -> bool:
+        """Only a shared index can miss a commit (a replica dying before its index update)."""
+        return self.redis is not None and self.reconcile_s > 0
 
     @property
     def tmp_dir(self) -> Path:

@@ -70,6 +70,21 @@ def _error_from(response: httpx.Response) -> BoardError:
         return BoardError(response.status_code, "HTTPError", response.text[:500] or response.reason_phrase)
 
 
+class _Partial:
+    """The bytes of a download already on disk: their count and running sha256."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.size = 0
+        self.digest = hashlib.sha256()
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        self.digest.update(chunk)
+
+
 class BoardClient:
     """A synchronous client of one board. Thread-safe (httpx.Client is); close it when done."""
 
@@ -234,58 +249,49 @@ class BoardClient:
         (in this call or a previous process), and verify its sha256 before renaming it into
         place. `progress(n)` is called with each chunk's size."""
         part = dest.with_name(dest.name + ".part")
-        digest = hashlib.sha256()
-        have = 0
+        state = _Partial()
         if part.exists():
             with open(part, "rb") as f:
                 while chunk := f.read(CHUNK):
-                    digest.update(chunk)
-                    have += len(chunk)
+                    state.add(chunk)
         for attempt in range(self.retries + 1):
             try:
-                have, digest = self._download_into(run, sha256, part, have, digest, progress)
+                self._download_into(run, sha256, part, state, progress)
                 break
             except httpx.TransportError:
                 if attempt == self.retries:
                     raise
                 self._sleep(attempt)
-        if digest.hexdigest() != sha256:
+        if state.digest.hexdigest() != sha256:
             part.unlink(missing_ok=True)
-            raise BoardError(
-                502, "DigestMismatch", f"downloaded blob hashes to {digest.hexdigest()}, not {sha256}"
-            )
+            got = state.digest.hexdigest()
+            raise BoardError(502, "DigestMismatch", f"downloaded blob hashes to {got}, not {sha256}")
         os.replace(part, dest)
         return dest
 
     def _download_into(
-        self,
-        run: str,
-        sha256: str,
-        part: Path,
-        have: int,
-        digest: Any,
-        progress: Callable[[int], None] | None,
-    ) -> tuple[int, Any]:
-        headers = {"Range": f"bytes={have}-"} if have else {}
+        self, run: str, sha256: str, part: Path, state: _Partial, progress: Callable[[int], None] | None
+    ) -> None:
+        """Append the rest of the blob to `part`; `state` tracks what is on disk, also when a
+        connection breaks half-way (the caller then resumes from there)."""
+        headers = {"Range": f"bytes={state.size}-"} if state.size else {}
         url = f"/v1/runs/{run}/blobs/{sha256}"
         with self._http.stream("GET", url, headers=headers, follow_redirects=True) as response:
-            if response.status_code == 416 and have:
-                return have, digest  # the part file is already complete
+            if response.status_code == 416 and state.size:
+                return  # the part file is already complete
             if response.status_code >= 400:
                 response.read()
                 raise _error_from(response)
-            if response.status_code == 200 and have:
-                have, digest = 0, hashlib.sha256()  # the server ignored the range: start over
-            with open(part, "r+b" if have else "wb") as f:
-                f.seek(have)
+            if response.status_code == 200 and state.size:
+                state.reset()  # the server ignored the range: start over
+            with open(part, "r+b" if state.size else "wb") as f:
+                f.seek(state.size)
                 f.truncate()
                 for chunk in response.iter_bytes():  # httpx re-chunking would copy every byte
                     f.write(chunk)
-                    digest.update(chunk)
-                    have += len(chunk)
+                    state.add(chunk)
                     if progress is not None:
                         progress(len(chunk))
-        return have, digest
 
     # ---- versions ----------------------------------------------------------------------
 

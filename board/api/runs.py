@@ -83,7 +83,7 @@ async def get_asset(run: str, name: str, state: BoardState = Reader) -> Response
             raise not_found("UnknownAsset", f"asset {name!r} does not exist")
         return FileResponse(path, media_type="application/octet-stream")
     try:
-        data, _ = await state.blocking(state.store.get, key)
+        data = await state.blocking(state.store.get, key)
     except ObjectNotFound:
         raise not_found("UnknownAsset", f"asset {name!r} does not exist") from None
     return Response(data, media_type="application/octet-stream")

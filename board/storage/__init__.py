@@ -30,14 +30,30 @@ class ObjectInfo:
 
 
 class ObjectStore(Protocol):
-    def get(self, key: str) -> tuple[bytes, str]:
-        """The object's bytes and ETag; `ObjectNotFound` when absent."""
+    """Plain objects (blobs, assets, run.json) plus *records*: small objects that change by
+    compare-and-set (head.json, lease.json, manifests, whose slot a fenced writer may have
+    to take over). Records have their own methods because an adapter may store them
+    differently (the S3 adapter keeps numbered generations, see `board.storage.s3`)."""
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes; `ObjectNotFound` when absent."""
         ...
 
-    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
-        """Write and return the new ETag. `if_none_match`: only if absent; `if_match`: only if
-        the current ETag is this one. A lost condition raises `PreconditionFailed`."""
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
+        """Write the object; with `if_none_match`, only if absent (else `PreconditionFailed`)."""
         ...
+
+    def read_record(self, key: str) -> tuple[bytes, str] | None:
+        """The record's bytes and its version tag, None when absent."""
+        ...
+
+    def write_record(self, key: str, data: bytes, expected: str | None) -> str:
+        """Compare-and-set: write if the record's version tag is `expected` (None: if absent),
+        atomically even against other processes; returns the new tag, or raises
+        `PreconditionFailed`."""
+        ...
+
+    def delete_record(self, key: str) -> None: ...
 
     def put_file(self, key: str, path: Path) -> None:
         """Store a finished temporary file under `key` (replacing it) and consume the file."""
@@ -94,8 +110,9 @@ def manifest_key(run: str, version: int) -> str:
 
 
 def manifest_version(key: str) -> int | None:
-    """The version a manifest key names, None for other keys."""
-    name = key.rsplit("/", 1)[-1]
+    """The version a manifest key (or one of its record generations, `...json@gen`) names,
+    None for other keys."""
+    name = key.rsplit("/", 1)[-1].split("@", 1)[0]
     if "/manifests/" not in key or not name.endswith(".json") or not name[:-5].isdigit():
         return None
     return int(name[:-5])

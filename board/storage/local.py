@@ -1,8 +1,10 @@
 """A directory as the object store: the embedded default for one board process.
 
 Writes go to a temporary file and are renamed into place, so a reader never sees a torn
-object. Create-if-absent uses `link(2)` (atomic, fails if the name exists);
-compare-and-set holds an `flock` per key, so that processes sharing the directory agree.
+object. Create-if-absent uses `link(2)` (atomic, fails if the name exists). A record's
+version tag is a generation number kept in its lock file; compare-and-set holds that
+file's `flock`, so that processes sharing the directory agree, and the number only grows,
+so a tag never comes back even when the same bytes are written again.
 """
 
 from __future__ import annotations
@@ -14,12 +16,9 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from board.storage import ObjectInfo, ObjectNotFound, PreconditionFailed
-
-
-def _etag(data: bytes) -> str:
-    return hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
 class LocalStore:
@@ -47,23 +46,29 @@ class LocalStore:
         return Path(name)
 
     @contextlib.contextmanager
-    def _locked(self, key: str) -> Iterator[None]:
+    def _record(self, key: str, exclusive: bool) -> Iterator[BinaryIO]:
+        """The record's lock file, locked: it also holds the record's generation number."""
         lock = self._locks / hashlib.sha1(key.encode()).hexdigest()
         with open(lock, "a+b") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:
-                yield
+                f.seek(0)
+                yield f
             finally:
                 fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
-    def get(self, key: str) -> tuple[bytes, str]:
+    @staticmethod
+    def _generation(lock: BinaryIO) -> int:
+        text = lock.read().strip()
+        return int(text) if text.isdigit() else 0
+
+    def get(self, key: str) -> bytes:
         try:
-            data = self._path(key).read_bytes()
+            return self._path(key).read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(key) from None
-        return data, _etag(data)
 
-    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._write_temp(data)
@@ -73,20 +78,44 @@ class LocalStore:
                     os.link(tmp, path)
                 except FileExistsError:
                     raise PreconditionFailed(key) from None
-            elif if_match is not None:
-                with self._locked(key):
-                    try:
-                        current = _etag(path.read_bytes())
-                    except FileNotFoundError:
-                        raise PreconditionFailed(key) from None
-                    if current != if_match:
-                        raise PreconditionFailed(key)
-                    os.replace(tmp, path)
             else:
                 os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
-        return _etag(data)
+
+    def read_record(self, key: str) -> tuple[bytes, str] | None:
+        with self._record(key, exclusive=False) as lock:
+            try:
+                data = self.get(key)
+            except ObjectNotFound:
+                return None
+            return data, str(self._generation(lock))
+
+    def write_record(self, key: str, data: bytes, expected: str | None) -> str:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._write_temp(data)
+        try:
+            with self._record(key, exclusive=True) as lock:
+                generation = self._generation(lock)
+                exists = path.exists()
+                if (expected is None and exists) or (
+                    expected is not None and (not exists or expected != str(generation))
+                ):
+                    raise PreconditionFailed(key)
+                os.replace(tmp, path)
+                # A new number even for the same bytes: a tag never comes back (no ABA).
+                lock.seek(0)
+                lock.truncate()
+                lock.write(str(generation + 1).encode())
+                lock.flush()
+        finally:
+            tmp.unlink(missing_ok=True)
+        return str(generation + 1)
+
+    def delete_record(self, key: str) -> None:
+        with self._record(key, exclusive=True):
+            self.delete(key)
 
     def put_file(self, key: str, path: Path) -> None:
         target = self._path(key)

@@ -1,16 +1,22 @@
 """S3 (any endpoint, through boto3) as the object store: for several board replicas and
 for followers that download straight from the bucket via presigned URLs.
 
-Conditional writes map to S3's `If-None-Match: *` (create-if-absent) and `If-Match: <etag>`
-(compare-and-set); both are enforced by AWS S3 and by SeaweedFS (checked by
-tests/board/test_storage.py against a real SeaweedFS). Presigned uploads sign the
-`x-amz-checksum-sha256` header, so the store itself rejects bytes that do not hash to the
-blob's name.
+Create-if-absent is `If-None-Match: *`. Compare-and-set does *not* use `If-Match`: on
+SeaweedFS 4.48 it is not atomic (two of six racing writers with the same ETag both
+succeeded in 4 of 30 trials, while `If-None-Match` never let two through in 60 eight-way
+races). A record is therefore a series of generations `{key}@{n:012d}`, each created with
+`If-None-Match`; the highest is current and its number is the version tag, so
+compare-and-set from tag n is "create generation n+1", which exactly one writer wins on
+any S3 that makes `If-None-Match` atomic (AWS, SeaweedFS, MinIO). Generations are never
+rewritten or collected while live (a collected one could be created again by a stale
+writer); each is ~100 bytes. Presigned uploads sign `x-amz-checksum-sha256`, so the store
+itself rejects bytes that do not hash to the blob's name.
 """
 
 from __future__ import annotations
 
 import base64
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,8 @@ from board.settings import Settings
 from board.storage import ObjectInfo, ObjectNotFound, PreconditionFailed
 
 PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
+GENERATION = "@"
+READ_ATTEMPTS = 4
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 
 
@@ -35,6 +43,9 @@ class S3Store:
         self.client = client
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        # The newest generation seen per record: listings start after it (S3 StartAfter).
+        self._latest: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> S3Store:
@@ -53,28 +64,83 @@ class S3Store:
     def _key(self, key: str) -> str:
         return self.prefix + key
 
-    def get(self, key: str) -> tuple[bytes, str]:
+    def get(self, key: str) -> bytes:
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
         except ClientError as e:
             if _code(e) in NOT_FOUND_CODES:
                 raise ObjectNotFound(key) from None
             raise
-        return response["Body"].read(), str(response["ETag"])
+        data: bytes = response["Body"].read()
+        return data
 
-    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
-        extra: dict[str, str] = {}
-        if if_none_match:
-            extra["IfNoneMatch"] = "*"
-        elif if_match is not None:
-            extra["IfMatch"] = if_match
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
+        extra = {"IfNoneMatch": "*"} if if_none_match else {}
         try:
-            response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **extra)
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **extra)
         except ClientError as e:
-            if _code(e) in PRECONDITION_CODES or (if_match is not None and _code(e) in NOT_FOUND_CODES):
+            if _code(e) in PRECONDITION_CODES:
                 raise PreconditionFailed(key) from None
             raise
-        return str(response["ETag"])
+
+    def _generation_key(self, key: str, generation: int) -> str:
+        return f"{key}{GENERATION}{generation:012d}"
+
+    def _generations(self, key: str, after: int | None) -> list[int]:
+        prefix = self._key(key) + GENERATION
+        args = {"Bucket": self.bucket, "Prefix": prefix}
+        if after is not None:
+            args["StartAfter"] = self._key(self._generation_key(key, after))
+        found = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(**args):
+            for item in page.get("Contents", []):
+                suffix = item["Key"][len(prefix) :]
+                if suffix.isdigit():
+                    found.append(int(suffix))
+        return sorted(found)
+
+    def _newest(self, key: str) -> int | None:
+        with self._lock:
+            hint = self._latest.get(key)
+        found = self._generations(key, hint)
+        newest = found[-1] if found else hint
+        if newest is not None:
+            self._remember(key, newest)
+        return newest
+
+    def _remember(self, key: str, generation: int | None) -> None:
+        with self._lock:
+            if generation is None:
+                self._latest.pop(key, None)
+            else:
+                self._latest[key] = max(generation, self._latest.get(key, generation))
+
+    def read_record(self, key: str) -> tuple[bytes, str] | None:
+        for _ in range(READ_ATTEMPTS):
+            generation = self._newest(key)
+            if generation is None:
+                return None
+            try:
+                return self.get(self._generation_key(key, generation)), str(generation)
+            except ObjectNotFound:
+                self._remember(key, None)  # deleted meanwhile (delete_record): list again
+        raise ObjectNotFound(key)
+
+    def write_record(self, key: str, data: bytes, expected: str | None) -> str:
+        if expected is None:
+            if self._newest(key) is not None:
+                raise PreconditionFailed(key)
+            generation = 0
+        else:
+            generation = int(expected) + 1
+        self.put(self._generation_key(key, generation), data, if_none_match=True)
+        self._remember(key, generation)
+        return str(generation)
+
+    def delete_record(self, key: str) -> None:
+        for generation in self._generations(key, None):
+            self.delete(self._generation_key(key, generation))
+        self._remember(key, None)
 
     def put_file(self, key: str, path: Path) -> None:
         self.client.upload_file(str(path), self.bucket, self._key(key))

@@ -44,7 +44,7 @@ def test_retry_after_a_crash_before_the_head_cas(ledger):
     commit(ledger, 0, epoch, b"zero")
     m = manifest("r", 1, epoch, {"w": b"one"})
     put_blobs(ledger, {"w": b"one"})
-    ledger.store.put(manifest_key("r", 1), encode(m))  # the manifest landed, the head did not
+    ledger.store.write_record(manifest_key("r", 1), encode(m), None)  # the manifest landed, the head did not
     assert ledger.head("r")[0].version == 0
     head, record = ledger.commit("r", m)
     assert head.version == 1 and record.kind == "delta"
@@ -53,13 +53,15 @@ def test_retry_after_a_crash_before_the_head_cas(ledger):
 def test_fenced_writers_leftover_is_replaced(ledger):
     old = lease(ledger, "a")
     commit(ledger, 0, old, b"zero")
-    ledger.store.put(manifest_key("r", 1), encode(manifest("r", 1, old, {"w": b"stale"})))
+    ledger.store.write_record(manifest_key("r", 1), encode(manifest("r", 1, old, {"w": b"stale"})), None)
     new = lease(ledger, "b", steal=True)
     head, _ = commit(ledger, 1, new, b"fresh")
     assert (head.version, head.epoch) == (1, new)
     assert b"stale" not in ledger.manifest_bytes("r", 1)
     # A leftover of the *same* epoch is a concurrent commit: refused, not overwritten.
-    ledger.store.put(manifest_key("r", 2), encode(manifest("r", 2, new, {"w": b"other"}, meta={"x": 1})))
+    ledger.store.write_record(
+        manifest_key("r", 2), encode(manifest("r", 2, new, {"w": b"other"}, meta={"x": 1})), None
+    )
     with pytest.raises(BoardError) as e:
         commit(ledger, 2, new, b"mine")
     assert e.value.code == "NotHead"
@@ -70,11 +72,11 @@ class LeaseDuringCommit(LocalStore):
 
     hook: Callable[[], object] | None = None
 
-    def put(self, key, data, *, if_none_match=False, if_match=None):
-        if key == head_key("r") and if_match is not None and self.hook is not None:
+    def write_record(self, key, data, expected):
+        if key == head_key("r") and expected is not None and self.hook is not None:
             hook, self.hook = self.hook, None
             hook()
-        return super().put(key, data, if_none_match=if_none_match, if_match=if_match)
+        return super().write_record(key, data, expected)
 
 
 def test_fencing_in_the_middle_of_a_commit(tmp_path):

@@ -11,7 +11,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from board.api.state import open_store
 from board.errors import BoardError
+from board.ledger import Ledger
+from board.settings import Settings
 from tests.support.manifests import manifest, publish
 from tests.support.servers import BoardServer, S3Server, board_server
 
@@ -128,3 +131,18 @@ def test_an_empty_index_is_rebuilt_from_the_store(replicas, tmp_path):
         assert reader.get_run("r").name == "r"
     finally:
         fresh.stop()
+
+
+def test_a_commit_that_never_reached_the_index_is_picked_up(replicas):
+    a, b = replicas
+    c = a.client(a.publish_token)
+    c.create_run("r")
+    epoch = c.acquire_lease("r", "t").epoch
+    publish(c, "r", 0, epoch, {"w": b"zero"})
+    c.upload_blob("r", b"one")
+    # A replica that died right after its head CAS: the store has version 1, the index not.
+    settings = Settings.model_validate({k[len("DELTABOARD_") :].lower(): v for k, v in a.env.items()})
+    Ledger(open_store(settings)).commit("r", manifest("r", 1, epoch, {"w": b"one"}))
+    reader = b.client(b.read_token)
+    assert reader.head("r", after=0, wait=20).version == 1  # woken by the reconciliation
+    assert [s.version for s in reader.plan("r", from_version=0).steps] == [1]

@@ -3,6 +3,7 @@ SeaweedFS on loopback). Conditional writes are what keep replicas from losing wr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from pathlib import Path
@@ -37,20 +38,23 @@ def s3_store(s3: S3Server, tmp_path: Path, prefix: str = "pre/fix") -> S3Store:
 
 def test_put_get_stat_list_delete(store, tmp_path):
     with pytest.raises(ObjectNotFound):
-        store.get("runs/r/head.json")
-    assert store.stat("runs/r/head.json") is None
-    etag = store.put("runs/r/head.json", b"{}")
-    assert store.get("runs/r/head.json") == (b"{}", etag)
+        store.get("runs/r/run.json")
+    assert store.stat("runs/r/run.json") is None
+    store.put("runs/r/run.json", b"{}", if_none_match=True)
+    with pytest.raises(PreconditionFailed):
+        store.put("runs/r/run.json", b"{2}", if_none_match=True)
+    assert store.get("runs/r/run.json") == b"{}"
     store.put("runs/r/assets/tok/vocab.json", b"v")
     f = tmp_path / "upload"
     f.write_bytes(b"blob bytes")
     store.put_file("runs/r/blobs/abc", f)
     assert not f.exists()
-    assert store.stat("runs/r/blobs/abc").size == 10
+    info = store.stat("runs/r/blobs/abc")
+    assert info is not None and info.size == 10
     assert [i.key for i in store.list("runs/r/")] == [
         "runs/r/assets/tok/vocab.json",
         "runs/r/blobs/abc",
-        "runs/r/head.json",
+        "runs/r/run.json",
     ]
     assert [i.key for i in store.list("runs/r/assets/")] == ["runs/r/assets/tok/vocab.json"]
     assert list(store.list("runs/other/")) == []
@@ -58,38 +62,48 @@ def test_put_get_stat_list_delete(store, tmp_path):
     assert store.stat("runs/r/blobs/abc") is None
 
 
-def test_create_if_absent_and_compare_and_set(store):
-    first = store.put("k/head.json", b"1", if_none_match=True)
+def test_records_compare_and_set(store):
+    assert store.read_record("k/head.json") is None
+    first = store.write_record("k/head.json", b"1", None)
     with pytest.raises(PreconditionFailed):
-        store.put("k/head.json", b"2", if_none_match=True)
-    second = store.put("k/head.json", b"2", if_match=first)
+        store.write_record("k/head.json", b"2", None)
+    second = store.write_record("k/head.json", b"2", first)
+    assert store.read_record("k/head.json") == (b"2", second)
     with pytest.raises(PreconditionFailed):
-        store.put("k/head.json", b"3", if_match=first)  # stale ETag
+        store.write_record("k/head.json", b"3", first)  # stale tag
+    store.write_record("k/head.json", b"3", second)
     with pytest.raises(PreconditionFailed):
-        store.put("k/absent.json", b"3", if_match=second)
-    assert store.get("k/head.json")[0] == b"2"
+        store.write_record("k/head.json", b"4", second)
+    store.delete_record("k/head.json")
+    assert store.read_record("k/head.json") is None
+    assert store.write_record("k/head.json", b"5", None)
 
 
-def test_racing_compare_and_set_has_one_winner(store):
-    etag = store.put("k/head.json", b"0")
-    wins = []
-    barrier = threading.Barrier(6)
+def race_once(store, expected: str, writers: int = 6) -> list[tuple[int, str]]:
+    wins: list[tuple[int, str]] = []
+    barrier = threading.Barrier(writers)
 
     def race(i: int) -> None:
         barrier.wait()
-        try:
-            store.put("k/head.json", str(i).encode(), if_match=etag)
-            wins.append(i)
-        except PreconditionFailed:
-            pass
+        with contextlib.suppress(PreconditionFailed):
+            wins.append((i, store.write_record("k/head.json", str(i).encode(), expected)))
 
-    threads = [threading.Thread(target=race, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(writers)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(wins) == 1
-    assert store.get("k/head.json")[0] == str(wins[0]).encode()
+    return wins
+
+
+def test_racing_compare_and_set_has_one_winner(store):
+    """Several rounds: SeaweedFS's own If-Match lets two writers through now and then."""
+    tag = store.write_record("k/head.json", b"0", None)
+    for _ in range(5):
+        wins = race_once(store, tag)
+        assert len(wins) == 1
+        winner, tag = wins[0]
+        assert store.read_record("k/head.json") == (str(winner).encode(), tag)
 
 
 def test_local_keys_cannot_escape(tmp_path):

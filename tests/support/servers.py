@@ -242,8 +242,8 @@ def seaweedfs(directory: Path) -> Iterator[S3Server]:
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
         "-master.telemetry=false",
-        "-master.volumeSizeLimitMB=64",
-        "-volume.max=50",
+        "-master.volumeSizeLimitMB=16",
+        "-volume.max=0",  # one collection (and its volumes) per bucket: do not cap them
         f"-filer.localSocket={directory}/filer.sock",
         f"-s3.localSocket={directory}/s3.sock",
     ]

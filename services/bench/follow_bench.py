@@ -10,7 +10,9 @@ are real `Follower`s on local disk. Figures:
 * `full_write_s`: writing the whole checkpoint (the view as a safetensors file) into the
   page cache: what a node pays per version if it receives full checkpoints;
 * `apply_verify_s`: per version, from the end of the download to the swap: decode, verify
-  (O(changes)) and write only the changed elements in place (median over steady updates).
+  (O(changes)) and write only the changed elements in place (median over steady updates);
+  `codec_decode_s` is the codec's decode + verify of one version alone (one thread, in
+  memory, nothing written), the floor under it;
   `mirror_s` is the follower's second write of the same changes into its other slot (the
   A/B scheme's price for atomic versions), after the swap, off the critical path;
 * `bootstrap_s`: an empty node to serving the head (the run's one keyframe plus every
@@ -149,17 +151,38 @@ def node(client: BoardClient, directory: Path, name: str) -> Node:
     return Node(follower, timeline)
 
 
-def publish(client: BoardClient, trainer: SyntheticTrainer, versions: int, status: Status) -> list[Any]:
+def publish(
+    client: BoardClient, trainer: SyntheticTrainer, versions: int, status: Status
+) -> tuple[list[Any], dict[str, np.ndarray]]:
+    """Publish `versions` versions; the results, and the view before the last step."""
     from publisher.publisher import Publisher
 
     results = []
+    base: dict[str, np.ndarray] = {}
     with Publisher(client, RUN, keyframe_every=10**6, lease_ttl_s=300) as pub:
         for v in range(versions):
             status(f"publishing version {v}/{versions - 1}")
+            if v == versions - 1:
+                base = {name: bits.reshape(-1).view(np.uint8).copy() for name, bits in trainer.bits.items()}
             if v:
                 trainer.step()
             results.append(pub.publish(trainer.state).result())
-    return results
+    return results, base
+
+
+def codec_decode_s(client: BoardClient, version: int, base: dict[str, np.ndarray]) -> float:
+    """The codec's share of one version's apply: decoding (and verifying) every patch of
+    `version` against its base in memory, one thread, nothing written."""
+    from board import codec
+
+    manifest = client.manifest(RUN, version)
+    blobs = {sha: client.get_blob(RUN, sha) for sha in manifest.blob_shas()}
+    digests = {name: codec.digest(data, "BF16") for name, data in base.items()}
+    started = time.perf_counter()
+    for t in manifest.tensors:
+        patch = memoryview(blobs[t.blob.sha256])[t.blob.offset : t.blob.offset + t.blob.length]
+        codec.decode(patch, base[t.name], digests[t.name])
+    return time.perf_counter() - started
 
 
 def full_write_s(trainer: SyntheticTrainer, directory: Path) -> float:
@@ -188,9 +211,12 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
         status("generating the view")
         trainer = SyntheticTrainer(config)
         with board_process(tmp / "board") as (url, token), BoardClient(url, token) as client:
-            results = publish(client, trainer, 1 + k + config.steady, status)
+            results, base = publish(client, trainer, 1 + k + config.steady, status)
             status("writing the full checkpoint")
             full_s = full_write_s(trainer, tmp)
+            status("decoding one version in memory")
+            decode_s = codec_decode_s(client, k + config.steady, base)
+            del base
             manifests = [client.manifest(RUN, v) for v in range(1, 1 + k)]
             keyframe_bytes = client.plan(RUN, None, 0).total_bytes
             planned = client.plan(RUN, 0, k)
@@ -224,6 +250,7 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
         "view_gb": trainer.nbytes / 1e9,
         "changed_fraction": changed,
         "apply_verify_s": apply_s,
+        "codec_decode_s": decode_s,
         "mirror_s": statistics.median(mirrors),
         "update_ready_s": statistics.median(totals),
         "full_write_s": full_s,
@@ -255,6 +282,7 @@ def render(report: dict[str, Any], console: Console) -> None:
             "apply + verify per version",
             f"{report['apply_verify_s']:.3f} s ({report['apply_verify_ratio']:.3f}x)",
         ),
+        ("  of which the codec's decode (1 thread, in memory)", f"{report['codec_decode_s']:.3f} s"),
         ("mirror into the other slot (after the swap)", f"{report['mirror_s']:.3f} s"),
         ("update ready, download included", f"{report['update_ready_s']:.3f} s"),
         ("new node serving head (keyframe + all deltas)", f"{report['bootstrap_s']:.3f} s"),

@@ -1,8 +1,8 @@
-"""Manifests the follower needs again, kept on local disk.
+"""Manifests kept on local disk.
 
-The follower keeps the manifest of the served version (`deltaboard verify` checks the
-directory against it without a board) and those of the deltas the stale slot still has
-to replay, so that bringing that slot forward needs no network at all.
+During an update, the chain's manifests are cached next to its blobs, so that a restart
+after a kill does not fetch them again. Afterwards only the served version's manifest is
+kept: `deltaboard verify` checks the directory against it without a board.
 """
 
 from __future__ import annotations

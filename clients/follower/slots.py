@@ -19,8 +19,8 @@ hook, while nothing else changes, and never see a mix. A reader outside the hook
 resolve `current` once (`os.path.realpath`) and finish loading before the next version
 is committed.
 
-Disk cost: two copies of the view (plus, during an update, the blobs being applied: ~1%
-of the view per version behind, or one keyframe). Steady-state updates write only the
+Disk cost: two copies of the view, plus during an update the blobs being applied (a
+delta is under 1% of the view per version behind; a keyframe about 0.7x the view). Steady-state updates write only the
 changed bytes, into both slots; a full local copy happens only after a bootstrap, a
 keyframe-based catch-up, a long catch-up or a crash in the middle of a write.
 """

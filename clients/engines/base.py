@@ -46,13 +46,21 @@ class EngineAdapter:
             raise EngineAdapterError(f"{self.kind} engine at {self.url}: {method} {path} -> {answer}")
         return response
 
+    health_path = "/health"
+
     def healthy(self) -> bool:
         try:
             return self._http.get(self.health_path, timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
 
-    health_path = "/health"
+    def holds(self, version: int) -> bool:
+        """Whether the engine still serves `version` (False after it restarted empty).
+
+        Engines that cannot say are taken at their health check: an engine that went
+        away and came back is reloaded once it answers again.
+        """
+        return self.healthy()
 
     def pause(self, mode: CommitMode) -> None:
         """Hold generation for an in-place swap (a drained engine needs nothing)."""

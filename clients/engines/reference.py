@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
+
 from clients.engines.base import CommitMode, EngineAdapter
 
 
@@ -20,6 +22,13 @@ class ReferenceAdapter(EngineAdapter):
 
     def reload(self, model_dir: Path, version: int) -> None:
         self._call("POST", "/reload", json={"model": str(model_dir), "weight_version": version})
+
+    def holds(self, version: int) -> bool:
+        try:
+            health = self._http.get(self.health_path, timeout=2.0)
+            return health.status_code == 200 and health.json().get("weight_version") == version
+        except (httpx.HTTPError, ValueError):
+            return False
 
     def resume(self, mode: CommitMode) -> None:
         if mode == "in_place":

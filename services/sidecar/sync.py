@@ -146,4 +146,6 @@ class VersionSync:
             return
         if head == self.gate.head and follower.version is not None:
             follower.sync(follower.version)  # already there: only the fleet heartbeat
+            if not self.adapter.holds(follower.version):  # the engine restarted: load it again
+                self._reload_held()
         self.gate.publish_head(head)

@@ -93,6 +93,19 @@ def test_sidecar_recovers_from_a_failed_reload_and_keeps_up(board, published, tm
             assert httpx.get(f"{node.url}/healthz").json()["lag"] == 0
 
 
+def test_an_engine_that_restarted_empty_is_reloaded(board, published, tmp_path):
+    first = BackgroundServer(create_app(EngineState("t"))).start()
+    sidecar = sidecar_for(board, first.url, tmp_path / "dir")
+    with BackgroundServer(sidecar.app) as node:
+        assert complete(node.url, exact=0, wait=60).status_code == 200
+        first.stop()  # the engine dies; a new, empty one takes its port
+        with BackgroundServer(create_app(EngineState("t")), port=first.port) as second:
+            wait_until(
+                lambda: httpx.get(f"{second.url}/health").json()["weight_version"] == 0, "never reloaded"
+            )
+            assert complete(node.url, exact=0, wait=60).json()["weight_version"] == {"start": 0, "end": 0}
+
+
 def test_restarted_sidecar_serves_the_version_its_directory_holds(board, published, tmp_path):
     directory = tmp_path / "dir"
     with BackgroundServer(create_app(EngineState("t"))) as engine:

@@ -33,6 +33,9 @@ class RecordingAdapter(EngineAdapter):
     def resume(self, mode: CommitMode) -> None:
         self.calls.append(("resume", mode))
 
+    def holds(self, version: int) -> bool:
+        return True
+
 
 class FakeFollower:
     """Versions appear on request; those in `missing` answer as the board does for a pruned one."""

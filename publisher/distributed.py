@@ -106,12 +106,11 @@ class DistributedPublisher(Publisher):
         self.next_version = decided.next_version
         if decided.status == "ok":
             return proposal.version
-        if isinstance(outcome, BaseException):
-            raise outcome
         if decided.status == "fenced":
             self._fenced = FencedError(decided.message)
-            raise self._fenced
-        raise PublishError(decided.message)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        raise self._fenced or PublishError(decided.message)
 
     def _decide(self, proposal: Proposal, gathered: list[RankVersion | str]) -> _Verdict:
         assert self._lease is not None

@@ -69,7 +69,6 @@ class BlobPacker:
         self._pending_bytes = 0
         self._cond = threading.Condition()
         self._error: BaseException | None = None
-        self.blob_bytes = 0
 
     def add(
         self, name: str, dtype: str, shape: tuple[int, ...], patch: bytes, digest: str, changed: int
@@ -102,7 +101,6 @@ class BlobPacker:
             ref = BlobRef(sha256=sha, offset=p.offset, length=p.length)
             self._parts.append(TensorPart(p.name, p.dtype, p.shape, ref, p.digest, p.changed))
         self._chunks, self._open, self._open_bytes = [], [], 0
-        self.blob_bytes += len(data)
         with self._cond:
             while self._pending_bytes and self._pending_bytes + len(data) > self._max_pending:
                 self._cond.wait()

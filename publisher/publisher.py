@@ -115,7 +115,12 @@ class Publisher:
         self._uploads = ThreadPoolExecutor(upload_workers, thread_name_prefix=f"deltaboard-upload-{run}")
         self._digests: dict[str, str] = {}
         self._lease = self._open_run(holder or default_holder(), lease_ttl_s, steal_lease)
-        self.next_version = self._initial_version()
+        try:
+            self.next_version = self._initial_version()
+        except BaseException:
+            if self._lease is not None:
+                self._lease.release()
+            raise
         self._pipeline: SnapshotPipeline[PublishResult] = SnapshotPipeline(
             self.spec, self._process, max_in_flight=max_in_flight, name=run
         )
@@ -280,8 +285,9 @@ class Publisher:
         return 0 if head is None else head + 1
 
     def _resync(self) -> None:
-        """The head moved under us: continue after it, from a keyframe."""
-        self.next_version = self._initial_version()
+        """The head moved under us: continue after it, from a keyframe (no collective here:
+        in a multi-rank publisher only rank 0 runs this, inside its verdict)."""
+        self.next_version = self._board_next_version()
         self._pipeline.forget_base()
 
 

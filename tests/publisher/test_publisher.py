@@ -171,3 +171,19 @@ def test_publish_refuses_another_model_and_after_close(board):
     with pytest.raises(RuntimeError, match="close"):
         pub.publish(make_state())
     assert PublishError.__mro__[1] is RuntimeError
+
+
+def test_adopted_base_is_checked_against_the_board(board):
+    state = make_state(6)
+    with Publisher(board.client(board.publish_token), "run-c") as pub:
+        pub.publish(state).result()
+    with Publisher(board.client(board.publish_token), "run-c") as pub:
+        wrong = dict(state, **{"layer.0.bias": torch.ones(32)})
+        with pytest.raises(ValueError, match="not version 0"):
+            pub.adopt_base(0, wrong)
+    with Publisher(board.client(board.publish_token), "run-c") as pub:
+        pub.adopt_base(0, state)
+        train_step(state, 1)
+        result = pub.publish(state).result()
+    assert (result.version, result.kind) == (1, "delta")
+    assert_same_view(materialize(board.client(board.read_token), "run-c", 1), view_bytes(state))

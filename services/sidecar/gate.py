@@ -18,11 +18,11 @@ import time
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
+from clients.engines import CommitMode
 from services.sidecar.constraints import Gone, Serve, VersionConstraint, Wait, decide, retry_after_s
 
-CommitMode = Literal["quiesce", "in_place"]
 T = TypeVar("T")
 
 
@@ -57,7 +57,7 @@ class VersionGate:
         self.sync_s = 1.0
         self.interval_s = 1.0
         self._head_at: float | None = None
-        self._pins: dict[int, tuple[int, int | None]] = {}
+        self._pins: dict[object, tuple[int, int | None]] = {}  # waiting request -> (low, high)
         self._cond = asyncio.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -73,7 +73,7 @@ class VersionGate:
         """Admit the request once its constraint holds, or refuse it (at once, or after `wait_s`)."""
         started = time.monotonic()
         deadline = started + wait_s
-        key = id(object())
+        key = object()  # this request's identity in `_pins`
         async with self._cond:
             try:
                 while True:

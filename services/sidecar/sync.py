@@ -68,7 +68,6 @@ class VersionSync:
 
     def commit_hook(self, version: int, swap: Callable[[], None]) -> None:
         """Called by the follower with a verified, staged version."""
-        assert self.follower is not None
         self._swap_in(version, swap)
 
     def _swap_in(self, version: int, swap: Callable[[], None]) -> None:

@@ -36,6 +36,8 @@ from services.engine.runtime import (
 from services.sidecar.background import wait_disconnect
 
 RETRY_AFTER_S = "1"
+# A CPU reference engine: longer prompts are a mistake, not a workload.
+MAX_PROMPT_TOKENS = 8192
 
 
 class ReloadRequest(BaseModel):
@@ -117,8 +119,6 @@ def create_app(state: EngineState) -> FastAPI:
     async def serve(
         request: Request, completion: Completion, params: SamplingParams, stream: bool
     ) -> Response:
-        if state.slot.current is None:
-            return error(503, "ModelNotLoaded", "no weights loaded yet", retry=True)
         state.requests += 1
         cancel = threading.Event()
         if stream:
@@ -162,8 +162,8 @@ def create_app(state: EngineState) -> FastAPI:
         loaded = state.slot.current
         assert loaded is not None
         ids = loaded.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids or any(not 0 <= t < loaded.vocab_size for t in ids):
-            raise ValueError(f"prompt must be non-empty token ids in [0, {loaded.vocab_size})")
+        if not 0 < len(ids) <= MAX_PROMPT_TOKENS or any(not 0 <= t < loaded.vocab_size for t in ids):
+            raise ValueError(f"prompt must be 1..{MAX_PROMPT_TOKENS} token ids in [0, {loaded.vocab_size})")
         return ids
 
     @app.post("/v1/completions")

@@ -120,6 +120,7 @@ def test_seeded_sampling_is_reproducible(engine):
     [
         {"prompt": []},
         {"prompt": [1, 99999]},
+        {"prompt": [1] * 8193},
         {"prompt": [1], "n": 2},
         {"prompt": [1], "max_tokens": 0},
         {"prompt": [1], "temperature": -1},

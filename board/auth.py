@@ -80,7 +80,14 @@ class Authorizer:
         """Raise 401/403 unless the request may act with `scope` on `run` (None: any run)."""
         target = run or ""
         if authorization is None:
-            if scope == "read" and any(fnmatch.fnmatchcase(target, p) for p in self.config.anonymous_read):
+            anonymous = self.config.anonymous_read
+            # Without a run (listing runs), any anonymous grant lets the caller in; the
+            # listing then shows only the runs it may read.
+            if (
+                scope == "read"
+                and anonymous
+                and (run is None or any(fnmatch.fnmatchcase(target, p) for p in anonymous))
+            ):
                 return
             raise BoardError(401, "Unauthorized", "a bearer token is required")
         kind, _, token = authorization.partition(" ")

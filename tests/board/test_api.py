@@ -191,3 +191,32 @@ def test_index_rebuilt_from_store_on_restart(board):
     assert c.head("r").version == 1
     assert [s.version for s in c.plan("r").steps] == [0, 1]
     assert publish(c, "r", 2, epoch, {"w": b"c" * 10}).version == 2
+
+
+def peak_rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_blob_upload_streams_to_disk(board):
+    """A 256 MiB blob passes through a board that never grows by anything near that."""
+    c = board.client(board.publish_token)
+    c.create_run("r")
+    chunk = hashlib.sha256(b"chunk").digest() * 32768  # 1 MiB
+    count = 256
+    digest = hashlib.sha256()
+    for _ in range(count):
+        digest.update(chunk)
+    sha = digest.hexdigest()
+    before = peak_rss_bytes(board.process.pid)
+    r = httpx.put(
+        f"{board.url}/v1/runs/r/blobs/{sha}",
+        content=(chunk for _ in range(count)),
+        headers={"Authorization": f"Bearer {board.publish_token}"},
+        timeout=120,
+    )
+    assert r.status_code == 201, r.text
+    assert c.blob_size("r", sha) == count * len(chunk)
+    assert peak_rss_bytes(board.process.pid) - before < 64 * 2**20

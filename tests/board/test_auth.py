@@ -48,6 +48,7 @@ def test_anonymous_read_only_when_configured(tmp_path):
     )
     assert status(auth, None, "read", "public-1") == 200
     assert status(auth, None, "read", "private") == 401
+    assert status(auth, None, "read", None) == 200  # listing: filtered to public-* by the route
     assert status(auth, "Bearer abcdefgh", "read", "private") == 200
 
 

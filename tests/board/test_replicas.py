@@ -14,6 +14,7 @@ import pytest
 from board.api.state import open_store
 from board.errors import BoardError
 from board.ledger import Ledger
+from board.schemas import RetentionPolicy
 from board.settings import Settings
 from tests.support.manifests import manifest, publish
 from tests.support.servers import BoardServer, S3Server, board_server
@@ -116,19 +117,26 @@ def test_presigned_upload_and_redirected_download(replicas, tmp_path):
     assert reader.get_blob("r", proxied) == other
 
 
-def test_an_empty_index_is_rebuilt_from_the_store(replicas, tmp_path):
+def test_an_empty_index_is_rebuilt_from_the_store_after_retention(replicas, tmp_path):
     a, _ = replicas
-    c = a.client(a.publish_token)
+    c = a.client(a.admin_token)
     c.create_run("r")
     epoch = c.acquire_lease("r", "t").epoch
     publish(c, "r", 0, epoch, {"w": b"zero"})
     publish(c, "r", 1, epoch, {"w": b"one"})
+    publish(c, "r", 2, epoch, {"w": b"two"}, kind="full")
+    publish(c, "r", 3, epoch, {"w": b"three"})
+    report = c.retention("r", RetentionPolicy(keep_last=1, grace_s=0))
+    assert report.deleted_manifests == (0, 1) and report.kept_versions == (2, 3) and report.deleted_blobs == 2
     fresh = a.replica(tmp_path / "c", redis_namespace=f"t{secrets.token_hex(4)}").start()
     try:
         reader = fresh.client(fresh.read_token)
-        assert reader.head("r").version == 1
-        assert [s.version for s in reader.plan("r").steps] == [0, 1]
+        assert reader.head("r").version == 3
+        assert [s.version for s in reader.plan("r").steps] == [2, 3]
         assert reader.get_run("r").name == "r"
+        with pytest.raises(BoardError) as e:
+            reader.manifest("r", 1)
+        assert e.value.code == "UnknownVersion"
     finally:
         fresh.stop()
 

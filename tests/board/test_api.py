@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -194,7 +195,7 @@ def test_index_rebuilt_from_store_on_restart(board):
 
 
 def peak_rss_bytes(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM")

@@ -58,6 +58,7 @@ class ProxySettings:
     default_wait_s: float = 30.0
     max_wait_s: float = 300.0
     engine_timeout_s: float = 600.0
+    max_body_bytes: int = 64 * 2**20  # prompts, not uploads: a bigger body is refused (413)
 
 
 def _error(
@@ -79,6 +80,20 @@ def _refusal(refused: Refused) -> JSONResponse:
         head=refused.head,
         retryable=refused.status != 410,
     )
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None when it exceeds `limit` (read no further than that)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            return None
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _forward_headers(request: Request) -> dict[str, str]:
@@ -149,7 +164,12 @@ def create_proxy_app(
 
     @app.api_route("/{path:path}", methods=METHODS)
     async def proxy(path: str, request: Request) -> Response:
-        raw = await request.body()
+        raw = await _read_body(request, settings.max_body_bytes)
+        if raw is None:
+            metrics.requests.labels("bad_request").inc()
+            return _error(
+                413, "BodyTooLarge", f"request bodies are limited to {settings.max_body_bytes} bytes"
+            )
         body: Any = None
         if raw and "json" in request.headers.get("content-type", "json"):
             try:

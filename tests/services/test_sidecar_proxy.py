@@ -188,6 +188,16 @@ def test_malformed_constraint_is_400(node):
     )
 
 
+def test_oversize_body_is_413(echo_node):
+    big = b'{"pad": "' + b"x" * (64 * 2**20) + b'"}'
+    response = echo_node.client.post("/v1/echo", content=big, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "BodyTooLarge"
+    chunks = (b"x" * 2**20 for _ in range(65))  # no Content-Length: counted while read
+    response = echo_node.client.post("/v1/echo", content=chunks, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert echo_node.gate.inflight == 0
+
+
 def test_engine_down_is_503_with_retry_after():
     with BackgroundServer(echo_engine()) as gone:
         url = gone.url

@@ -3,7 +3,7 @@
 It works on the object store only (synchronous; the API runs it in worker threads) and
 returns what the index must learn. The order of writes is what makes a commit safe:
 blobs are checked, the manifest is written create-if-absent, then head.json advances by
-compare-and-set on the ETag read before the checks. Granting a lease raises the epoch
+compare-and-set on the version tag read before the checks. Granting a lease raises the epoch
 in head.json by compare-and-set too, so a writer fenced off mid-commit loses its head CAS.
 """
 
@@ -102,7 +102,7 @@ class Ledger:
         for _ in range(CAS_ATTEMPTS):
             now = self.clock()
             found = self.lease(run)
-            current, etag = found if found is not None else (None, None)
+            current, tag = found if found is not None else (None, None)
             if (
                 current is not None
                 and current.expires_at > now
@@ -119,7 +119,7 @@ class Ledger:
             epoch = max(head.epoch, current.epoch if current else 0) + 1
             record = LeaseRecord(holder=req.holder, epoch=epoch, expires_at=now + req.ttl_s)
             try:
-                self.store.write_record(lease_key(run), encode(record), etag)
+                self.store.write_record(lease_key(run), encode(record), tag)
             except PreconditionFailed:
                 continue
             lease = Lease(run=run, holder=record.holder, epoch=record.epoch, expires_at=record.expires_at)
@@ -128,12 +128,12 @@ class Ledger:
 
     def _raise_head_epoch(self, run: str, epoch: int) -> HeadRecord:
         for _ in range(CAS_ATTEMPTS):
-            head, etag = self.head(run)
+            head, tag = self.head(run)
             if head.epoch >= epoch:
                 return head
             raised = head.model_copy(update={"epoch": epoch})
             try:
-                self.store.write_record(head_key(run), encode(raised), etag)
+                self.store.write_record(head_key(run), encode(raised), tag)
                 return raised
             except PreconditionFailed:
                 continue
@@ -151,10 +151,10 @@ class Ledger:
     def renew_lease(self, run: str, req: LeaseRenew) -> Lease:
         self.head(run)
         holder, epoch = req.holder, req.epoch
-        record, etag = self._own_lease(run, holder, epoch)
+        record, tag = self._own_lease(run, holder, epoch)
         renewed = record.model_copy(update={"expires_at": self.clock() + req.ttl_s})
         try:
-            self.store.write_record(lease_key(run), encode(renewed), etag)
+            self.store.write_record(lease_key(run), encode(renewed), tag)
         except PreconditionFailed:
             raise conflict("StaleEpoch", "the lease changed while renewing") from None
         return Lease(run=run, holder=holder, epoch=epoch, expires_at=renewed.expires_at)
@@ -162,17 +162,17 @@ class Ledger:
     def release_lease(self, run: str, holder: str, epoch: int) -> None:
         """Expire the lease now; the epoch stays, so the next lease gets a higher one."""
         self.head(run)
-        record, etag = self._own_lease(run, holder, epoch)
+        record, tag = self._own_lease(run, holder, epoch)
         try:
             released = record.model_copy(update={"expires_at": 0.0})
-            self.store.write_record(lease_key(run), encode(released), etag)
+            self.store.write_record(lease_key(run), encode(released), tag)
         except PreconditionFailed:
             raise conflict("StaleEpoch", "the lease changed while releasing") from None
 
     # ---- commit ------------------------------------------------------------------------
 
     def commit(self, run: str, manifest: Manifest) -> tuple[HeadRecord, VersionRecord]:
-        head, head_etag = self.head(run)
+        head, head_tag = self.head(run)
         found = self.lease(run)
         rules.check_commit(manifest, run, head, None if found is None else found[0].epoch)
         sizes = {sha: self.blob_size(run, sha) for sha in manifest.blob_shas()}
@@ -180,7 +180,7 @@ class Ledger:
         self._write_manifest(run, manifest, head)
         new_head = HeadRecord(version=manifest.version, kind=manifest.kind, epoch=manifest.epoch)
         try:
-            self.store.write_record(head_key(run), encode(new_head), head_etag)
+            self.store.write_record(head_key(run), encode(new_head), head_tag)
         except PreconditionFailed:
             now, _ = self.head(run)
             if now.epoch > manifest.epoch:
@@ -206,7 +206,7 @@ class Ledger:
         found = self.store.read_record(key)
         if found is None:
             raise conflict("NotHead", "manifest slot changed concurrently; retry")
-        existing, etag = found
+        existing, tag = found
         if existing == data:
             return
         try:
@@ -215,7 +215,7 @@ class Ledger:
             other = None
         if other is None or other.epoch < manifest.epoch:
             try:
-                self.store.write_record(key, data, etag)
+                self.store.write_record(key, data, tag)
                 return
             except PreconditionFailed:
                 pass

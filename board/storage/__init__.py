@@ -1,9 +1,9 @@
 """Storage port: the object store that holds the durable truth (docs/contract.md section 3).
 
 Adapters: `board.storage.local.LocalStore` (a directory, the embedded default) and
-`board.storage.s3.S3Store` (any S3 endpoint through boto3). Records are written with
-conditional puts (create-if-absent, compare-and-set on an ETag) so that several board
-replicas cannot lose each other's writes.
+`board.storage.s3.S3Store` (any S3 endpoint through boto3). Manifests and the head and
+lease records are written by create-if-absent and compare-and-set on a version tag, so
+that several board replicas cannot lose each other's writes.
 """
 
 from __future__ import annotations

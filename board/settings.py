@@ -17,6 +17,9 @@ class Settings(BaseSettings):
     port: int = Field(default=8080, ge=0, le=65535)
     store: str | None = Field(default=None, description="s3://bucket/prefix; default: <data_dir>/store")
     s3_endpoint: str | None = None
+    s3_public_endpoint: str | None = Field(
+        default=None, description="endpoint in presigned URLs, if not s3_endpoint"
+    )
     s3_region: str = "us-east-1"
     s3_access_key: str | None = None
     s3_secret_key: str | None = None

@@ -39,8 +39,11 @@ def _code(error: ClientError) -> str:
 
 
 class S3Store:
-    def __init__(self, client: Any, bucket: str, prefix: str = "") -> None:
+    def __init__(self, client: Any, bucket: str, prefix: str = "", presigner: Any = None) -> None:
         self.client = client
+        # Presigned URLs are for followers and publishers, who may reach the store by
+        # another address than the board does (a public endpoint, another region's).
+        self.presigner = presigner or client
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         # The newest generation seen per record: listings start after it (S3 StartAfter).
@@ -51,15 +54,19 @@ class S3Store:
     def from_settings(cls, settings: Settings) -> S3Store:
         assert settings.store is not None
         bucket, _, prefix = settings.store.removeprefix("s3://").partition("/")
-        client = boto3.client(
-            "s3",
-            endpoint_url=settings.s3_endpoint,
-            region_name=settings.s3_region,
-            aws_access_key_id=settings.s3_access_key,
-            aws_secret_access_key=settings.s3_secret_key,
-            config=Config(max_pool_connections=64, retries={"mode": "standard", "max_attempts": 4}),
-        )
-        return cls(client, bucket, prefix)
+
+        def client(endpoint: str | None) -> Any:
+            return boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                region_name=settings.s3_region,
+                aws_access_key_id=settings.s3_access_key,
+                aws_secret_access_key=settings.s3_secret_key,
+                config=Config(max_pool_connections=64, retries={"mode": "standard", "max_attempts": 4}),
+            )
+
+        public = settings.s3_public_endpoint
+        return cls(client(settings.s3_endpoint), bucket, prefix, client(public) if public else None)
 
     def _key(self, key: str) -> str:
         return self.prefix + key
@@ -174,14 +181,14 @@ class S3Store:
         return None
 
     def presign_download(self, key: str, expires_s: int) -> str | None:
-        url: str = self.client.generate_presigned_url(
+        url: str = self.presigner.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_s
         )
         return url
 
     def presign_upload(self, key: str, sha256: str, expires_s: int) -> tuple[str, dict[str, str]] | None:
         checksum = base64.b64encode(bytes.fromhex(sha256)).decode()
-        url: str = self.client.generate_presigned_url(
+        url: str = self.presigner.generate_presigned_url(
             "put_object",
             Params={"Bucket": self.bucket, "Key": self._key(key), "ChecksumSHA256": checksum},
             ExpiresIn=expires_s,

@@ -27,6 +27,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             None, help="s3://bucket/prefix (default: local store in the data dir)."
         ),
         s3_endpoint: str | None = typer.Option(None, help="S3 endpoint URL (SeaweedFS, MinIO, ...)."),
+        s3_public_endpoint: str | None = typer.Option(None, help="S3 endpoint for presigned URLs (clients)."),
         s3_region: str | None = typer.Option(None, help="S3 region."),
         redis: str | None = typer.Option(
             None, help="redis://host:port/db: shared index for several replicas."
@@ -46,6 +47,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             "port": port,
             "store": store,
             "s3_endpoint": s3_endpoint,
+            "s3_public_endpoint": s3_public_endpoint,
             "s3_region": s3_region,
             "redis": redis,
             "auth_config": auth_config,

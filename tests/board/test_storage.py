@@ -25,11 +25,12 @@ def store(request, tmp_path):
     return s3_store(request.getfixturevalue("s3_server"), tmp_path)
 
 
-def s3_store(s3: S3Server, tmp_path: Path, prefix: str = "pre/fix") -> S3Store:
+def s3_store(s3: S3Server, tmp_path: Path, prefix: str = "pre/fix", public: str | None = None) -> S3Store:
     settings = Settings(
         data_dir=tmp_path,
         store=f"s3://{s3.make_bucket()}/{prefix}",
         s3_endpoint=s3.endpoint,
+        s3_public_endpoint=public,
         s3_access_key=s3.access_key,
         s3_secret_key=s3.secret_key,
     )
@@ -114,13 +115,16 @@ def test_local_keys_cannot_escape(tmp_path):
 
 
 def test_presigned_urls(s3_server, tmp_path):
-    store = s3_store(s3_server, tmp_path, "p")
+    # Clients reach the store by another name than the board does.
+    public = s3_server.endpoint.replace("127.0.0.1", "localhost")
+    store = s3_store(s3_server, tmp_path, "p", public=public)
     data = b"presigned" * 1000
     sha = hashlib.sha256(data).hexdigest()
     key = blob_key("r", sha)
     presigned = store.presign_upload(key, sha, 60)
     assert presigned is not None
     url, headers = presigned
+    assert url.startswith(public)
     # The store itself refuses bytes that do not hash to the signed sha256.
     assert httpx.put(url, content=b"tampered", headers=headers).status_code == 400
     assert store.stat(key) is None

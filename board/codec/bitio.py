@@ -115,26 +115,6 @@ def unpack_fixed(data: memoryview | bytes, count: int, k: int) -> np.ndarray:
     return values
 
 
-def pack_varwidth(values: np.ndarray, widths: np.ndarray) -> bytes:
-    """The low widths[i] (0..64) bits of each uint64 value, MSB first, concatenated."""
-    if values.size == 0:
-        return b""
-    bits = np.unpackbits(_be_bytes(values, 8), axis=1)
-    keep = np.arange(64)[None, :] >= (64 - widths.astype(np.int64))[:, None]
-    return np.packbits(bits[keep]).tobytes()
-
-
-def unpack_varwidth(data: memoryview | bytes, widths: np.ndarray) -> np.ndarray:
-    """Inverse of `pack_varwidth` for the given widths."""
-    total = int(widths.sum())
-    if len(data) * 8 < total:
-        raise PatchError("patch is truncated or corrupted (variable-width bits missing)")
-    keep = np.arange(64)[None, :] >= (64 - widths.astype(np.int64))[:, None]
-    bits = np.zeros((widths.size, 64), dtype=np.uint8)
-    bits[keep] = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=total)
-    return np.packbits(bits, axis=1).view(">u8").reshape(-1).astype(np.uint64)
-
-
 def best_k(values: np.ndarray) -> int:
     """The Rice parameter for geometric-like values of this mean (one pass, no search).
 

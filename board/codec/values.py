@@ -11,7 +11,8 @@ about update / ULP, a size its old exponent predicts. The coding, all vectorised
   that context (a 16-entry table in the patch); the zigzagged misprediction is coded as a
   sparse set of nonzero positions plus Rice-coded sizes, so a well-predicted tensor pays
   a fraction of a bit;
-* the c - 1 bits below the leading one of |d| - 1, verbatim (they are nearly uniform).
+* the c - 1 bits below the leading one of |d| - 1, verbatim (they are nearly uniform),
+  grouped by class so that each group is one fixed-width field array.
 
 Every width (1 to 8 bytes) goes through the same uint64 arithmetic, so integer and
 NaN-payload tensors are exact too.
@@ -24,11 +25,11 @@ import numpy as np
 from board.codec.bitio import (
     Reader,
     Writer,
-    pack_varwidth,
+    pack_fixed,
     positions_from_gaps,
     rice_decode,
     rice_encode,
-    unpack_varwidth,
+    unpack_fixed,
 )
 from board.codec.context import CONTEXTS, value_contexts
 from board.codec.dtypes import width
@@ -60,6 +61,18 @@ def bit_length(v: np.ndarray) -> np.ndarray:
     return c
 
 
+def _by_class(c: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(class, indices) for every class >= 2 present, in class order: the low bits of each
+    class are packed at that class's fixed width (one section per class)."""
+    wide = np.flatnonzero(c >= 2)
+    if wide.size == 0:
+        return []
+    order = wide[np.argsort(c[wide], kind="stable")]
+    counts = np.bincount(c[wide], minlength=_CLASSES)
+    ends = np.cumsum(counts)
+    return [(cls, order[ends[cls] - counts[cls] : ends[cls]]) for cls in np.flatnonzero(counts).tolist()]
+
+
 def encode_values(w: Writer, old_bits: np.ndarray, new_bits: np.ndarray, dtype: str) -> None:
     negative, magnitude = steps(old_bits, new_bits, width(dtype))
     w.section(np.packbits(negative).tobytes())
@@ -74,8 +87,8 @@ def encode_values(w: Writer, old_bits: np.ndarray, new_bits: np.ndarray, dtype: 
     missed = np.flatnonzero(zigzag)
     w.u64(missed.size)
     rice_encode(w, [np.diff(missed, prepend=-1) - 1, zigzag[missed] - np.uint64(1)])
-    wide = c >= 2
-    w.section(pack_varwidth(v[wide], c[wide] - 1))
+    for cls, members in _by_class(c):
+        w.section(pack_fixed(v[members], cls - 1))
 
 
 def decode_values(r: Reader, old_bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -99,11 +112,10 @@ def decode_values(r: Reader, old_bits: np.ndarray, dtype: str) -> np.ndarray:
     )
     if n and (int(c.min()) < 0 or int(c.max()) >= _CLASSES):
         raise PatchError("corrupted patch: step class out of range")
-    wide = c >= 2
-    low = unpack_varwidth(r.section(), c[wide] - 1)
     v = np.zeros(n, dtype=np.uint64)
     v[c == 1] = 1
-    v[wide] = (np.uint64(1) << (c[wide] - 1).astype(np.uint64)) | low
+    for cls, members in _by_class(c):
+        v[members] = (np.uint64(1) << np.uint64(cls - 1)) | unpack_fixed(r.section(), members.size, cls - 1)
     m = _mask(width(dtype))
     magnitude = (v + np.uint64(1)) & m
     if n and not bool(magnitude.all()):

@@ -21,7 +21,17 @@ SPECIAL = {
     "F32": [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7FC00001, 0xFFC00123, 0x7F800001, 1],
     "F64": [0, 1 << 63, 0x7FF0 << 48, 0xFFF0 << 48, 0x7FF8 << 48, (0x7FF8 << 48) | 5, (0xFFF8 << 48) | 77, 1],
 }
-PATTERNS = ("none", "all", "one", "random", "ulp", "small-weights", "special", "stripes")
+PATTERNS = (
+    "none",
+    "all",
+    "one",
+    "random",
+    "ulp",
+    "small-weights",
+    "many-small-weights",
+    "special",
+    "stripes",
+)
 
 
 @dataclass(frozen=True)
@@ -67,11 +77,12 @@ def make_case(dtype: str, n: int, pattern: str, seed: int) -> Case:
     elif n and pattern == "ulp":
         m = rng.random(n) < 0.02
         new[m] += rng.choice(np.array([1, np.iinfo(bits).max, 2, 5], dtype=bits), int(m.sum()))
-    elif n and pattern == "small-weights":
+    elif n and pattern in ("small-weights", "many-small-weights"):
         # like training: small weights (small ULPs) change far more often, by a few ULPs
         if dtype in FLOATS:
-            # change probability ~ lr / ULP(w), with ULP(w) ~ |w| / 128
-            p = np.clip(1e-6 * 128 / np.maximum(np.abs(values(old, dtype)), 1e-30), 0, 1)
+            # change probability ~ lr / ULP(w), with ULP(w) ~ |w| / 128 (k steps: k * lr)
+            lr = 1e-6 if pattern == "small-weights" else 3e-5
+            p = np.clip(lr * 128 / np.maximum(np.abs(values(old, dtype)), 1e-30), 0, 1)
         else:
             p = np.full(n, 0.01)
         m = rng.random(n) < p

@@ -5,8 +5,9 @@ coding of the values (`board.codec.values`). `encode_changes` builds the candida
 can pay off for the changed fraction and keeps the smallest: `context` (positions ranked
 within classes of the old exponent) for floating tensors when the old bytes are at hand
 and the classes' estimated entropy is at most `_CONTEXT_GAIN` of the plain one, else
-`sparse` (gaps); `dense` (bitmap) above 1/8 changed; whole-tensor `replace` above 1/4
-changed when the old bytes are at hand.
+`sparse` (gaps); `dense` (bitmap) above 1/8 changed when the positions cost more than a
+bitmap; whole-tensor `replace` above 1/4 changed when the old bytes are at hand and the
+deltas cost more than half the tensor.
 
 Context and the device path: ULP steps only use the *old bits at the changed positions*,
 which `Changes.old_bits` already carries. The `context` encoding also needs the old tensor
@@ -105,9 +106,12 @@ def encode_changes(
             positions_by("context", lambda w: ranked.encode(w, changes, bits, t_low, t_top))
     if not candidates:  # the entropy estimate is reliable enough to skip sparse when context wins
         positions_by("sparse", lambda w: sparse.encode(w, changes))
-    if n * _DENSE_FROM > numel:
+    # a bitmap costs numel / 8 bytes before zstd: only worth building when positions cost
+    # more than a well-compressed one (structured masks compress several-fold)
+    if n * _DENSE_FROM > numel and len(candidates[0][1]) - len(tail) > numel // 32:
         positions_by("dense", lambda w: dense.encode(w, changes))
-    if old is not None and n * _REPLACE_FROM > numel:
+    # a whole tensor costs about half its bytes after zstd: only when the deltas cost more
+    if old is not None and n * _REPLACE_FROM > numel and min(len(c[1]) for c in candidates) > old.size // 2:
         candidates.append(("replace", replace.encode(_materialize(old, changes), width(dtype))))
     encoding, payload = min(candidates, key=lambda c: len(c[1]))
     header = PatchHeader(dtype, numel, encoding, old_digest, digest_update(old_digest, changes), n, 0)

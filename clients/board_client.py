@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from pydantic import BaseModel, TypeAdapter
 from board.errors import BoardError
 from board.schemas import (
     BlobUploadTarget,
+    CommitRequest,
     FleetNode,
     Head,
     Heartbeat,
@@ -298,13 +298,8 @@ class BoardClient:
     def commit(self, run: str, manifest: Manifest) -> Head:
         """Commit; a retried commit that had in fact landed is recognised and succeeds."""
         try:
-            return self._json(
-                "POST",
-                f"/v1/runs/{run}/commit",
-                Head,
-                content=json.dumps({"manifest": manifest.model_dump(mode="json")}),
-                headers={"Content-Type": "application/json"},
-            )
+            body = self._body(CommitRequest(manifest=manifest))
+            return self._json("POST", f"/v1/runs/{run}/commit", Head, **body)
         except BoardError as e:
             if e.code != "NotHead":
                 raise

@@ -15,7 +15,7 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
         "-c",
         "from services.cli import main; main()",
         "demo",
-        "--steps=4",
+        "--steps=3",
         "--warmup=0",
         "--nodes=2",
         f"--workdir={tmp_path / 'work'}",
@@ -34,10 +34,10 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
         "pinned_requests",
         "pinned_mismatches",
     }
-    assert report["versions"] == 5  # the initial keyframe and one delta per step
+    assert report["versions"] == 4  # the initial keyframe and one delta per step
     assert [n["id"] for n in report["nodes"]] == ["node-0", "node-1"]
-    assert all(n["converged"] and n["version"] == 4 for n in report["nodes"])
-    assert report["pinned_requests"] == 5 and report["pinned_mismatches"] == 0
+    assert all(n["converged"] and n["version"] == 3 for n in report["nodes"])
+    assert report["pinned_requests"] == 4 and report["pinned_mismatches"] == 0
     assert 0 < report["mean_patch_bytes"] < report["full_bytes"] / 10
     assert 0 < report["mean_changed_fraction"] < 0.2
     assert "summary" in done.stdout

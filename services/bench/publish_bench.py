@@ -59,7 +59,7 @@ class BenchConfig:
     cache: Path = DEFAULT_CACHE
 
 
-QUICK = BenchConfig(view_gb=0.125, deltas=2, fulls=1, size="tiny")
+QUICK = BenchConfig(view_gb=0.0625, deltas=2, fulls=1, size="tiny")
 
 
 @contextmanager

@@ -13,7 +13,8 @@ Memory, in bytes (documented bound, see `memory_bound_bytes`):
   device: (1 + max_in_flight) * view_bytes   view buffers (`pipeline`), plus the diff's
           transient mask of at most `device_diff.CHUNK_ELEMENTS` bytes;
   host:   max_pending_blob_bytes + blob_max_bytes   blobs sealed or being packed (`packer`),
-          plus one tensor's bytes while a keyframe encodes it, plus one version's changes.
+          plus one tensor's bytes while a keyframe encodes it, plus the changes of two
+          diff batches (`device_diff.iter_diffs`: ~12 bytes per changed bf16 element).
 
 Threads: the caller's (snapshot only), one worker (diff, encode, commit), an upload pool,
 and the lease renewer.

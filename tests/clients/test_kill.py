@@ -1,7 +1,10 @@
 """`kill -9` a real `deltaboard pull` process at random instants; a restart must converge.
 
-Each target version is pulled by a subprocess that is killed (SIGKILL) after a random delay
-drawn over the duration of an uninterrupted pull, again and again, then allowed to finish.
+Each target version is pulled by a subprocess that is killed (SIGKILL) again and again,
+then allowed to finish. Every other kill comes after a random delay drawn over the
+duration of an uninterrupted pull; the others come a random few milliseconds after the
+journal shows a slot being written, since writes are short next to downloads and uniform
+instants would rarely land in them.
 The follower reaches the board through an emulated 100 Mbit/s link (the benchmarks'
 rate-limited proxy), as a remote node would, so that downloads take long enough to be hit.
 After every kill the directory must serve some published version bit for bit (or none
@@ -55,16 +58,27 @@ def timed_pull(link: LinkProcess, board, directory: Path, version: int) -> float
     return time.monotonic() - started
 
 
+def writing(directory: Path) -> bool:
+    """Whether the journal shows a slot being written."""
+    state = Journal(directory / ".deltaboard" / "journal.json").read()
+    return state is not None and any(r.state == "dirty" for r in state.slots.values())
+
+
 def interrupted_state(directory: Path) -> set[str]:
     """What a kill left behind: partial downloads and/or a slot marked dirty."""
-    meta = directory / ".deltaboard"
     found = set()
-    if any(meta.glob("cache/blobs/*.part")):
+    if any((directory / ".deltaboard").glob("cache/blobs/*.part")):
         found.add("download")
-    state = Journal(meta / "journal.json").read()
-    if state is not None and any(r.state == "dirty" for r in state.slots.values()):
+    if writing(directory):
         found.add("apply")
     return found
+
+
+def wait_for_a_write(proc: subprocess.Popen[bytes], directory: Path, rng: random.Random) -> None:
+    """Return a random 0-20 ms after the journal shows a write, or when `proc` exits."""
+    while proc.poll() is None and not writing(directory):
+        time.sleep(0.001)
+    time.sleep(rng.uniform(0, 0.02))
 
 
 def test_kill_at_random_instants_converges_bit_exact(board, tmp_path):
@@ -74,7 +88,7 @@ def test_kill_at_random_instants_converges_bit_exact(board, tmp_path):
         full = timed_pull(link, board, tmp_path / "reference", 7)  # bootstrap + deltas, uninterrupted
         idle = timed_pull(link, board, tmp_path / "reference", 7)  # nothing to do: start-up only
         d = tmp_path / "node"
-        hits, kills = kill_and_restart(link, board, d, views, lambda: rng.uniform(idle / 2, full))
+        hits, kills = kill_and_restart(link, board, d, views, rng, (idle / 2, full))
     print(f"{kills} kills, landed in {sorted(hits)}; pull {full:.2f} s, start-up {idle:.2f} s")
     assert kills >= 10
     assert hits == {"download", "apply"}, hits
@@ -82,15 +96,18 @@ def test_kill_at_random_instants_converges_bit_exact(board, tmp_path):
     assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
 
 
-def kill_and_restart(link, board, d, views, delay) -> tuple[set[str], int]:
+def kill_and_restart(link, board, d, views, rng, window) -> tuple[set[str], int]:
     """Pull a sequence of targets (bootstrap, deltas, keyframe chains, backwards), each
     killed up to three times before a run is allowed to finish."""
     hits: set[str] = set()
     kills = 0
     for target in (3, 7, 2, 6, 1, 7, 0, 5):
-        for _ in range(3):
+        for attempt in range(3):
             proc = pull(link, board, d, target)
-            time.sleep(delay())
+            if attempt % 2:
+                wait_for_a_write(proc, d, rng)
+            else:
+                time.sleep(rng.uniform(*window))
             if proc.poll() is not None:
                 assert proc.returncode == 0, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
                 break

@@ -120,6 +120,7 @@ class Follower:
         self._lock = threading.RLock()
         self._slots = Slots(Path(directory), durable=durable)
         self._slots.open()
+        self._slots.refresh_links()
         self._journal = Journal(self._slots.journal_path, durable=durable)
         try:
             self._state = self._journal.load(run)

@@ -20,9 +20,10 @@ resolve `current` once (`os.path.realpath`) and finish loading before the next v
 is committed.
 
 Disk cost: two copies of the view, plus during an update the blobs being applied (a
-delta is under 1% of the view per version behind; a keyframe about 0.7x the view). Steady-state updates write only the
-changed bytes, into both slots; a full local copy happens only after a bootstrap, a
-keyframe-based catch-up, a long catch-up or a crash in the middle of a write.
+delta is under 1% of the view per version behind; a keyframe about 0.7x the view).
+Steady-state updates write only the changed bytes, into both slots; a full local copy
+happens only after a bootstrap, a keyframe-based catch-up, a long catch-up or a crash in
+the middle of a write.
 """
 
 from __future__ import annotations
@@ -143,9 +144,14 @@ class Slots:
         os.replace(tmp, self.current_link)
         if self.durable:
             fsync_dir(self.root)
-        self._refresh_links(name)
+        self.refresh_links()
 
-    def _refresh_links(self, name: SlotName) -> None:
+    def refresh_links(self) -> None:
+        """Link each top-level entry of the served slot from the root, and drop links to
+        entries it no longer has (also run at start-up, for a kill right after a swap)."""
+        name = self.current()
+        if name is None:
+            return
         served = {p.name for p in self.slot_dir(name).iterdir()}
         for entry in served:
             link = self.root / entry

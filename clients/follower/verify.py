@@ -5,8 +5,9 @@ does not trust that chain: it reads every byte of the served slot, recomputes ea
 tensor's digest, and compares the state digest over all of them with the manifest's (the
 board's copy when a board is given, else the copy cached next to the slot). Tensors whose
 digest differs from the one the journal recorded are named, to point at bit rot. It
-takes no lock and only reads, so it can run next to a live follower: the served slot is
-never written while it is served.
+takes no lock and only reads. Next to a live follower, a version committed while it runs
+brings the slot being hashed forward under it, which reads as a mismatch: run it again
+(or on a quiescent directory) before trusting one.
 """
 
 from __future__ import annotations

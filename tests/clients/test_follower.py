@@ -217,7 +217,9 @@ def test_dirty_slot_after_a_crash_is_rebuilt(board, tmp_path):
     state = journal.read()
     assert state is not None
     journal.save(state.with_slot(stale, SlotRecord(state="dirty")))
+    (d / "config.json").unlink()  # killed between the swap and the links' refresh
     with Follower(board.client(board.read_token), "d", d, node_id="n") as f:
+        assert (d / "config.json").is_symlink()
         assert f.sync(2) == 2
     assert_view(d, views[2])
 

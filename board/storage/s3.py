@@ -7,15 +7,19 @@ succeeded in 4 of 30 trials, while `If-None-Match` never let two through in 60 e
 races). A record is therefore a series of generations `{key}@{n:012d}`, each created with
 `If-None-Match`; the highest is current and its number is the version tag, so
 compare-and-set from tag n is "create generation n+1", which exactly one writer wins on
-any S3 that makes `If-None-Match` atomic (AWS, SeaweedFS, MinIO). Generations are never
-rewritten or collected while live (a collected one could be created again by a stale
-writer); each is ~100 bytes. Presigned uploads sign `x-amz-checksum-sha256`, so the store
+any S3 that makes `If-None-Match` atomic (AWS, SeaweedFS, MinIO). Writing generation n
+deletes n-2, so a record stays two or three objects. A writer that stalls for two or more
+generations could then recreate a deleted one and be told it succeeded, but what it wrote
+is never visible (readers take the highest generation), and every decision the board takes
+re-reads the current records, so such a writer is still fenced off at its next step.
+Presigned uploads sign `x-amz-checksum-sha256`, so the store
 itself rejects bytes that do not hash to the blob's name.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +35,7 @@ from board.storage import ObjectInfo, ObjectNotFound, PreconditionFailed
 PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
 GENERATION = "@"
 READ_ATTEMPTS = 4
+KEEP_GENERATIONS = 2
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 
 
@@ -142,6 +147,10 @@ class S3Store:
             generation = int(expected) + 1
         self.put(self._generation_key(key, generation), data, if_none_match=True)
         self._remember(key, generation)
+        if generation >= KEEP_GENERATIONS:
+            # Best effort: a leftover only costs a longer listing for a new process.
+            with contextlib.suppress(ClientError):
+                self.delete(self._generation_key(key, generation - KEEP_GENERATIONS))
         return str(generation)
 
     def delete_record(self, key: str) -> None:

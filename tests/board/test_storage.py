@@ -105,6 +105,8 @@ def test_racing_compare_and_set_has_one_winner(store):
         assert len(wins) == 1
         winner, tag = wins[0]
         assert store.read_record("k/head.json") == (str(winner).encode(), tag)
+    if isinstance(store, S3Store):  # old generations are collected as new ones land
+        assert len(list(store.list("k/"))) <= 3
 
 
 def test_local_keys_cannot_escape(tmp_path):

@@ -24,7 +24,9 @@ from board.codec.context import EXPONENT_FIELDS, magnitude_bits
 from board.codec.parallel import chunks, map_ranges
 
 _CHUNK = 1 << 18  # elements per pass chunk: a multiple of 64, small enough for L2
-_DENSE_SELECT = 64  # list a class's members when its changes exceed numel / this
+# Rough costs (ns) that decide how to locate a class's changes: selecting each change, or
+# listing the class's members once (a scan of numel bits plus one write per member).
+_SELECT_COST, _SCAN_COST, _LIST_COST = 150, 1, 6
 _U1, _U2, _U4, _U8 = np.uint64(1), np.uint64(2), np.uint64(4), np.uint64(8)
 _M55, _M33, _M0F = np.uint64(0x5555555555555555), np.uint64(0x3333333333333333), np.uint64(0x0F0F0F0F0F0F0F0F)
 _L01, _H80, _MFF = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080), np.uint64(0xFF)
@@ -126,10 +128,14 @@ def class_positions(classes: PositionClasses, ranks: np.ndarray, cls: np.ndarray
     """Inverse of `class_ranks`: the position of the r-th member of class c, for each (r, c).
 
     Where a class has few changes, each is found by `_select` (O(1) word operations);
-    where it has many (more than numel / `_DENSE_SELECT`), listing the class's members
-    once (a pass over numel bits) is cheaper than selecting each change.
+    where it has many, listing the class's members once (a pass over numel bits) is
+    cheaper; the rough costs above pick one per class.
     """
-    dense = [np.count_nonzero(cls == c) * _DENSE_SELECT > classes.numel for c in range(3)]
+    sizes = classes.sizes
+    dense = [
+        np.count_nonzero(cls == c) * _SELECT_COST > classes.numel * _SCAN_COST + sizes[c] * _LIST_COST
+        for c in range(3)
+    ]
     if not any(dense):
         return _select(classes, ranks, cls)
     out = np.empty(ranks.size, dtype=np.int64)

@@ -9,13 +9,17 @@ tensor's digest follows from the committed base's digest in O(changed elements)
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from functools import partial
 
 from board import codec
+from board.codec import Changes
 from publisher.device_diff import iter_diffs
 from publisher.packer import BlobPacker, TensorPart
-from publisher.snapshot import ViewBuffer
+from publisher.snapshot import Slot, ViewBuffer
 
 
 @dataclass(frozen=True)
@@ -32,36 +36,77 @@ class RankVersion:
     diff_s: float  # time spent waiting for the diff, beyond what encoding hid (0 for keyframes)
 
 
+def _keyframe(buffer: ViewBuffer, slot: Slot) -> tuple[bytes, str]:
+    patch = codec.keyframe(buffer.host_bytes(slot), slot.dtype)
+    return patch, codec.read_header(patch).result_digest
+
+
+def _delta(changes: Changes, base_digest: str) -> tuple[bytes, str]:
+    patch = codec.encode_changes(changes, None, changes.dtype, old_digest=base_digest)
+    return patch, codec.digest_update(base_digest, changes)
+
+
+Task = tuple[Slot, int, Callable[[], tuple[bytes, str]]]  # slot, changed count, encode
+
+
 def encode_rank(
     buffer: ViewBuffer,
     base: ViewBuffer | None,
     base_digests: Mapping[str, str],
     packer: BlobPacker,
+    encoders: Executor,
+    window: int,
 ) -> RankVersion:
-    """Encode `buffer` as a keyframe (`base` None) or as a delta against `base`."""
+    """Encode `buffer` as a keyframe (`base` None) or as a delta against `base`.
+
+    Tensors are encoded in parallel on `encoders` (the codec's numpy and zstd work
+    releases the GIL), at most `window` at a time, and packed in layout order, so blobs
+    and manifests do not depend on thread timing and a keyframe holds at most `window`
+    tensors' host bytes and patches while the packer waits for the link.
+    """
     layout = buffer.layout
     slots = {s.name: s for s in layout.slots}
     tensors = tuple((s.name, s.dtype, s.shape) for s in layout.slots)
     total = sum(s.numel for s in layout.slots)
     digests = dict(base_digests)
     if base is None:
-        for slot in layout.slots:
-            patch = codec.keyframe(buffer.host_bytes(slot), slot.dtype)
-            digests[slot.name] = codec.read_header(patch).result_digest
-            packer.add(slot.name, slot.dtype, slot.shape, patch, digests[slot.name], slot.numel)
+        keyframes: list[Task] = [(s, s.numel, partial(_keyframe, buffer, s)) for s in layout.slots]
+        _encode_in_order(keyframes, encoders, window, packer, digests)
         return RankVersion(tensors, tuple(packer.finish()), digests, total, total, layout.view_bytes, 0, 0.0)
     changed = host_bytes = 0
     diff_s = 0.0
     started = time.perf_counter()
     for part in iter_diffs(base, buffer):
         diff_s += time.perf_counter() - started  # time waiting for the diff, not hidden by encoding
-        for name, changes in part.changes.items():
-            slot = slots[name]
-            digests[name] = codec.digest_update(base_digests[name], changes)
-            patch = codec.encode_changes(changes, None, slot.dtype, old_digest=base_digests[name])
-            packer.add(name, slot.dtype, slot.shape, patch, digests[name], changes.count)
-            changed += changes.count
+        deltas: list[Task] = [
+            (slots[name], c.count, partial(_delta, c, base_digests[name])) for name, c in part.changes.items()
+        ]
+        _encode_in_order(deltas, encoders, window, packer, digests)
+        changed += sum(c.count for c in part.changes.values())
         host_bytes += part.host_bytes
         started = time.perf_counter()
     parts = tuple(packer.finish())
     return RankVersion(tensors, parts, digests, changed, total, layout.view_bytes, host_bytes, diff_s)
+
+
+def _encode_in_order(
+    tasks: list[Task], encoders: Executor, window: int, packer: BlobPacker, digests: dict[str, str]
+) -> None:
+    """Run `tasks` on `encoders` (at most `window` submitted) and pack the results in order."""
+    pending: deque[tuple[Slot, int, Future[tuple[bytes, str]]]] = deque()
+
+    def pack_first() -> None:
+        slot, changed, fut = pending.popleft()
+        patch, digests[slot.name] = fut.result()
+        packer.add(slot.name, slot.dtype, slot.shape, patch, digests[slot.name], changed)
+
+    try:
+        for slot, changed, encode in tasks:
+            pending.append((slot, changed, encoders.submit(encode)))
+            if len(pending) >= window:
+                pack_first()
+        while pending:
+            pack_first()
+    finally:
+        for _, _, fut in pending:
+            fut.cancel()

@@ -13,11 +13,12 @@ Memory, in bytes (documented bound, see `memory_bound_bytes`):
   device: (1 + max_in_flight) * view_bytes   view buffers (`pipeline`), plus the diff's
           transient mask of at most `device_diff.CHUNK_ELEMENTS` bytes;
   host:   max_pending_blob_bytes + blob_max_bytes   blobs sealed or being packed (`packer`),
-          plus one tensor's bytes while a keyframe encodes it, plus the changes of two
+          plus 2 * encode_workers tensors' bytes while a keyframe encodes, plus the changes of two
           diff batches (`device_diff.iter_diffs`: ~12 bytes per changed bf16 element).
 
-Threads: the caller's (snapshot only), one worker (diff, encode, commit), an upload pool,
-and the lease renewer.
+Threads: the caller's (snapshot only), one worker (orders the stages, commits), a diff
+helper, an encoder pool (`encode_workers`, default min(4, cores)), an upload pool, and
+the lease renewer.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class Publisher:
         holder: str | None = None,
         lease_ttl_s: float = 30.0,
         upload_workers: int = 4,
+        encode_workers: int | None = None,
         blob_max_bytes: int = 64 * MiB,
         max_pending_blob_bytes: int = 256 * MiB,
         steal_lease: bool = False,
@@ -114,6 +116,10 @@ class Publisher:
         self._max_pending = max_pending_blob_bytes
         self._on_uploaded = on_uploaded
         self._uploads = ThreadPoolExecutor(upload_workers, thread_name_prefix=f"deltaboard-upload-{run}")
+        self._encode_workers = encode_workers or min(4, os.cpu_count() or 1)
+        self._encoders = ThreadPoolExecutor(
+            self._encode_workers, thread_name_prefix=f"deltaboard-encode-{run}"
+        )
         self._digests: dict[str, str] = {}
         self._lease = self._open_run(holder or default_holder(), lease_ttl_s, steal_lease)
         try:
@@ -203,6 +209,7 @@ class Publisher:
         self._closed = True
         self._pipeline.close()
         self._uploads.shutdown()
+        self._encoders.shutdown()
         if self._lease is not None:
             self._lease.release()
         if self._owns_client:
@@ -226,7 +233,14 @@ class Publisher:
             if self._lease is not None:
                 self._lease.check()
             job.buffer.wait_ready()
-            outcome = encode_rank(job.buffer, None if full else base, self._digests, self._packer())
+            outcome = encode_rank(
+                job.buffer,
+                None if full else base,
+                self._digests,
+                self._packer(),
+                self._encoders,
+                window=2 * self._encode_workers,
+            )
         except Exception as exc:
             outcome = exc
         encoded = time.perf_counter()

@@ -128,6 +128,7 @@ class Follower:
             self._slots.close()
             raise
         self._pool = ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="deltaboard-apply")
+        self._maps: dict[SlotName, ShardMaps] = {}
         self._blobs = BlobCache(self._slots.blob_dir)
         self._fetcher = Fetcher(board, run, self._blobs, workers=workers)
         self._manifests = ManifestCache(self._slots.manifest_dir, run)
@@ -147,6 +148,8 @@ class Follower:
 
     def close(self) -> None:
         """Release the directory (its lock); the directory itself stays as it is."""
+        for slot in list(self._maps):
+            self._unmap(slot)
         self._pool.shutdown()
         self._slots.close()
 
@@ -282,8 +285,23 @@ class Follower:
         self._save(staging, SlotRecord(state="clean", version=target, digests=digests))
         return staging, written
 
+    def _mapped(self, slot: SlotName) -> ShardMaps:
+        """The slot's shard files, mapped writable. Mappings are kept from one update to the
+        next: the pages stay mapped, so the next patch takes fewer faults."""
+        maps = self._maps.get(slot)
+        if maps is None:
+            maps = self._maps[slot] = ShardMaps(self._slots.slot_dir(slot), writable=True)
+        return maps
+
+    def _unmap(self, slot: SlotName) -> None:
+        """Forget a slot's mappings before its files are replaced."""
+        maps = self._maps.pop(slot, None)
+        if maps is not None:
+            maps.close()
+
     def _copy(self, src: SlotName, dst: SlotName) -> None:
         self._open_phase("copy", 1)
+        self._unmap(dst)
         self._slots.copy(src, dst)
         self._advance("copy", 1)
 
@@ -299,30 +317,22 @@ class Follower:
         chain starts the slot over); returns the digests at the chain's end."""
         slot_dir = self._slots.slot_dir(slot)
         self._open_phase("apply", sum(len(m.tensors) for m in chain))
-        maps: ShardMaps | None = None
-        try:
-            with BlobReader(self._blobs) as reader:
-                for manifest in chain:
-                    if manifest.kind == "full":
-                        if maps is not None:
-                            maps.close()
-                        self._slots.reset(slot)
-                        materialize(slot_dir, manifest, assets)
-                        maps, digests = None, {}
-                    if maps is None:
-                        maps = ShardMaps(slot_dir, writable=True)
-                    apply_step(
-                        maps,
-                        manifest,
-                        reader,
-                        digests,
-                        self._pool,
-                        progress=lambda n: self._advance("apply", n),
-                        written=written,
-                    )
-        finally:
-            if maps is not None:
-                maps.close()
+        with BlobReader(self._blobs) as reader:
+            for manifest in chain:
+                if manifest.kind == "full":
+                    self._unmap(slot)
+                    self._slots.reset(slot)
+                    materialize(slot_dir, manifest, assets)
+                    digests = {}
+                apply_step(
+                    self._mapped(slot),
+                    manifest,
+                    reader,
+                    digests,
+                    self._pool,
+                    progress=lambda n: self._advance("apply", n),
+                    written=written,
+                )
         return digests
 
     # ---- commit and mirror -----------------------------------------------------------
@@ -353,11 +363,7 @@ class Follower:
         replayed = False
         if written is not None and record.state == "clean" and record.version == base:
             self._open_phase("mirror", 1)
-            maps = ShardMaps(self._slots.slot_dir(stale), writable=True)
-            try:
-                replayed = replay(maps, written, self._pool)
-            finally:
-                maps.close()
+            replayed = replay(self._mapped(stale), written, self._pool)
             self._advance("mirror", 1)
         if not replayed:
             self._copy(served, stale)

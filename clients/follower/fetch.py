@@ -108,29 +108,26 @@ class Fetcher:
         unique = {b.sha256: b for b in blobs}
         return [b for b in unique.values() if not self.cache.has(b.sha256)]
 
-    def fetch(self, blobs: Iterable[BlobSize], progress: ByteProgress | None = None) -> int:
-        """Make every blob present in the cache; returns the bytes this call downloaded."""
+    def fetch(self, blobs: Iterable[BlobSize], progress: ByteProgress | None = None) -> None:
+        """Make every blob present in the cache (`progress` receives downloaded bytes)."""
         todo = self.missing(blobs)
         if not todo:
-            return 0
+            return
         with ThreadPoolExecutor(min(self.workers, len(todo)), thread_name_prefix="deltaboard-fetch") as pool:
-            return sum(pool.map(lambda b: self._fetch_one(b.sha256, progress), todo))
+            list(pool.map(lambda b: self._fetch_one(b.sha256, progress), todo))
 
-    def refetch(self, sha: str, progress: ByteProgress | None = None) -> int:
+    def refetch(self, sha: str, progress: ByteProgress | None = None) -> None:
         """Discard a cached blob that failed to decode or verify and download it again."""
         self.cache.discard(sha)
-        return self._fetch_one(sha, progress)
+        self._fetch_one(sha, progress)
 
-    def _fetch_one(self, sha: str, progress: ByteProgress | None) -> int:
-        dest = self.cache.path(sha)
-        part = dest.with_name(sha + ".part")
+    def _fetch_one(self, sha: str, progress: ByteProgress | None) -> None:
         mismatches = 0
         last: Exception | None = None
         for attempt in range(self.attempts):
-            had = part.stat().st_size if part.exists() else 0
             try:
-                self.board.download_blob(self.run, sha, dest, progress=progress)
-                return dest.stat().st_size - had
+                self.board.download_blob(self.run, sha, self.cache.path(sha), progress=progress)
+                return
             except BoardError as exc:
                 if exc.code == "DigestMismatch":
                     mismatches += 1

@@ -73,7 +73,7 @@ def test_every_encoding_is_exercised() -> None:
 
 @pytest.mark.parametrize("pattern", ["small-weights", "many-small-weights"])
 def test_context_encoding_on_training_like_changes(pattern: str) -> None:
-    """Few changes (each located by select) and many (class members listed once)."""
+    """Few changes and many (a quarter of the elements: every class dense with changes)."""
     case = make_case("BF16", 200_000, pattern, seed=3)
     patch = codec.encode(case.old, case.new, "BF16")
     assert codec.read_header(patch).encoding == "context"

@@ -30,6 +30,8 @@ class EngineAdapter:
     def __init__(self, url: str, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+        # The mode of the swap under way: engines flush their caches only after a drained swap.
+        self.mode: CommitMode = "quiesce"
 
     def close(self) -> None:
         self._http.close()
@@ -64,9 +66,22 @@ class EngineAdapter:
 
     def pause(self, mode: CommitMode) -> None:
         """Hold generation for an in-place swap (a drained engine needs nothing)."""
+        self.mode = mode
+        if mode == "in_place":
+            self._hold()
 
     def reload(self, model_dir: Path, version: int) -> None:
         raise NotImplementedError
 
     def resume(self, mode: CommitMode) -> None:
         """Undo `pause`."""
+        if mode == "in_place":
+            self._release()
+
+    def _hold(self) -> None:
+        """The engine's route that holds running generations between two steps."""
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """The engine's route that lets held generations go on."""
+        raise NotImplementedError

@@ -10,15 +10,14 @@ from pathlib import Path
 
 import httpx
 
-from clients.engines.base import CommitMode, EngineAdapter
+from clients.engines.base import EngineAdapter
 
 
 class ReferenceAdapter(EngineAdapter):
     kind = "reference"
 
-    def pause(self, mode: CommitMode) -> None:
-        if mode == "in_place":
-            self._call("POST", "/pause")
+    def _hold(self) -> None:
+        self._call("POST", "/pause")
 
     def reload(self, model_dir: Path, version: int) -> None:
         self._call("POST", "/reload", json={"model": str(model_dir), "weight_version": version})
@@ -30,6 +29,5 @@ class ReferenceAdapter(EngineAdapter):
         except (httpx.HTTPError, ValueError):
             return False
 
-    def resume(self, mode: CommitMode) -> None:
-        if mode == "in_place":
-            self._call("POST", "/resume")
+    def _release(self) -> None:
+        self._call("POST", "/resume")

@@ -19,34 +19,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError
+from clients.engines.base import EngineAdapter, EngineAdapterError
 
 
 class SGLangAdapter(EngineAdapter):
     kind = "sglang"
 
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
-        super().__init__(url, timeout_s)
-        self._mode: CommitMode = "quiesce"
-
-    def pause(self, mode: CommitMode) -> None:
-        self._mode = mode
-        if mode == "in_place":
-            self._call("POST", "/pause_generation", json={"mode": "in_place"})
+    def _hold(self) -> None:
+        self._call("POST", "/pause_generation", json={"mode": "in_place"})
 
     def reload(self, model_dir: Path, version: int) -> None:
         body = {
             "model_path": str(model_dir),
             "weight_version": str(version),
             "abort_all_requests": False,
-            "flush_cache": self._mode == "quiesce",
+            "flush_cache": self.mode == "quiesce",
         }
         answer = self._call("POST", "/update_weights_from_disk", json=body).json()
         if not answer.get("success", False):
             raise EngineAdapterError(f"sglang refused the update: {answer.get('message', answer)}")
-        if self._mode == "quiesce":
+        if self.mode == "quiesce":
             self._call("POST", "/flush_cache")
 
-    def resume(self, mode: CommitMode) -> None:
-        if mode == "in_place":
-            self._call("POST", "/continue_generation", json={})
+    def _release(self) -> None:
+        self._call("POST", "/continue_generation", json={})

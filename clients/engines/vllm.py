@@ -23,20 +23,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError
+from clients.engines.base import EngineAdapter, EngineAdapterError
 
 
 class VLLMAdapter(EngineAdapter):
     kind = "vllm"
 
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
-        super().__init__(url, timeout_s)
-        self._mode: CommitMode = "quiesce"
-
-    def pause(self, mode: CommitMode) -> None:
-        self._mode = mode
-        if mode == "in_place":
-            self._call("POST", "/pause", params={"mode": "keep"})
+    def _hold(self) -> None:
+        self._call("POST", "/pause", params={"mode": "keep"})
 
     def reload(self, model_dir: Path, version: int) -> None:
         # `model_dir` is not sent: vLLM re-reads the path it was started with (the follower's model_dir).
@@ -44,9 +38,8 @@ class VLLMAdapter(EngineAdapter):
         if answer.content and "results" not in answer.json():
             raise EngineAdapterError(f"vllm collective_rpc answered {answer.text[:200]}")
         self._call("POST", "/update_weight_version", json={"new_version": str(version)})
-        if self._mode == "quiesce":
+        if self.mode == "quiesce":
             self._call("POST", "/reset_prefix_cache")
 
-    def resume(self, mode: CommitMode) -> None:
-        if mode == "in_place":
-            self._call("POST", "/resume")
+    def _release(self) -> None:
+        self._call("POST", "/resume")

@@ -86,6 +86,18 @@ class BoardServer:
     def log(self) -> Path:
         return self.data_dir / f"board-{self.port}.log"
 
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def check_log(self) -> None:
+        """Fail if the board logged a traceback: an unhandled error (a 500, maybe hidden by
+        the client's retries) or a crash after a response had started."""
+        text = self.log_text()
+        at = text.find("Traceback (most recent call last)")
+        if at >= 0:
+            start = text.rfind("\n", 0, max(0, text.rfind("\n", 0, at))) + 1
+            raise AssertionError(f"the board at {self.url} logged an error:\n{text[start : start + 6000]}")
+
     def client(self, token: str | None = None, **kwargs: object) -> BoardClient:
         """A client with `token` (default: the admin token); closed when the server stops."""
         c = BoardClient(self.url, self.admin_token if token is None else token, **kwargs)  # type: ignore[arg-type]

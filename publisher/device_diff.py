@@ -6,6 +6,14 @@ the changed positions and their old and new bit patterns, never a whole tensor: 
 bits are the context the codec conditions on, the new bits what it encodes. Bit
 patterns are compared as integers, so -0/+0 differ and an unchanged NaN is unchanged.
 
+For tensors off the host (CUDA) the diff also computes each changed tensor's
+`board.codec.ContextHint` there (`context_hints`): the codec's context encoding needs the
+class of every element of the old tensor, which would otherwise mean copying the old
+tensor to the host. The device mirrors `board.codec.context` exactly (same sampled
+exponent histogram, same thresholds chosen on the host from it, same comparisons on the
+sign-less bit patterns) and only a histogram and one rank per changed element cross.
+On the CPU the publisher hands the codec the old bytes themselves (no copy).
+
 The view is diffed in batches of consecutive tensors (`batches`); within a batch the
 comparison walks in chunks of `CHUNK_ELEMENTS` so that the transient mask costs at most
 that many bytes, whatever the view's size.
@@ -20,11 +28,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from board.codec import Changes
+from board.codec import Changes, ContextHint
+from board.codec.context import EXPONENT_FIELDS, plan_classes, sample_stride, scaled_histogram
 from board.codec.dtypes import uint_dtype
 from publisher.snapshot import Slot, ViewBuffer, ViewLayout, word_aligned
 
 CHUNK_ELEMENTS = 1 << 27
+RANK_CHUNK_ELEMENTS = 1 << 26  # class counts: int32 cumulative sums of at most this many
 CPU_BATCH_BYTES = 1 << 25
 CUDA_BATCH_BYTES = 1 << 30
 
@@ -34,7 +44,9 @@ class ViewDiff:
     """Per changed tensor, its `Changes`; and how many bytes crossed to the host."""
 
     changes: dict[str, Changes] = field(default_factory=dict)
+    hints: dict[str, ContextHint] = field(default_factory=dict)
     host_bytes: int = 0
+    hint_bytes: int = 0  # the part of host_bytes that carried context hints
 
     @property
     def changed_elements(self) -> int:
@@ -112,13 +124,59 @@ def batches(layout: ViewLayout, batch_bytes: int) -> list[list[Slot]]:
     return out
 
 
+def _sign_less_max(bits: torch.Tensor) -> int:
+    return (1 << (8 * bits.element_size() - 1)) - 1
+
+
+def _exponent_counts(bits: torch.Tensor, dtype: str) -> torch.Tensor:
+    """`board.codec.context.exponent_histogram` before scaling: the same sampled elements.
+    The arithmetic shift of the signed view then the mask gives the unsigned field."""
+    shift, mask = EXPONENT_FIELDS[dtype]
+    sample = bits[:: sample_stride(bits.numel())]
+    return torch.bincount(((sample >> shift) & mask).long(), minlength=mask + 1)
+
+
+def _class_ranks(
+    bits: torch.Tensor, pos: torch.Tensor, changed_old: torch.Tensor, limits: tuple[int, int]
+) -> torch.Tensor:
+    """Rank of each changed position within its class (`board.codec.classes.class_ranks`).
+
+    A class test `magnitude < limit` is written `magnitude <= limit - 1` clamped to the
+    largest sign-less pattern, so that the limit fits the signed element type. Members
+    before each position come from int32 cumulative counts, chunk by chunk.
+    """
+    top = _sign_less_max(bits)
+    low_max, small_max = (min(limit - 1, top) for limit in limits)
+    below_low = torch.zeros_like(pos)
+    below_small = torch.zeros_like(pos)
+    for start in range(0, bits.numel(), RANK_CHUNK_ELEMENTS):
+        magnitude = bits[start : start + RANK_CHUNK_ELEMENTS] & top
+        end = start + magnitude.numel()
+        local = (pos - start).clamp(0, magnitude.numel() - 1)
+        for below, limit in ((below_low, low_max), (below_small, small_max)):
+            member = magnitude <= limit
+            inclusive = torch.cumsum(member, 0, dtype=torch.int32)
+            before = (inclusive[local] - member[local].to(torch.int32)).long()
+            # past this chunk: all its members; inside: those before; ahead of it: none
+            below += torch.where(pos >= end, inclusive[-1].long(), torch.where(pos >= start, before, 0))
+    magnitude = changed_old & top
+    return torch.where(
+        magnitude <= low_max,
+        below_low,
+        torch.where(magnitude <= small_max, below_small - below_low, pos - below_small),
+    )
+
+
 @torch.no_grad()
-def diff_slots(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> ViewDiff:
+def diff_slots(
+    old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot], hints: bool | None = None
+) -> ViewDiff:
     """Changes of consecutive slots of one group (see `batches`).
 
     One comparison over their range, one gather of the changed words, a `searchsorted`
     over the slots' offsets to cut the result per tensor, all on the device; then one
-    small transfer to the host (`to_host`).
+    small transfer to the host (`to_host`). `hints` (default: off the host) adds the
+    changed tensors' context hints (`context_hints`).
     """
     result = ViewDiff()
     group = slots[0].group
@@ -134,6 +192,7 @@ def diff_slots(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> ViewD
     )
     result.host_bytes += local.nbytes + counts.nbytes + old_h.nbytes + new_h.nbytes
     bounds = np.concatenate(([0], np.cumsum(counts)))
+    ranges: dict[str, tuple[int, int]] = {}
     for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):
         if hi > lo:
             unsigned = uint_dtype(slot.dtype)
@@ -144,7 +203,48 @@ def diff_slots(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> ViewD
                 old_h[lo:hi].view(unsigned),
                 new_h[lo:hi].view(unsigned),
             )
+            ranges[slot.name] = (int(lo), int(hi))
+    if hints if hints is not None else group[0] != "cpu":
+        device_local = pos - starts[owner]
+        changed = [
+            (s, device_local[slice(*ranges[s.name])], old_changed[slice(*ranges[s.name])])
+            for s in slots
+            if s.name in ranges
+        ]
+        context_hints(old, changed, result)
     return result
+
+
+def context_hints(
+    old: ViewBuffer, changed: Sequence[tuple[Slot, torch.Tensor, torch.Tensor]], result: ViewDiff
+) -> None:
+    """Add to `result` the context hints of the changed floating slots.
+
+    `changed` holds each slot's local positions and old bits on the device (the host has
+    its `Changes` in `result`). Two small transfers: the sampled exponent counts, from
+    which the host picks the thresholds exactly as the codec does, then the ranks.
+    """
+    floating = [(slot, pos, bits) for slot, pos, bits in changed if slot.dtype in EXPONENT_FIELDS]
+    if not floating:
+        return
+    counts = to_host(*(_exponent_counts(old.bits(slot), slot.dtype) for slot, _, _ in floating))
+    planned: list[tuple[Slot, tuple[int, int]]] = []
+    ranks: list[torch.Tensor] = []
+    for (slot, pos, bits), count in zip(floating, counts, strict=True):
+        plan = plan_classes(
+            scaled_histogram(count, slot.numel), result.changes[slot.name].old_bits, slot.dtype
+        )
+        if plan is not None:
+            shift = EXPONENT_FIELDS[slot.dtype][0]
+            planned.append((slot, plan))
+            ranks.append(_class_ranks(old.bits(slot), pos, bits, (plan[0] << shift, plan[1] << shift)))
+    result.hint_bytes += sum(c.nbytes for c in counts)
+    if planned:
+        host_ranks = to_host(*ranks)
+        result.hint_bytes += sum(r.nbytes for r in host_ranks)
+        for (slot, (t_low, t_top)), r in zip(planned, host_ranks, strict=True):
+            result.hints[slot.name] = ContextHint(t_low, t_top, r)
+    result.host_bytes += result.hint_bytes
 
 
 def batch_bytes_for(layout: ViewLayout) -> int:
@@ -154,23 +254,25 @@ def batch_bytes_for(layout: ViewLayout) -> int:
     return CUDA_BATCH_BYTES if on_cuda else CPU_BATCH_BYTES
 
 
-def iter_diffs(old: ViewBuffer, new: ViewBuffer) -> Iterator[ViewDiff]:
+def iter_diffs(old: ViewBuffer, new: ViewBuffer, hints: bool | None = None) -> Iterator[ViewDiff]:
     """The diff batch by batch, the next batch computed in a helper thread while the
     caller encodes the current one (torch releases the GIL in its kernels)."""
     todo = batches(new.layout, batch_bytes_for(new.layout))
     with ThreadPoolExecutor(1, thread_name_prefix="deltaboard-diff") as pool:
-        pending = [pool.submit(diff_slots, old, new, b) for b in todo[:1]]
+        pending = [pool.submit(diff_slots, old, new, b, hints) for b in todo[:1]]
         for nxt in todo[1:]:
-            pending.append(pool.submit(diff_slots, old, new, nxt))
+            pending.append(pool.submit(diff_slots, old, new, nxt, hints))
             yield pending.pop(0).result()
         for fut in pending:
             yield fut.result()
 
 
-def diff_views(old: ViewBuffer, new: ViewBuffer) -> ViewDiff:
+def diff_views(old: ViewBuffer, new: ViewBuffer, hints: bool | None = None) -> ViewDiff:
     """Changes from `old` to `new`, two buffers of the same layout, in one result."""
     result = ViewDiff()
-    for part in iter_diffs(old, new):
+    for part in iter_diffs(old, new, hints):
         result.changes.update(part.changes)
+        result.hints.update(part.hints)
         result.host_bytes += part.host_bytes
+        result.hint_bytes += part.hint_bytes
     return result

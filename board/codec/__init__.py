@@ -12,14 +12,17 @@ from board.codec.digest import digest, digest_bits, digest_update, state_digest
 from board.codec.dtypes import WIDTHS, uint_dtype, width
 from board.codec.errors import PatchError
 from board.codec.header import ENCODINGS, PatchHeader
+from board.codec.ranked import ContextHint, context_hint
 
 __all__ = [
     "ENCODINGS",
     "WIDTHS",
     "Changes",
+    "ContextHint",
     "PatchError",
     "PatchHeader",
     "apply",
+    "context_hint",
     "decode",
     "diff",
     "digest",

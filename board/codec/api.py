@@ -3,16 +3,18 @@
 Every delta patch is positions (by one of three codings) followed by the same ULP-step
 coding of the values (`board.codec.values`). `encode_changes` builds the candidates that
 can pay off for the changed fraction and keeps the smallest: `context` (positions ranked
-within classes of the old exponent) for floating tensors when the old bytes are at hand
-and the classes' estimated entropy is at most `_CONTEXT_GAIN` of the plain one, else
-`sparse` (gaps); `dense` (bitmap) above 1/8 changed when the positions cost more than a
-bitmap; whole-tensor `replace` above 1/4 changed when the old bytes are at hand and the
-deltas cost more than half the tensor.
+within classes of the old exponent) for floating tensors when the old tensor or a
+`ContextHint` is at hand and the classes' estimated entropy is at most
+`context.CONTEXT_GAIN` of the plain one, else `sparse` (gaps); `dense` (bitmap) above 1/8
+changed when the positions cost more than a bitmap; whole-tensor `replace` above 1/4
+changed when the old bytes are at hand and the deltas cost more than half the tensor.
 
 Context and the device path: ULP steps only use the *old bits at the changed positions*,
-which `Changes.old_bits` already carries. The `context` encoding also needs the old tensor
-on the host (one branch-free pass; `board.codec.classes` says what a torch mirror would
-compute); without `old` (only `old_digest`) or with `context=False` it is not tried.
+which `Changes.old_bits` already carries. The `context` encoding also needs each changed
+element's rank within its class of the old tensor: `ranked.context_hint` computes it from
+the old bytes (one branch-free pass); the publisher computes the same `ContextHint` on the
+tensors' device and passes it instead of `old`. Without either (only `old_digest`) or with
+`context=False` it is not tried.
 
 Verification: `apply`/`decode` check the base digest (trusting `old_digest` if given, so the
 cost stays O(changed)), then the result digest, updated from the base in O(changed) through
@@ -28,7 +30,7 @@ import numpy as np
 from board.codec import dense, ranked, replace, sparse
 from board.codec.bitio import Reader, Writer
 from board.codec.changes import Changes, diff
-from board.codec.context import EXPONENT_FIELDS, choose_thresholds, exponent_histogram, exponent_of
+from board.codec.context import EXPONENT_FIELDS
 from board.codec.digest import digest, digest_bits, digest_update, parse_digest
 from board.codec.dtypes import as_bits, uint_dtype, width
 from board.codec.errors import PatchError
@@ -42,7 +44,6 @@ _POSITIONS: dict[str, Callable[[Reader, int, np.ndarray, str], np.ndarray]] = {
     "dense": dense.decode,
     "context": ranked.decode,
 }
-_CONTEXT_GAIN = 0.9  # try context classes when they estimate <= 90% of the position bits
 
 
 def read_header(patch: bytes | memoryview) -> PatchHeader:
@@ -69,11 +70,14 @@ def encode_changes(
     *,
     old_digest: str | None = None,
     context: bool = True,
+    hint: ranked.ContextHint | None = None,
 ) -> bytes:
     """A patch from `changes` against `old` (whose digest may be given to save a full pass).
 
     `context=False` skips the `context` encoding: both sides then avoid its pass over the
-    old tensor, for about two more bits per changed element on training data.
+    old tensor, for about two more bits per changed element on training data. `hint`
+    (`ranked.ContextHint`, computed where the old tensor lives) stands in for that pass,
+    so `old` may then be None; it is used as given (`context` is then ignored).
     """
     if changes.dtype != dtype:
         raise PatchError(f"changes are {changes.dtype}, patch asked for {dtype}")
@@ -96,14 +100,11 @@ def encode_changes(
         write(w)
         candidates.append((name, w.getvalue() + tail))
 
-    if context and old is not None and n and dtype in EXPONENT_FIELDS:
-        bits = as_bits(old, dtype)
-        t_low, t_top, with_classes, plain = choose_thresholds(
-            exponent_histogram(bits, dtype),
-            np.bincount(exponent_of(changes.old_bits, dtype), minlength=EXPONENT_FIELDS[dtype][1] + 1),
-        )
-        if with_classes <= _CONTEXT_GAIN * plain:
-            positions_by("context", lambda w: ranked.encode(w, changes, bits, t_low, t_top))
+    if hint is None and context and old is not None and n and dtype in EXPONENT_FIELDS:
+        hint = ranked.context_hint(changes, as_bits(old, dtype))
+    if hint is not None and n:
+        chosen = hint
+        positions_by("context", lambda w: ranked.encode(w, changes, chosen))
     if not candidates:  # the entropy estimate is reliable enough to skip sparse when context wins
         positions_by("sparse", lambda w: sparse.encode(w, changes))
     # a bitmap costs numel / 8 bytes before zstd: only worth building when positions cost

@@ -51,10 +51,13 @@ def value_contexts(old_bits: np.ndarray, dtype: str) -> np.ndarray:
 # weights have small ULPs, so the classes have very different change rates and coding each
 # one's ranks separately costs sum_c n_c H(p_c) bits instead of n H(p). Three classes catch
 # most of what a context per exponent would (measured on the benchmark trajectories).
-# Both sides compute the classes from the old bits (`board.codec.classes`); a device
-# mirror needs two `magnitude_bits(old) < t << shift` comparisons and a cumulative count.
+# Both sides compute the classes from the old bits (`board.codec.classes`); the device
+# mirror (`publisher.device_diff`) makes the same two `magnitude_bits(old) < t << shift`
+# comparisons and cumulative counts where the tensor lives, from the same sampled histogram.
 
 SAMPLE_STRIDE = 32
+SAMPLE_FROM = 1 << 16  # tensors this large are sampled every SAMPLE_STRIDE-th element
+CONTEXT_GAIN = 0.9  # use context classes when they estimate <= 90% of the position bits
 
 
 def magnitude_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -64,12 +67,23 @@ def magnitude_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
     return magnitude
 
 
+def sample_stride(numel: int) -> int:
+    """The stride of the elements `exponent_histogram` counts."""
+    return SAMPLE_STRIDE if numel >= SAMPLE_FROM else 1
+
+
+def scaled_histogram(counts: np.ndarray, numel: int) -> np.ndarray:
+    """Sampled exponent counts scaled to the whole tensor (one definition for every path)."""
+    sampled = -(-numel // sample_stride(numel))
+    scaled: np.ndarray = counts.astype(np.float64) * (numel / max(1, sampled))
+    return scaled
+
+
 def exponent_histogram(bits: np.ndarray, dtype: str) -> np.ndarray:
-    """Counts of each exponent over the tensor (every SAMPLE_STRIDE-th element, scaled)."""
+    """Counts of each exponent over the tensor (every `sample_stride`-th element, scaled)."""
     mask = EXPONENT_FIELDS[dtype][1]
-    sample = bits[::SAMPLE_STRIDE] if bits.size >= 1 << 16 else bits
-    counts = np.bincount(exponent_of(sample, dtype), minlength=mask + 1).astype(np.float64)
-    return counts * (bits.size / max(1, sample.size))
+    sample = bits[:: sample_stride(bits.size)]
+    return scaled_histogram(np.bincount(exponent_of(sample, dtype), minlength=mask + 1), bits.size)
 
 
 def _h(p: np.ndarray) -> np.ndarray:
@@ -100,3 +114,10 @@ def choose_thresholds(all_hist: np.ndarray, changed_hist: np.ndarray) -> tuple[i
     costs = np.where(ok, costs, np.inf)
     i, j = np.unravel_index(int(np.argmin(costs)), costs.shape)
     return int(cand[i]), int(cand[j]), float(costs[i, j]), plain
+
+
+def plan_classes(histogram: np.ndarray, changed_old_bits: np.ndarray, dtype: str) -> tuple[int, int] | None:
+    """The class thresholds (t_low, t_top) when classes pay off, else None (code gaps)."""
+    changed = np.bincount(exponent_of(changed_old_bits, dtype), minlength=EXPONENT_FIELDS[dtype][1] + 1)
+    t_low, t_top, with_classes, plain = choose_thresholds(histogram, changed)
+    return (t_low, t_top) if with_classes <= CONTEXT_GAIN * plain else None

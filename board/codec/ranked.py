@@ -4,26 +4,66 @@ The receiver holds the old tensor, so it splits it into the classes of
 `board.codec.context` itself; the patch carries the two thresholds, then per class the
 Rice-coded gaps between the ranks of its changed elements. It costs one pass over the old
 tensor on both sides, which is why the encoder only picks it when the classes save enough.
+
+The encoder needs only a `ContextHint`: the thresholds and each changed element's rank in
+its class. `context_hint` computes it from the old bytes on the host; the publisher's
+device path computes the same hint where the tensor lives and moves only the hint.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from board.codec.bitio import Reader, Writer, decode_index_sets, encode_index_sets
 from board.codec.changes import Changes
 from board.codec.classes import class_of, class_positions, class_ranks, split_classes
-from board.codec.context import EXPONENT_FIELDS
+from board.codec.context import EXPONENT_FIELDS, exponent_histogram, plan_classes
 from board.codec.errors import PatchError
 
 
-def encode(w: Writer, changes: Changes, old_bits: np.ndarray, t_low: int, t_top: int) -> None:
-    classes = split_classes(old_bits, changes.dtype, t_low, t_top)
-    cls = class_of(changes.old_bits, changes.dtype, t_low, t_top)
-    w.u64(t_low)
-    w.u64(t_top)
-    ranks = class_ranks(classes, changes.positions, cls)
+@dataclass(frozen=True)
+class ContextHint:
+    """What the `context` encoding needs from the old tensor, for one `Changes`: the class
+    thresholds (`board.codec.context.plan_classes`) and, per changed element, its rank
+    within its class (int64, the number of class members before it in the old tensor)."""
+
+    t_low: int
+    t_top: int
+    ranks: np.ndarray
+
+
+def context_hint(changes: Changes, old_bits: np.ndarray) -> ContextHint | None:
+    """The hint from the old bits on the host; None when the classes do not pay off."""
+    plan = plan_classes(exponent_histogram(old_bits, changes.dtype), changes.old_bits, changes.dtype)
+    if plan is None:
+        return None
+    classes = split_classes(old_bits, changes.dtype, *plan)
+    return ContextHint(
+        *plan, class_ranks(classes, changes.positions, class_of(changes.old_bits, changes.dtype, *plan))
+    )
+
+
+def encode(w: Writer, changes: Changes, hint: ContextHint) -> None:
+    """Thresholds, class counts, then each class's ranks as gaps. A hint that cannot be
+    right (ranks not increasing within a class, or past their position) is refused."""
+    if (
+        changes.dtype not in EXPONENT_FIELDS
+        or not 0 <= hint.t_low <= hint.t_top <= EXPONENT_FIELDS[changes.dtype][1] + 1
+    ):
+        raise PatchError(f"context hint: bad thresholds {hint.t_low}, {hint.t_top} for {changes.dtype}")
+    if hint.ranks.shape != changes.positions.shape:
+        raise PatchError("context hint: one rank per changed element expected")
+    cls = class_of(changes.old_bits, changes.dtype, hint.t_low, hint.t_top)
+    ranks = hint.ranks.astype(np.int64, copy=False)
     per_class = [ranks[cls == c] for c in range(3)]
+    if changes.count and (int(ranks.min()) < 0 or bool(np.any(ranks > changes.positions))):
+        raise PatchError("context hint: a rank outside its class")
+    if any(mine.size > 1 and not bool(np.all(mine[1:] > mine[:-1])) for mine in per_class):
+        raise PatchError("context hint: ranks not increasing within a class")
+    w.u64(hint.t_low)
+    w.u64(hint.t_top)
     for mine in per_class:
         w.u64(mine.size)
     encode_index_sets(w, per_class)

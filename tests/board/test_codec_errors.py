@@ -161,3 +161,26 @@ def test_a_huge_declared_size_allocates_nothing_like_it() -> None:
         tracemalloc.stop()
     assert peak < 64 * 2**20
     assert len(forged) > HEADER_SIZE
+
+
+def test_impossible_context_hints_are_refused():
+    """A hint from elsewhere (the publisher's device) is checked before it is coded."""
+    case = make_case("BF16", 20_000, "small-weights", seed=7)
+    old_bits = case.old.view(codec.uint_dtype("BF16"))
+    changes = codec.diff(case.old, case.new, "BF16")
+    hint = codec.context_hint(changes, old_bits)
+    assert hint is not None and changes.count > 2
+    base = codec.digest(case.old, "BF16")
+    patch = codec.encode_changes(changes, None, "BF16", old_digest=base, hint=hint)
+    assert codec.apply(case.old, patch).tobytes() == case.new.tobytes()
+    reversed_ranks = hint.ranks[::-1].copy()
+    for bad in (
+        dataclasses.replace(hint, t_low=hint.t_top + 1),
+        dataclasses.replace(hint, t_top=1000),
+        dataclasses.replace(hint, ranks=hint.ranks[1:]),
+        dataclasses.replace(hint, ranks=reversed_ranks),
+        dataclasses.replace(hint, ranks=hint.ranks - 1 - int(hint.ranks.max())),
+        dataclasses.replace(hint, ranks=hint.ranks + changes.numel),
+    ):
+        with pytest.raises(codec.PatchError, match="context hint"):
+            codec.encode_changes(changes, None, "BF16", old_digest=base, hint=bad)

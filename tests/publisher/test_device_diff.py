@@ -153,12 +153,75 @@ def test_only_changes_cross_to_host(device, tmp_path):
         result = diff_views(a, b)
     assert result.changed_elements == 2
     # two positions (int64) + old and new bf16 bits + per-slot counts: nothing near a tensor's size
-    assert result.host_bytes == 2 * (8 + 2 + 2) + 8 * len(layout.slots)
+    # (on CUDA also the context hint: a sampled exponent histogram and a rank per change)
+    assert result.host_bytes == 2 * (8 + 2 + 2) + 8 * len(layout.slots) + result.hint_bytes
+    assert result.hint_bytes <= (256 + 2) * 8
     assert list(result.changes["w"].positions) == [307, 99999]
     if device != "cpu":  # what the GPU itself reports: no copy near the 200 KB tensor
         prof.export_chrome_trace(str(tmp_path / "trace.json"))
         copies = _device_to_host_copies(tmp_path / "trace.json")
         assert copies and max(copies) <= result.host_bytes, copies
+
+
+@st.composite
+def float_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """An old tensor with a spread of exponents and a new one whose changes favour small
+    weights (so that the classes often pay off and the context hint is exercised)."""
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
+    n = draw(st.sampled_from([1, 7, 300, 5000, 70000]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    old = (
+        torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-6, 1, (n,), generator=g)
+    ).to(dtype)
+    specials = draw(st.lists(st.sampled_from(SPECIAL), max_size=min(n, 4)))
+    old[: len(specials)] = torch.tensor(specials, dtype=torch.float64).to(dtype)
+    rate = draw(st.sampled_from([0.001, 0.05, 0.5]))
+    small = old.abs().to(torch.float64).nan_to_num(1.0) < 1e-3
+    moved = (
+        (torch.rand(n, generator=g, dtype=torch.float64) < torch.where(small, rate, rate / 20))
+        .nonzero()
+        .flatten()
+    )
+    bits = old.clone().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[old.element_size()])
+    bits[moved] += torch.randint(-3, 4, (moved.numel(),), generator=g).to(bits.dtype)
+    return old, bits.view(dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(float_pairs(), st.sampled_from([1000, 1 << 26]))
+def test_device_context_hint_matches_codec(pair, rank_chunk):
+    """The torch path of the hint (run on CPU tensors) equals the codec's numpy hint, and
+    a patch made from it alone (no old bytes) applies bit-exactly."""
+    old_t, new_t = pair
+    state_old, state_new = {"w": old_t}, {"w": new_t}
+    layout = ViewLayout.of(state_old, ViewSpec(rules=(ViewRule(pattern="w", dtype="raw"),)))
+    a, b = ViewBuffer(layout), ViewBuffer(layout)
+    a.fill(state_old)
+    b.fill(state_new)
+    saved = device_diff.RANK_CHUNK_ELEMENTS
+    device_diff.RANK_CHUNK_ELEMENTS = rank_chunk  # small chunks: cross chunk edges
+    try:
+        result = diff_views(a, b, hints=True)
+    finally:
+        device_diff.RANK_CHUNK_ELEMENTS = saved
+    slot = layout.slots[0]
+    old_bytes, new_bytes = tensor_bytes(old_t), tensor_bytes(new_t)
+    changes = result.changes.get("w")
+    if changes is None:
+        assert "w" not in result.hints
+        return
+    want = codec.context_hint(changes, old_bytes.view(codec.uint_dtype(slot.dtype)))
+    got = result.hints.get("w")
+    if want is None:
+        assert got is None
+        return
+    assert got is not None
+    assert (got.t_low, got.t_top) == (want.t_low, want.t_top)
+    assert np.array_equal(got.ranks, want.ranks)
+    base = codec.digest(old_bytes, slot.dtype)
+    patch = codec.encode_changes(changes, None, slot.dtype, old_digest=base, hint=got)
+    assert codec.read_header(patch).encoding in ("context", "dense")
+    assert np.array_equal(codec.apply(old_bytes, patch), new_bytes)
 
 
 def test_layout_refuses_a_different_state():

@@ -1,14 +1,20 @@
 """`deltaboard bench follow`: what a rollout node pays to keep up.
 
-The view is **synthetic, with the statistics that matter here**: bf16 weights drawn from
-N(0, 0.02), and each version moves a uniformly random 1% of the elements by one ULP up
-or down (RL steps change ~1% of a bf16 view, mostly by one ULP). Uniform positions are
-the worst case for in-place patching: every 4 KiB page of every shard is touched. The
-versions go through the real publisher and a real board process (loopback); the nodes
-are real `Follower`s on local disk. Figures:
+The view is **synthetic, with the change statistics of a real AdamW trajectory**: bf16
+weights drawn from N(0, 0.02) (a Llama init), changed per version the way
+`services.trajectory`'s recorded run (a tiny Llama, fp32 master weights, lr 1e-6, warm
+Adam) changes its bf16 view: the probability that a weight changes depends on its old
+exponent as measured there (it about doubles each time |w| halves: Adam's step is ~lr
+whatever |w|, so small weights cross bf16 rounding boundaries far more often), scaled to
+the configured changed fraction, and each change is a signed ULP step drawn from the
+steps observed there (~90% one ULP). Small weights are scattered over every matrix, so
+nearly every 4 KiB page of every shard is still touched per version (`pages_touched`),
+as in the recorded run. The versions go through the real publisher and a real board
+process (loopback); the nodes are real `Follower`s on local disk. Figures:
 
-* `full_write_s`: writing the whole checkpoint (the view as a safetensors file) into the
-  page cache: what a node pays per version if it receives full checkpoints;
+* `full_write_s`: writing the whole checkpoint the way a node without deltaboard does
+  (new safetensors files, the follower's own shard files and headers, written into the
+  page cache like the follower's patches are; neither is fsynced);
 * `apply_verify_s`: per version, from the end of the download to the swap: decode, verify
   (O(changes)) and write only the changed elements in place (median over steady updates);
   `codec_decode_s` is the codec's decode + verify of one version alone (one thread, in
@@ -38,7 +44,8 @@ from rich.table import Table
 
 from clients.board_client import BoardClient
 from clients.follower import Follower
-from clients.follower.layout import shard_header
+from clients.follower.layout import materialize
+from clients.follower.patcher import read_placements
 from services.bench.publish_bench import board_process
 
 RUN = "bench-follow"
@@ -58,37 +65,131 @@ class BenchConfig:
 QUICK = BenchConfig(view_gb=0.125, catchup_k=32, steady=3)
 
 
-class SyntheticTrainer:
-    """bf16 tensors (numpy-backed, shared with torch) moved by one ULP at random positions."""
+# The recorded run whose change statistics the view follows (trained once, cached under .bench/).
+TRAJECTORY_LR, TRAJECTORY_STEPS, TRAJECTORY_WARMUP = 1e-6, 10, 16
+# Exponents with fewer weights than this in the recorded run borrow the nearest measured rate.
+MIN_WEIGHTS = 1000
+# Weights changing with a probability above this are drawn from a list kept per tensor;
+# the others by rejection from this fraction of uniform candidates (no full pass per step).
+BULK_CAP = 0.05
+MAX_STEP = 64  # ULPs: clips the recorded run's rare large steps
 
-    def __init__(self, config: BenchConfig) -> None:
+
+def _ordered(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns as integers in value order (one apart = one ULP apart)."""
+    magnitude = (bits & 0x7FFF).astype(np.int32)
+    return np.where(bits & 0x8000, -magnitude, magnitude)
+
+
+def _unordered(values: np.ndarray) -> np.ndarray:
+    return np.where(values < 0, 0x8000 | -values, values).astype(np.uint16)
+
+
+def _exponents(bits: np.ndarray) -> np.ndarray:
+    return ((bits >> 7) & 0xFF).astype(np.intp)
+
+
+@dataclass(frozen=True)
+class ChangeStats:
+    """How the recorded run changes its bf16 view per step: `rate[e]` the fraction of the
+    weights with exponent field `e` that change, `steps` the signed ULP steps seen."""
+
+    rate: np.ndarray
+    steps: np.ndarray
+    fraction: float
+    source: str
+
+
+def trajectory_stats() -> ChangeStats:
+    """Measure `ChangeStats` on the recorded trajectory (trained once, then cached)."""
+    from services.trajectory import load_trajectory
+
+    trajectory = load_trajectory(
+        size="tiny",
+        regime="fp32-master",
+        lr=TRAJECTORY_LR,
+        steps=TRAJECTORY_STEPS,
+        warmup_steps=TRAJECTORY_WARMUP,
+    )
+    bf16 = [t.name for t in trajectory.tensors if t.dtype == "BF16"]
+
+    def flat(step: int) -> np.ndarray:
+        view = trajectory.view(step)
+        return np.concatenate([view[name].view(np.uint16) for name in bf16])
+
+    weights, changed = np.zeros(256), np.zeros(256)
+    steps = []
+    before = flat(0)
+    for step in range(1, trajectory.steps + 1):
+        after = flat(step)
+        moved = np.flatnonzero(before != after)
+        weights += np.bincount(_exponents(before), minlength=256)
+        changed += np.bincount(_exponents(before[moved]), minlength=256)
+        steps.append(_ordered(after[moved]) - _ordered(before[moved]))
+        before = after
+    measured = np.flatnonzero(weights >= MIN_WEIGHTS)
+    nearest = measured[np.abs(np.arange(256)[:, None] - measured[None, :]).argmin(axis=1)]
+    rate = changed[nearest] / weights[nearest]
+    return ChangeStats(
+        rate=rate,
+        steps=np.clip(np.concatenate(steps), -MAX_STEP, MAX_STEP),
+        fraction=float(changed.sum() / weights.sum()),
+        source=f"tiny Llama, fp32 master weights, AdamW lr {TRAJECTORY_LR:g}, {TRAJECTORY_STEPS} steps",
+    )
+
+
+class SyntheticTrainer:
+    """bf16 tensors (numpy-backed, shared with torch) changed per step with `ChangeStats`
+    scaled to `config.changed_fraction`."""
+
+    def __init__(self, config: BenchConfig, stats: ChangeStats) -> None:
         import torch
 
         self.rng = np.random.default_rng(config.seed)
-        self.fraction = config.changed_fraction
+        self.stats = stats
         count = max(1, round(config.view_gb * 1e9 / 2 / config.tensor_elements))
         cols = 4096
         rows = max(1, config.tensor_elements // cols)
         self.bits: dict[str, np.ndarray] = {}
         self.state: dict[str, torch.Tensor] = {}
+        histogram = np.zeros(256)
         for i in range(count):
             weights = torch.randn(rows, cols, generator=torch.Generator().manual_seed(config.seed + i)) * 0.02
-            self.bits[f"layers.{i}.weight"] = (
-                weights.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            )
-            self.state[f"layers.{i}.weight"] = torch.from_numpy(self.bits[f"layers.{i}.weight"]).view(
-                torch.bfloat16
-            )
+            bits = weights.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(-1)
+            self.bits[f"layers.{i}.weight"] = bits
+            self.state[f"layers.{i}.weight"] = torch.from_numpy(bits).view(torch.bfloat16).view(rows, cols)
+            histogram += np.bincount(_exponents(bits), minlength=256)
+        # the same relative rates, scaled so that this view changes `changed_fraction`
+        scale = config.changed_fraction * histogram.sum() / float(histogram @ stats.rate)
+        self.p = np.minimum(stats.rate * scale, 1.0)
+        self.hot = {name: np.flatnonzero(self.p[_exponents(b)] > BULK_CAP) for name, b in self.bits.items()}
+        self.pages_touched = 0.0
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.bits.values())
 
+    def _positions(self, name: str) -> np.ndarray:
+        """Each weight independently with probability `p[its exponent]`: the hot ones
+        (listed at init) directly, the rest by rejection from uniform candidates."""
+        bits, hot = self.bits[name], self.hot[name]
+        candidates = self.rng.integers(0, bits.size, round(bits.size * BULK_CAP))
+        p = self.p[_exponents(bits[candidates])]
+        bulk = candidates[(p <= BULK_CAP) & (self.rng.random(candidates.size) * BULK_CAP < p)]
+        hot = hot[self.rng.random(hot.size) < self.p[_exponents(bits[hot])]]
+        positions = np.sort(np.concatenate([bulk, hot]))
+        return positions[np.concatenate([[True], positions[1:] != positions[:-1]])]
+
     def step(self) -> None:
-        for bits in self.bits.values():
-            flat = bits.reshape(-1)
-            positions = self.rng.choice(flat.size, int(flat.size * self.fraction), replace=False)
-            flat[positions] += self.rng.choice(np.array([1, 0xFFFF], dtype=np.uint16), positions.size)
+        pages, total = 0, 0
+        for name, bits in self.bits.items():
+            positions = self._positions(name)
+            moves = self.rng.choice(self.stats.steps, positions.size)
+            bits[positions] = _unordered(_ordered(bits[positions]) + moves)
+            page = positions // (4096 // 2)
+            pages += int(page.size > 0) + np.count_nonzero(page[1:] != page[:-1])
+            total += -(-bits.size // (4096 // 2))
+        self.pages_touched = pages / total
 
 
 @dataclass
@@ -185,22 +286,34 @@ def codec_decode_s(client: BoardClient, version: int, base: dict[str, np.ndarray
     return time.perf_counter() - started
 
 
-def full_write_s(trainer: SyntheticTrainer, directory: Path) -> float:
-    """Write the view as one safetensors checkpoint (header + every tensor), like a node
-    that receives whole checkpoints; the median of two runs, each into a new file."""
-    entries = [(name, "BF16", bits.shape) for name, bits in trainer.bits.items()]
-    prefix, _ = shard_header([(n, d, tuple(int(x) for x in s)) for n, d, s in entries])
+def full_write_s(trainer: SyntheticTrainer, slot_dir: Path, scratch: Path) -> float:
+    """Write the view as a node that receives whole checkpoints does: the follower's own
+    shard files (same names, headers and tensor order) created anew, like a safetensors
+    save, into the page cache; the median of three runs."""
+    shards = []
+    for path in sorted(slot_dir.glob("*.safetensors")):
+        placements = sorted(read_placements(path).values(), key=lambda p: p.offset)
+        prefix = path.read_bytes()[: placements[0].offset] if placements else path.read_bytes()
+        shards.append((path.name, prefix, [trainer.bits[name].view(np.uint8) for name in _names(path)]))
+    scratch.mkdir()
     times = []
-    for i in range(2):
-        path = directory / f"full-{i}.safetensors"
+    for _ in range(3):
         started = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(prefix)
-            for bits in trainer.bits.values():
-                f.write(bits.reshape(-1).view(np.uint8).data)
+        for name, prefix, tensors in shards:
+            with open(scratch / name, "wb") as f:
+                f.write(prefix)
+                for data in tensors:
+                    f.write(data.data)
         times.append(time.perf_counter() - started)
-        path.unlink()
+        for name, _, _ in shards:
+            (scratch / name).unlink()
     return statistics.median(times)
+
+
+def _names(shard: Path) -> list[str]:
+    """A shard's tensor names in file order."""
+    placements = read_placements(shard)
+    return sorted(placements, key=lambda name: placements[name].offset)
 
 
 def run(config: BenchConfig, status: Status) -> dict[str, Any]:
@@ -208,12 +321,16 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="deltaboard-bench-follow-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "board").mkdir()
+        status("measuring the change statistics of a recorded AdamW trajectory")
+        stats = trajectory_stats()
         status("generating the view")
-        trainer = SyntheticTrainer(config)
+        trainer = SyntheticTrainer(config, stats)
         with board_process(tmp / "board") as (url, token), BoardClient(url, token) as client:
             results, base = publish(client, trainer, 1 + k + config.steady, status)
             status("writing the full checkpoint")
-            full_s = full_write_s(trainer, tmp)
+            (tmp / "layout").mkdir()
+            materialize(tmp / "layout", client.manifest(RUN, 0), {})
+            full_s = full_write_s(trainer, tmp / "layout", tmp / "full")
             status("decoding one version in memory")
             decode_s = codec_decode_s(client, k + config.steady, base)
             del base
@@ -267,7 +384,12 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
             "apply_verify_le_0.1x_full_write": apply_s <= 0.1 * full_s,
             "catchup_le_one_keyframe": catchup_bytes <= keyframe_bytes,
         },
-        "view": "synthetic: N(0, 0.02) bf16 weights, a uniformly random 1% of elements +-1 ULP per version",
+        "pages_touched": trainer.pages_touched,
+        "trajectory_changed_fraction": stats.fraction,
+        "view": (
+            "synthetic, N(0, 0.02) bf16 weights changed with the per-exponent rates and ULP steps "
+            f"of a recorded AdamW trajectory ({stats.source})"
+        ),
     }
 
 
@@ -277,6 +399,7 @@ def render(report: dict[str, Any], console: Console) -> None:
     table.add_column("value", justify="right")
     rows = [
         ("changed fraction per version", f"{report['changed_fraction']:.4%}"),
+        ("  4 KiB pages touched per version", f"{report['pages_touched']:.1%}"),
         ("full checkpoint write", f"{report['full_write_s']:.3f} s"),
         (
             "apply + verify per version",

@@ -4,10 +4,17 @@ board-proxied streaming upload, and downloads with Range, ETag and immutable cac
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import BinaryIO
 
+import anyio
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse, RedirectResponse
+from starlette.types import Receive, Scope, Send
 
 from board.api.state import BoardState, Publisher, Reader, check_sha
 from board.api.uploads import receive_to_file
@@ -21,9 +28,28 @@ IMMUTABLE = "public, max-age=31536000, immutable"
 
 
 class BlobFileResponse(FileResponse):
-    """Larger reads than Starlette's 64 KiB default: fewer event-loop turns per GB."""
+    """Serves a file opened before the answer starts: retention may delete the blob at any
+    moment, and a file reopened by name after the headers went out would break the answer
+    half-way (an unlinked file stays readable through its open descriptor). Larger reads
+    than Starlette's 64 KiB default: fewer event-loop turns per GB."""
 
     chunk_size = 1024 * 1024
+
+    def __init__(self, path: Path, file: BinaryIO, headers: dict[str, str]) -> None:
+        self._file = file
+        super().__init__(
+            path, media_type="application/octet-stream", headers=headers, stat_result=os.fstat(file.fileno())
+        )
+
+    @contextlib.asynccontextmanager
+    async def _open_file(self) -> AsyncIterator[anyio.AsyncFile[bytes]]:
+        yield anyio.wrap_file(self._file)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._file.close()
 
 
 def blob_url(run: str, sha256: str) -> str:
@@ -87,13 +113,16 @@ async def get_blob(run: str, sha256: str, request: Request, state: BoardState = 
         url = await state.blocking(state.store.presign_download, key, state.settings.presign_expiry_s)
         assert url is not None
         return RedirectResponse(url, status_code=307, headers={"ETag": etag})
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise not_found("UnknownBlob", f"blob {sha256} is not stored") from None
     headers = {"ETag": etag, "Cache-Control": IMMUTABLE}
     if request.headers.get("if-none-match") in (etag, "*"):
+        if not path.is_file():
+            raise not_found("UnknownBlob", f"blob {sha256} is not stored")
         return Response(status_code=304, headers=headers)
+    try:
+        file = open(path, "rb")  # noqa: SIM115 (closed by the response)
+    except FileNotFoundError:
+        raise not_found("UnknownBlob", f"blob {sha256} is not stored") from None
+    response = BlobFileResponse(path, file, headers)
     if request.method == "GET" and "range" not in request.headers:
-        state.metrics.blob_bytes_out.inc(size)
-    return BlobFileResponse(path, media_type="application/octet-stream", headers=headers)
+        state.metrics.blob_bytes_out.inc(int(response.headers["content-length"]))
+    return response

@@ -10,8 +10,9 @@ in head.json by compare-and-set too, so a writer fenced off mid-commit loses its
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -19,7 +20,8 @@ from pydantic import BaseModel, ValidationError
 from board import rules
 from board.errors import conflict, not_found
 from board.records import HeadRecord, LeaseRecord, RunRecord, VersionRecord
-from board.schemas import Lease, LeaseRenew, LeaseRequest, Manifest, RunCreate
+from board.retention import VersionSelection, apply_retention
+from board.schemas import Lease, LeaseRenew, LeaseRequest, Manifest, RetentionReport, RunCreate
 from board.storage import (
     ObjectNotFound,
     ObjectStore,
@@ -45,6 +47,19 @@ class Ledger:
     def __init__(self, store: ObjectStore, clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.clock = clock
+        self._run_locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    @contextlib.contextmanager
+    def _exclusive(self, run: str) -> Iterator[None]:
+        """Commits and retention of one run in this process, one at a time: a retention
+        pass running between a commit's blob check and its manifest write would delete
+        blobs that the commit is about to reference. (Across replicas the grace period
+        protects them: a commit follows its uploads or dedup claims within it.)"""
+        with self._guard:
+            lock = self._run_locks.setdefault(run, threading.Lock())
+        with lock:
+            yield
 
     # ---- reading records ---------------------------------------------------------------
 
@@ -172,6 +187,23 @@ class Ledger:
     # ---- commit ------------------------------------------------------------------------
 
     def commit(self, run: str, manifest: Manifest) -> tuple[HeadRecord, VersionRecord]:
+        with self._exclusive(run):
+            return self._commit(run, manifest)
+
+    def retain(
+        self,
+        run: str,
+        versions: Mapping[int, VersionRecord],
+        head: int | None,
+        selection: VersionSelection,
+        grace_s: float,
+        touches: Mapping[str, float],
+    ) -> RetentionReport:
+        """Apply retention (`board.retention`) to the store, never in the middle of a commit."""
+        with self._exclusive(run):
+            return apply_retention(self.store, run, versions, head, selection, grace_s, touches, self.clock())
+
+    def _commit(self, run: str, manifest: Manifest) -> tuple[HeadRecord, VersionRecord]:
         head, head_tag = self.head(run)
         found = self.lease(run)
         rules.check_commit(manifest, run, head, None if found is None else found[0].epoch)

@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter, Request, Response
 
 from board.api.state import Admin, BoardState, Reader, board_state
-from board.retention import apply_retention, select_versions
+from board.retention import select_versions
 from board.schemas import FleetNode, Heartbeat, RetentionPolicy, RetentionReport
 
 router = APIRouter()
@@ -41,15 +41,7 @@ async def retention(run: str, body: RetentionPolicy, state: BoardState = Admin) 
     for version in selection.delete:
         state.manifests.pop((run, version), None)
     return await state.blocking(
-        apply_retention,
-        state.store,
-        run,
-        versions,
-        current.version,
-        selection,
-        body.grace_s,
-        touches,
-        time.time(),
+        state.ledger.retain, run, versions, current.version, selection, body.grace_s, touches
     )
 
 

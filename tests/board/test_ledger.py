@@ -11,6 +11,7 @@ import pytest
 
 from board.errors import BoardError
 from board.ledger import Ledger, encode
+from board.retention import select_versions
 from board.schemas import LeaseRequest, RunCreate
 from board.storage import head_key, manifest_key
 from board.storage.local import LocalStore
@@ -130,3 +131,42 @@ def test_lease_rules(ledger):
     assert lease(ledger, "b") == again + 1
     with pytest.raises(BoardError):
         ledger.acquire_lease("missing", LeaseRequest(holder="x"))
+
+
+class SlowBlobChecks(LocalStore):
+    """Injected fault: a commit's blob check signals, then stalls, so that a retention pass
+    runs between the check and the manifest write."""
+
+    def __init__(self, root, checking: threading.Event) -> None:
+        super().__init__(root, fsync=False)
+        self.checking = checking
+
+    def stat(self, key):
+        info = super().stat(key)
+        if "/blobs/" in key and not self.checking.is_set():
+            self.checking.set()
+            threading.Event().wait(0.5)
+        return info
+
+
+def test_retention_waits_for_a_commit_between_blob_check_and_manifest(tmp_path):
+    checking = threading.Event()
+    ledger = Ledger(LocalStore(tmp_path / "store", fsync=False))
+    ledger.create_run(RunCreate(name="r"))
+    epoch = lease(ledger, "a")
+    commit(ledger, 0, epoch, b"zero")
+    put_blobs(ledger, {"w": b"one"})  # uploaded, idle past the grace period, not yet committed
+    versions = {0: ledger.committed_versions("r", 0)[0]}
+    ledger.store = SlowBlobChecks(tmp_path / "store", checking)
+    outcome: list[object] = []
+    m = manifest("r", 1, epoch, {"w": b"one"})
+    t = threading.Thread(target=lambda: outcome.append(ledger.commit("r", m)))
+    t.start()
+    assert checking.wait(10)
+    report = ledger.retain(
+        "r", versions, 0, select_versions(versions, 0, keep_last=1), grace_s=0.0, touches={}
+    )
+    t.join(10)
+    assert outcome and ledger.head("r")[0].version == 1
+    assert report.deleted_blobs == 0
+    assert ledger.blob_size("r", hashlib.sha256(b"one").hexdigest()) == 3, "a committed version lost its blob"

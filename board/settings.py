@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     max_wait_s: float = Field(default=60.0, gt=0)
     fsync: bool = True
     log_level: str = "warning"
+    instance: str = Field(
+        default="", description="echoed by /healthz: tells a launcher which process answers"
+    )
 
     @property
     def reconciles(self) -> bool:

@@ -51,5 +51,5 @@ async def metrics(request: Request) -> Response:
 
 
 @router.get("/healthz")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+async def healthz(request: Request) -> dict[str, str]:
+    return {"status": "ok", "instance": board_state(request).settings.instance}

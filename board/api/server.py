@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -43,27 +44,37 @@ def free_port() -> int:
         return port
 
 
+class PortTaken(RuntimeError):
+    """The board could not listen on its port: another process took it first."""
+
+
 def spawn(env: dict[str, str], log: Path, timeout_s: float = 60.0) -> subprocess.Popen[bytes]:
     """Start `python -m board.api` with DELTABOARD_* settings in `env` (plus this process's
     environment; DELTABOARD_PORT is required), wait until /healthz answers, and return the
-    process."""
+    process. The answer must carry this process's instance nonce: a port found free a
+    moment earlier may have been taken by another server (`PortTaken`), which would
+    otherwise answer in the board's place."""
     host = env.get("DELTABOARD_HOST", "127.0.0.1")
     url = f"http://{host}:{env['DELTABOARD_PORT']}/healthz"
+    instance = secrets.token_hex(8)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "board.api"],
-            env={**os.environ, **env},
+            env={**os.environ, **env, "DELTABOARD_INSTANCE": instance},
             stdout=out,
             stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"board exited with {proc.returncode}: {log.read_text()[-3000:]}")
+            tail = log.read_text(errors="replace")[-3000:]
+            error = PortTaken if "address already in use" in tail else RuntimeError
+            raise error(f"board exited with {proc.returncode}: {tail}")
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
+            answer = httpx.get(url, timeout=1.0)
+            if answer.status_code == 200 and answer.json().get("instance") == instance:
                 return proc
-        except httpx.TransportError:
+        except (httpx.TransportError, ValueError, AttributeError):
             pass
         time.sleep(0.05)
     proc.kill()

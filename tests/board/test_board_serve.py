@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import http.server
 import subprocess
 import sys
+import threading
 
 import httpx
+import pytest
 
-from board.api.server import free_port
+from board.api.server import PortTaken, free_port, spawn
 from tests.support.servers import stop_process, wait_until
 
 
@@ -51,3 +54,25 @@ def test_board_server_does_not_import_torch():
     code = "import sys, board.api, board.storage.s3, board.index.redis; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_spawn_does_not_mistake_another_server_on_its_port_for_the_board(tmp_path):
+    """Another process (another test run on this machine) may take a port found free a
+    moment earlier; its /healthz must not pass for the board's."""
+
+    class Impostor(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "15")
+            self.end_headers()
+            self.wfile.write(b'{"status":"ok"}')
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor) as impostor:
+        threading.Thread(target=impostor.serve_forever, daemon=True).start()
+        env = {"DELTABOARD_DATA_DIR": str(tmp_path), "DELTABOARD_PORT": str(impostor.server_address[1])}
+        with pytest.raises(PortTaken):
+            spawn(env, tmp_path / "board.log", timeout_s=30)
+        impostor.shutdown()

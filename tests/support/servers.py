@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from board.api.server import free_port, spawn
+from board.api.server import PortTaken, free_port, spawn
 from clients.board_client import BoardClient
 
 if TYPE_CHECKING:
@@ -105,9 +105,19 @@ class BoardServer:
         return c
 
     def start(self) -> BoardServer:
-        self.port = self.port or free_port()
-        self.process = spawn({**self.env, "DELTABOARD_PORT": str(self.port)}, self.log)
-        return self
+        """Start on the port it had (a restart) or a free one; a free port that another
+        process (another test run on this machine) grabs first is replaced by a new one."""
+        for attempt in range(5):
+            fresh = not self.port
+            self.port = self.port or free_port()
+            try:
+                self.process = spawn({**self.env, "DELTABOARD_PORT": str(self.port)}, self.log)
+                return self
+            except PortTaken:
+                if not fresh or attempt == 4:
+                    raise
+                self.port = 0
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         for c in self._clients:

@@ -51,7 +51,7 @@ def _delta(
     changes: Changes, base_digest: str, old: np.ndarray | None, hint: ContextHint | None
 ) -> tuple[bytes, str]:
     patch = codec.encode_changes(changes, old, changes.dtype, old_digest=base_digest, hint=hint)
-    return patch, codec.digest_update(base_digest, changes)
+    return patch, codec.read_header(patch).result_digest  # digest_update, done by the encoder
 
 
 Task = tuple[Slot, int, Callable[[], tuple[bytes, str]]]  # slot, changed count, encode

@@ -77,11 +77,11 @@ def diff(old: np.ndarray, new: np.ndarray, dtype: str) -> Changes:
     if per == 1:
         positions = words.astype(np.int64)
     else:
+        # the XOR of a changed word viewed as its elements (memory order is element order)
         x = old_bits[:head].view("<u8")[words] ^ new_bits[:head].view("<u8")[words]
-        shifts = (np.arange(per, dtype=np.uint64) * np.uint64(8 * w))[None, :]
-        lane_changed = ((x[:, None] >> shifts) & np.uint64((1 << (8 * w)) - 1)) != 0
-        rows, lanes = np.nonzero(lane_changed)
-        positions = words[rows].astype(np.int64) * per + lanes
+        lanes = np.flatnonzero(x.view(old_bits.dtype))
+        shift = per.bit_length() - 1  # per is 2, 4 or 8
+        positions = (words[lanes >> shift].astype(np.int64) << shift) | (lanes & (per - 1))
     tail = np.flatnonzero(old_bits[head:] != new_bits[head:]) + head
     if tail.size:
         positions = np.concatenate([positions, tail.astype(np.int64)])

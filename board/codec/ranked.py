@@ -81,7 +81,10 @@ def decode(r: Reader, changed: int, old_bits: np.ndarray, dtype: str) -> np.ndar
         raise PatchError("corrupted patch: more changes than elements in a class")
     if sum(counts) != changed:
         raise PatchError("corrupted patch: class counts do not add up to the changed count")
-    ranks = np.concatenate(decode_index_sets(r, counts, classes.sizes))
-    labels = np.repeat(np.arange(3), counts)
-    positions = class_positions(classes, ranks, labels)
+    ranks = decode_index_sets(r, counts, classes.sizes)
+    # members of class c follow those of the classes before it: the targets are sorted
+    firsts = [int(classes.before[c * classes.nwords]) for c in range(3)]
+    positions = class_positions(
+        classes, np.concatenate([mine + first for mine, first in zip(ranks, firsts, strict=True)])
+    )
     return np.sort(positions, kind="stable")

@@ -209,32 +209,30 @@ class Ledger:
         rules.check_commit(manifest, run, head, None if found is None else found[0].epoch)
         sizes = {sha: self.blob_size(run, sha) for sha in manifest.blob_shas()}
         rules.check_blob_ranges(manifest, sizes)
-        self._write_manifest(run, manifest, head)
         new_head = HeadRecord(version=manifest.version, kind=manifest.kind, epoch=manifest.epoch)
-        try:
-            self.store.write_record(head_key(run), encode(new_head), head_tag)
-        except PreconditionFailed:
+        data = encode(manifest)
+        head_write = (head_key(run), encode(new_head), head_tag)
+        # The manifest create-if-absent, then the head CAS, durable together.
+        written = self.store.write_records([(manifest_key(run, manifest.version), data, None), head_write])
+        if written == 0:
+            self._take_manifest_slot(run, manifest, data, head)
+            written = 1 + self.store.write_records([head_write])
+        if written < 2:
             now, _ = self.head(run)
             if now.epoch > manifest.epoch:
                 raise conflict(
                     "StaleEpoch", f"epoch {manifest.epoch} was fenced off", current_epoch=now.epoch
-                ) from None
+                )
             raise conflict(
                 "NotHead", f"version {manifest.version} was committed concurrently", head=now.version
-            ) from None
+            )
         return new_head, VersionRecord.of(manifest, {k: v for k, v in sizes.items() if v is not None})
 
-    def _write_manifest(self, run: str, manifest: Manifest, head: HeadRecord) -> None:
-        """Create-if-absent. A manifest already there above head is either our own retry
-        (same bytes: fine), a fenced writer's leftover (lower epoch: replace it by CAS), or a
-        concurrent commit of the same epoch (refused)."""
+    def _take_manifest_slot(self, run: str, manifest: Manifest, data: bytes, head: HeadRecord) -> None:
+        """The manifest's create-if-absent lost. What is there above head is either our own
+        retry (same bytes: fine), a fenced writer's leftover (lower epoch: replace it by CAS),
+        or a concurrent commit of the same epoch (refused)."""
         key = manifest_key(run, manifest.version)
-        data = encode(manifest)
-        try:
-            self.store.write_record(key, data, None)
-            return
-        except PreconditionFailed:
-            pass
         found = self.store.read_record(key)
         if found is None:
             raise conflict("NotHead", "manifest slot changed concurrently; retry")

@@ -8,7 +8,7 @@ that several board replicas cannot lose each other's writes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -53,6 +53,13 @@ class ObjectStore(Protocol):
         `PreconditionFailed`."""
         ...
 
+    def write_records(self, writes: Sequence[tuple[str, bytes, str | None]]) -> int:
+        """`write_record` for each `(key, data, expected)` in order, stopping at the first
+        that loses; returns how many were written. A commit writes its manifest and the
+        head this way, so that a store may make both durable at once (the local store
+        overlaps their fsyncs)."""
+        ...
+
     def delete_record(self, key: str) -> None: ...
 
     def put_file(self, key: str, path: Path) -> None:
@@ -79,6 +86,16 @@ class ObjectStore(Protocol):
         """A URL (and the headers to send) to PUT a blob without the board, if the store has
         one; the store itself must refuse bytes that do not hash to `sha256`."""
         ...
+
+
+def write_in_order(store: ObjectStore, writes: Sequence[tuple[str, bytes, str | None]]) -> int:
+    """`ObjectStore.write_records` one record after another."""
+    for written, (key, data, expected) in enumerate(writes):
+        try:
+            store.write_record(key, data, expected)
+        except PreconditionFailed:
+            return written
+    return len(writes)
 
 
 def run_prefix(run: str) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from board.settings import Settings
-from board.storage import ObjectInfo, ObjectNotFound, PreconditionFailed
+from board.storage import ObjectInfo, ObjectNotFound, PreconditionFailed, write_in_order
 
 PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
 GENERATION = "@"
@@ -152,6 +152,9 @@ class S3Store:
             with contextlib.suppress(ClientError):
                 self.delete(self._generation_key(key, generation - KEEP_GENERATIONS))
         return str(generation)
+
+    def write_records(self, writes: Sequence[tuple[str, bytes, str | None]]) -> int:
+        return write_in_order(self, writes)
 
     def delete_record(self, key: str) -> None:
         for generation in self._generations(key, None):

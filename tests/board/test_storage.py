@@ -80,6 +80,20 @@ def test_records_compare_and_set(store):
     assert store.write_record("k/head.json", b"5", None)
 
 
+def test_write_records_in_order_stops_at_the_first_loser(store):
+    tag = store.write_record("k/head.json", b"h0", None)
+    assert store.write_records([("k/m/1.json", b"m1", None), ("k/head.json", b"h1", tag)]) == 2
+    assert store.read_record("k/m/1.json")[0] == b"m1" and store.read_record("k/head.json")[0] == b"h1"
+    # The head changed since `tag`: the manifest lands, the head does not.
+    assert store.write_records([("k/m/2.json", b"m2", None), ("k/head.json", b"h2", tag)]) == 1
+    assert store.read_record("k/head.json")[0] == b"h1"
+    # The manifest slot is taken: nothing after it is written.
+    now = store.read_record("k/head.json")[1]
+    assert store.write_records([("k/m/2.json", b"other", None), ("k/head.json", b"h3", now)]) == 0
+    assert store.read_record("k/m/2.json")[0] == b"m2" and store.read_record("k/head.json") == (b"h1", now)
+    assert store.write_records([]) == 0
+
+
 def race_once(store, expected: str, writers: int = 6) -> list[tuple[int, str]]:
     wins: list[tuple[int, str]] = []
     barrier = threading.Barrier(writers)

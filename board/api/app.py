@@ -17,6 +17,7 @@ from board.api.state import BoardState
 from board.records import head_rank
 from board.schemas import Head
 from board.settings import Settings
+from board.storage.local import remove_stale_files
 
 log = logging.getLogger("deltaboard.board")
 
@@ -59,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.tmp_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_files(settings.tmp_dir)  # uploads cut short by a crash
         await state.index.start()
         await rebuild_index(state)
         task = asyncio.create_task(reconcile(state, settings.reconcile_s)) if settings.reconciles else None

@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import os
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +25,22 @@ from typing import BinaryIO
 from board.storage import ObjectInfo, ObjectNotFound, PreconditionFailed
 
 GENERATION_WIDTH = 20  # digits: a generation number never outgrows it
+# A temporary file untouched for this long belongs to a write that died with its process
+# (a live write touches it every few milliseconds; a stalled upload is cut off in seconds).
+STALE_TEMP_S = 3600.0
+
+
+def remove_stale_files(directory: Path, older_than_s: float = STALE_TEMP_S) -> int:
+    """Delete the files in `directory` not modified for `older_than_s` (leftovers of a
+    crash; another process sharing the directory may still be writing fresh ones)."""
+    cutoff = time.time() - older_than_s
+    removed = 0
+    for entry in os.scandir(directory):
+        with contextlib.suppress(FileNotFoundError):
+            if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < cutoff:
+                os.unlink(entry.path)
+                removed += 1
+    return removed
 
 
 class LocalStore:
@@ -34,6 +51,7 @@ class LocalStore:
         self._locks = root / ".locks"
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._locks.mkdir(parents=True, exist_ok=True)
+        remove_stale_files(self._tmp)
         self._syncers: ThreadPoolExecutor | None = None
 
     def _path(self, key: str) -> Path:

@@ -5,12 +5,15 @@ leave the board consistent."""
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
 from board.errors import BoardError
 from board.schemas import RetentionPolicy
+from board.storage.local import STALE_TEMP_S
 from tests.support.manifests import publish
 
 
@@ -97,3 +100,12 @@ def test_lease_renewals_racing_commits_and_steals(board):
         raise AssertionError("a fenced writer committed")
     except BoardError as e:
         assert e.code == "StaleEpoch"
+
+
+def test_uploads_cut_short_by_a_crash_are_removed_on_start(board):
+    board.stop()
+    leftover = board.data_dir / "tmp" / "x.upload"
+    leftover.write_bytes(b"part of a blob")
+    os.utime(leftover, (time.time() - 2 * STALE_TEMP_S,) * 2)
+    board.start()
+    assert not leftover.exists()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -13,7 +15,7 @@ import pytest
 
 from board.settings import Settings
 from board.storage import ObjectNotFound, PreconditionFailed, blob_key
-from board.storage.local import LocalStore
+from board.storage.local import STALE_TEMP_S, LocalStore
 from board.storage.s3 import S3Store
 from tests.support.servers import S3Server
 
@@ -150,3 +152,13 @@ def test_presigned_urls(s3_server, tmp_path):
     assert httpx.get(get).content == data
     assert httpx.get(get, headers={"Range": "bytes=3-8"}).content == data[3:9]
     assert LocalStore(tmp_path / "l").presign_upload(key, sha, 60) is None
+
+
+def test_local_store_removes_temporary_files_a_crash_left(tmp_path):
+    LocalStore(tmp_path)
+    old, fresh = tmp_path / ".tmp" / "tmpold", tmp_path / ".tmp" / "tmpfresh"
+    old.write_bytes(b"half a record")
+    fresh.write_bytes(b"being written by another process")
+    os.utime(old, (time.time() - 2 * STALE_TEMP_S,) * 2)
+    LocalStore(tmp_path)
+    assert not old.exists() and fresh.exists()

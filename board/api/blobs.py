@@ -14,6 +14,7 @@ from typing import BinaryIO
 import anyio
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse, RedirectResponse
+from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
 from board.api.state import BoardState, Publisher, Reader, check_sha
@@ -50,6 +51,21 @@ class BlobFileResponse(FileResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._file.close()
+
+    def check_range(self, header: str | None) -> None:
+        """Refuse a bad `Range` with a JSON error, as every other failure (Starlette would
+        answer in plain text)."""
+        if header is None:
+            return
+        size = int(self.headers["content-length"])
+        try:
+            self._parse_range_header(header, size)
+        except MalformedRangeHeader as e:
+            self._file.close()
+            raise bad_request("BadRange", f"malformed Range header: {e.content}") from None
+        except RangeNotSatisfiable:
+            self._file.close()
+            raise BoardError(416, "RangeNotSatisfiable", f"the blob has {size} bytes", size=size) from None
 
 
 def blob_url(run: str, sha256: str) -> str:
@@ -123,6 +139,8 @@ async def get_blob(run: str, sha256: str, request: Request, state: BoardState = 
     except FileNotFoundError:
         raise not_found("UnknownBlob", f"blob {sha256} is not stored") from None
     response = BlobFileResponse(path, file, headers)
+    if "if-range" not in request.headers:  # with If-Range, a stale validator ignores the range
+        response.check_range(request.headers.get("range"))
     if request.method == "GET" and "range" not in request.headers:
         state.metrics.blob_bytes_out.inc(int(response.headers["content-length"]))
     return response

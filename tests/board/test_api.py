@@ -125,6 +125,19 @@ def test_blob_range_etag_and_download(board, tmp_path):
     assert c.blob_size("r", sha_big) == big.stat().st_size
 
 
+def test_bad_ranges_get_json_errors(board):
+    c = board.client(board.publish_token)
+    c.create_run("r")
+    sha = c.upload_blob("r", b"0123456789")
+    url = f"{board.url}/v1/runs/r/blobs/{sha}"
+    auth = {"Authorization": f"Bearer {board.read_token}"}
+    for header, status, code in (("bytes=10-", 416, "RangeNotSatisfiable"), ("pages=1-2", 400, "BadRange")):
+        r = httpx.get(url, headers={**auth, "Range": header})
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code)
+    r = httpx.get(url, headers={**auth, "Range": "bytes=2-4"})
+    assert (r.status_code, r.content) == (206, b"234")
+
+
 def test_lease_fencing(board):
     c = board.client(board.publish_token)
     c.create_run("r")

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from board.codec import Changes, ContextHint
-from board.codec.context import EXPONENT_FIELDS, plan_classes, sample_stride, scaled_histogram
+from board.codec.context import EXPONENT_FIELDS, plan_from_counts, sample_stride, scaled_histogram
 from board.codec.dtypes import uint_dtype
 from publisher.snapshot import Slot, ViewBuffer, ViewLayout, word_aligned
 
@@ -129,11 +129,10 @@ def _sign_less_max(bits: torch.Tensor) -> int:
 
 
 def _exponent_counts(bits: torch.Tensor, dtype: str) -> torch.Tensor:
-    """`board.codec.context.exponent_histogram` before scaling: the same sampled elements.
-    The arithmetic shift of the signed view then the mask gives the unsigned field."""
+    """Counts of each exponent among `bits` (`board.codec.context.exponent_of`): the
+    arithmetic shift of the signed view then the mask gives the unsigned field."""
     shift, mask = EXPONENT_FIELDS[dtype]
-    sample = bits[:: sample_stride(bits.numel())]
-    return torch.bincount(((sample >> shift) & mask).long(), minlength=mask + 1)
+    return torch.bincount(((bits >> shift) & mask).long(), minlength=mask + 1)
 
 
 def _class_ranks(
@@ -221,19 +220,26 @@ def context_hints(
     """Add to `result` the context hints of the changed floating slots.
 
     `changed` holds each slot's local positions and old bits on the device (the host has
-    its `Changes` in `result`). Two small transfers: the sampled exponent counts, from
-    which the host picks the thresholds exactly as the codec does, then the ranks.
+    its `Changes` in `result`). Two small transfers: exponent counts (of the sampled old
+    tensor and of the changed elements), from which the host picks the thresholds exactly
+    as the codec does, then the ranks.
     """
     floating = [(slot, pos, bits) for slot, pos, bits in changed if slot.dtype in EXPONENT_FIELDS]
     if not floating:
         return
-    counts = to_host(*(_exponent_counts(old.bits(slot), slot.dtype) for slot, _, _ in floating))
+    # per slot: the sampled histogram of `board.codec.context.exponent_histogram` (before
+    # scaling) and the changed elements' exponent counts, in one transfer
+    counts = to_host(
+        *(
+            _exponent_counts(b, slot.dtype)
+            for slot, _, changed_old in floating
+            for b in (old.bits(slot)[:: sample_stride(slot.numel)], changed_old)
+        )
+    )
     planned: list[tuple[Slot, tuple[int, int]]] = []
     ranks: list[torch.Tensor] = []
-    for (slot, pos, bits), count in zip(floating, counts, strict=True):
-        plan = plan_classes(
-            scaled_histogram(count, slot.numel), result.changes[slot.name].old_bits, slot.dtype
-        )
+    for i, (slot, pos, bits) in enumerate(floating):
+        plan = plan_from_counts(scaled_histogram(counts[2 * i], slot.numel), counts[2 * i + 1])
         if plan is not None:
             shift = EXPONENT_FIELDS[slot.dtype][0]
             planned.append((slot, plan))

@@ -38,8 +38,9 @@ class RankVersion:
     changed_elements: int
     total_elements: int
     view_bytes: int
-    host_bytes: int  # bytes the diff moved from the device to the host
+    host_bytes: int  # bytes of changes the diff moved from the device to the host
     diff_s: float  # time spent waiting for the diff, beyond what encoding hid (0 for keyframes)
+    hint_bytes: int = 0  # bytes of context hints moved to the host besides (CUDA deltas)
 
 
 def _keyframe(buffer: ViewBuffer, slot: Slot) -> tuple[bytes, str]:
@@ -81,7 +82,7 @@ def encode_rank(
         keyframes: list[Task] = [(s, s.numel, partial(_keyframe, buffer, s)) for s in layout.slots]
         _encode_in_order(keyframes, encoders, window, packer, digests)
         return RankVersion(tensors, tuple(packer.finish()), digests, total, total, layout.view_bytes, 0, 0.0)
-    changed = host_bytes = 0
+    changed = host_bytes = hint_bytes = 0
     diff_s = 0.0
     started = time.perf_counter()
     for part in iter_diffs(base, buffer):
@@ -96,10 +97,13 @@ def encode_rank(
         ]
         _encode_in_order(deltas, encoders, window, packer, digests)
         changed += sum(c.count for c in part.changes.values())
-        host_bytes += part.host_bytes
+        host_bytes += part.host_bytes - part.hint_bytes
+        hint_bytes += part.hint_bytes
         started = time.perf_counter()
     parts = tuple(packer.finish())
-    return RankVersion(tensors, parts, digests, changed, total, layout.view_bytes, host_bytes, diff_s)
+    return RankVersion(
+        tensors, parts, digests, changed, total, layout.view_bytes, host_bytes, diff_s, hint_bytes
+    )
 
 
 def _context(

@@ -119,5 +119,10 @@ def choose_thresholds(all_hist: np.ndarray, changed_hist: np.ndarray) -> tuple[i
 def plan_classes(histogram: np.ndarray, changed_old_bits: np.ndarray, dtype: str) -> tuple[int, int] | None:
     """The class thresholds (t_low, t_top) when classes pay off, else None (code gaps)."""
     changed = np.bincount(exponent_of(changed_old_bits, dtype), minlength=EXPONENT_FIELDS[dtype][1] + 1)
-    t_low, t_top, with_classes, plain = choose_thresholds(histogram, changed)
+    return plan_from_counts(histogram, changed)
+
+
+def plan_from_counts(histogram: np.ndarray, changed_counts: np.ndarray) -> tuple[int, int] | None:
+    """`plan_classes` from the changed elements' exponent counts (a device counts them)."""
+    t_low, t_top, with_classes, plain = choose_thresholds(histogram, changed_counts)
     return (t_low, t_top) if with_classes <= CONTEXT_GAIN * plain else None

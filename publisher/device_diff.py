@@ -21,7 +21,7 @@ that many bytes, whatever the view's size.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -128,41 +128,54 @@ def _sign_less_max(bits: torch.Tensor) -> int:
     return (1 << (8 * bits.element_size() - 1)) - 1
 
 
-def _exponent_counts(bits: torch.Tensor, dtype: str) -> torch.Tensor:
-    """Counts of each exponent among `bits` (`board.codec.context.exponent_of`): the
-    arithmetic shift of the signed view then the mask gives the unsigned field."""
+def _exponent_keys(bits: torch.Tensor, dtype: str, offset: int) -> torch.Tensor:
+    """Each element's exponent (`board.codec.context.exponent_of`: the arithmetic shift of
+    the signed view then the mask gives the unsigned field) plus `offset`, as int32."""
     shift, mask = EXPONENT_FIELDS[dtype]
-    return torch.bincount(((bits >> shift) & mask).long(), minlength=mask + 1)
+    return ((bits >> shift) & mask).to(torch.int32).add_(offset)
+
+
+def _rank_dtype(slots: Iterable[Slot]) -> torch.dtype:
+    """int32 ranks (half the bytes to the host) unless a tensor has 2**31 elements or more;
+    one dtype for a batch, so that `to_host` packs them aligned."""
+    return torch.int32 if all(slot.numel < 1 << 31 for slot in slots) else torch.int64
 
 
 def _class_ranks(
-    bits: torch.Tensor, pos: torch.Tensor, changed_old: torch.Tensor, limits: tuple[int, int]
+    bits: torch.Tensor,
+    pos: torch.Tensor,
+    changed_old: torch.Tensor,
+    limits: tuple[int, int],
+    rank_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Rank of each changed position within its class (`board.codec.classes.class_ranks`).
 
     A class test `magnitude < limit` is written `magnitude <= limit - 1` clamped to the
-    largest sign-less pattern, so that the limit fits the signed element type. Members
-    before each position come from int32 cumulative counts, chunk by chunk.
+    largest sign-less pattern, so that the limit fits the signed element type. Members up
+    to each position come from cumulative counts, chunk by chunk; the position's own
+    membership (known from its old bits) is taken off once. `rank_dtype` (`_rank_dtype`)
+    holds the counts.
     """
     top = _sign_less_max(bits)
     low_max, small_max = (min(limit - 1, top) for limit in limits)
-    below_low = torch.zeros_like(pos)
-    below_small = torch.zeros_like(pos)
-    for start in range(0, bits.numel(), RANK_CHUNK_ELEMENTS):
-        magnitude = bits[start : start + RANK_CHUNK_ELEMENTS] & top
-        end = start + magnitude.numel()
-        local = (pos - start).clamp(0, magnitude.numel() - 1)
-        for below, limit in ((below_low, low_max), (below_small, small_max)):
-            member = magnitude <= limit
-            inclusive = torch.cumsum(member, 0, dtype=torch.int32)
-            before = (inclusive[local] - member[local].to(torch.int32)).long()
-            # past this chunk: all its members; inside: those before; ahead of it: none
-            below += torch.where(pos >= end, inclusive[-1].long(), torch.where(pos >= start, before, 0))
     magnitude = changed_old & top
+    is_low, is_small = magnitude <= low_max, magnitude <= small_max
+    below_low, below_small = is_low.to(rank_dtype).neg_(), is_small.to(rank_dtype).neg_()
+    for start in range(0, bits.numel(), RANK_CHUNK_ELEMENTS):
+        chunk = bits[start : start + RANK_CHUNK_ELEMENTS] & top
+        end = start + chunk.numel()
+        whole = start == 0 and end == bits.numel()
+        local = pos if whole else (pos - start).clamp_(0, chunk.numel() - 1)
+        for below, limit in ((below_low, low_max), (below_small, small_max)):
+            inclusive = torch.cumsum(chunk <= limit, 0, dtype=rank_dtype)
+            if whole:
+                below += inclusive[local]
+            else:  # past this chunk: all its members; inside: those up to it; ahead: none
+                below += torch.where(
+                    pos >= end, inclusive[-1], torch.where(pos >= start, inclusive[local], 0)
+                )
     return torch.where(
-        magnitude <= low_max,
-        below_low,
-        torch.where(magnitude <= small_max, below_small - below_low, pos - below_small),
+        is_low, below_low, torch.where(is_small, below_small - below_low, pos.to(rank_dtype) - below_small)
     )
 
 
@@ -220,31 +233,37 @@ def context_hints(
     """Add to `result` the context hints of the changed floating slots.
 
     `changed` holds each slot's local positions and old bits on the device (the host has
-    its `Changes` in `result`). Two small transfers: exponent counts (of the sampled old
-    tensor and of the changed elements), from which the host picks the thresholds exactly
-    as the codec does, then the ranks.
+    its `Changes` in `result`). Two small transfers for all the slots together (torch's
+    `bincount` waits for the device on each call, so there is one): exponent counts (of each
+    sampled old tensor and of its changed elements, one `bincount` over keys offset per
+    slot), from which the host picks the thresholds exactly as the codec does, then the
+    ranks of the slots whose classes pay off.
     """
     floating = [(slot, pos, bits) for slot, pos, bits in changed if slot.dtype in EXPONENT_FIELDS]
     if not floating:
         return
     # per slot: the sampled histogram of `board.codec.context.exponent_histogram` (before
-    # scaling) and the changed elements' exponent counts, in one transfer
-    counts = to_host(
-        *(
-            _exponent_counts(b, slot.dtype)
-            for slot, _, changed_old in floating
-            for b in (old.bits(slot)[:: sample_stride(slot.numel)], changed_old)
-        )
-    )
+    # scaling) and the changed elements' exponent counts, each in its own range of keys
+    keys: list[torch.Tensor] = []
+    edges = [0]
+    for slot, _, changed_old in floating:
+        for b in (old.bits(slot)[:: sample_stride(slot.numel)], changed_old):
+            keys.append(_exponent_keys(b, slot.dtype, edges[-1]))
+            edges.append(edges[-1] + EXPONENT_FIELDS[slot.dtype][1] + 1)
+    (counts,) = to_host(torch.bincount(torch.cat(keys), minlength=edges[-1]))
     planned: list[tuple[Slot, tuple[int, int]]] = []
     ranks: list[torch.Tensor] = []
+    rank_dtype = _rank_dtype(slot for slot, _, _ in floating)
     for i, (slot, pos, bits) in enumerate(floating):
-        plan = plan_from_counts(scaled_histogram(counts[2 * i], slot.numel), counts[2 * i + 1])
+        sampled, changed_counts = (counts[edges[j] : edges[j + 1]] for j in (2 * i, 2 * i + 1))
+        plan = plan_from_counts(scaled_histogram(sampled, slot.numel), changed_counts)
         if plan is not None:
             shift = EXPONENT_FIELDS[slot.dtype][0]
             planned.append((slot, plan))
-            ranks.append(_class_ranks(old.bits(slot), pos, bits, (plan[0] << shift, plan[1] << shift)))
-    result.hint_bytes += sum(c.nbytes for c in counts)
+            ranks.append(
+                _class_ranks(old.bits(slot), pos, bits, (plan[0] << shift, plan[1] << shift), rank_dtype)
+            )
+    result.hint_bytes += counts.nbytes
     if planned:
         host_ranks = to_host(*ranks)
         result.hint_bytes += sum(r.nbytes for r in host_ranks)

@@ -65,6 +65,7 @@ def encode_rank(
     packer: BlobPacker,
     encoders: Executor,
     window: int,
+    device_context: bool = False,
 ) -> RankVersion:
     """Encode `buffer` as a keyframe (`base` None) or as a delta against `base`.
 
@@ -72,6 +73,7 @@ def encode_rank(
     releases the GIL), at most `window` at a time, and packed in layout order, so blobs
     and manifests do not depend on thread timing and a keyframe holds at most `window`
     tensors' host bytes and patches while the packer waits for the link.
+    `device_context` computes context hints for tensors off the host (see `Publisher`).
     """
     layout = buffer.layout
     slots = {s.name: s for s in layout.slots}
@@ -85,7 +87,8 @@ def encode_rank(
     changed = host_bytes = hint_bytes = 0
     diff_s = 0.0
     started = time.perf_counter()
-    for part in iter_diffs(base, buffer):
+    # None: hints where the tensors are off the host; the CPU path hands the codec the old bytes.
+    for part in iter_diffs(base, buffer, hints=None if device_context else False):
         diff_s += time.perf_counter() - started  # time waiting for the diff, not hidden by encoding
         deltas: list[Task] = [
             (

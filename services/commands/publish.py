@@ -81,6 +81,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         throughput: bool = typer.Option(
             False, "--throughput", help="Only snapshot + diff throughput on --device (no board, no link)."
         ),
+        device_context: bool = typer.Option(
+            False, "--device-context", help="With --throughput: also compute the codec's context hints."
+        ),
     ) -> None:
         """Deltas vs full checkpoints of a bf16 view through a board across an emulated link."""
         from dataclasses import replace
@@ -92,7 +95,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         console = Console()
         if throughput:
-            figures = publish_bench.device_throughput(view_gb or (1.0 if quick else 8.0), device)
+            figures = publish_bench.device_throughput(
+                view_gb or (1.0 if quick else 8.0), device, hints=device_context
+            )
             console.print_json(data=figures)
             if json_path is not None:
                 json_path.write_text(json.dumps(figures, indent=2))

@@ -65,7 +65,7 @@ def encode_rank(
     packer: BlobPacker,
     encoders: Executor,
     window: int,
-    device_context: bool = False,
+    context: bool = False,
 ) -> RankVersion:
     """Encode `buffer` as a keyframe (`base` None) or as a delta against `base`.
 
@@ -73,7 +73,7 @@ def encode_rank(
     releases the GIL), at most `window` at a time, and packed in layout order, so blobs
     and manifests do not depend on thread timing and a keyframe holds at most `window`
     tensors' host bytes and patches while the packer waits for the link.
-    `device_context` computes context hints for tensors off the host (see `Publisher`).
+    `context` asks for the codec's context encoding (see `Publisher` for its cost).
     """
     layout = buffer.layout
     slots = {s.name: s for s in layout.slots}
@@ -88,13 +88,13 @@ def encode_rank(
     diff_s = 0.0
     started = time.perf_counter()
     # None: hints where the tensors are off the host; the CPU path hands the codec the old bytes.
-    for part in iter_diffs(base, buffer, hints=None if device_context else False):
+    for part in iter_diffs(base, buffer, hints=None if context else False):
         diff_s += time.perf_counter() - started  # time waiting for the diff, not hidden by encoding
         deltas: list[Task] = [
             (
                 slots[name],
                 c.count,
-                partial(_delta, c, base_digests[name], *_context(base, slots[name], part.hints)),
+                partial(_delta, c, base_digests[name], *_context(base, slots[name], part.hints, context)),
             )
             for name, c in part.changes.items()
         ]
@@ -110,9 +110,12 @@ def encode_rank(
 
 
 def _context(
-    base: ViewBuffer, slot: Slot, hints: Mapping[str, ContextHint]
+    base: ViewBuffer, slot: Slot, hints: Mapping[str, ContextHint], context: bool
 ) -> tuple[np.ndarray | None, ContextHint | None]:
-    """What the codec's context encoding reads: host bytes in place, else the device's hint."""
+    """What the codec's context encoding reads: host bytes in place, else the device's hint
+    (neither: the codec falls back to its context-free encodings)."""
+    if not context:
+        return None, None
     if slot.device == "cpu":
         return base.host_bytes(slot), None
     return None, hints.get(slot.name)

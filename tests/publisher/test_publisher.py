@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from board import codec
 from board.schemas import ViewRule, ViewSpec
 from publisher.lease import FencedError
 from publisher.publisher import Publisher, PublishError
@@ -187,3 +188,38 @@ def test_adopted_base_is_checked_against_the_board(board):
         result = pub.publish(state).result()
     assert (result.version, result.kind) == (1, "delta")
     assert_same_view(materialize(board.client(board.read_token), "run-c", 1), view_bytes(state))
+
+
+def delta_encodings(reader, run: str, version: int) -> set[str]:
+    manifest = reader.manifest(run, version)
+    assert manifest.kind == "delta"
+    return {
+        codec.read_header(
+            reader.get_blob(run, t.blob.sha256, t.blob.offset, t.blob.offset + t.blob.length)
+        ).encoding
+        for t in manifest.tensors
+    }
+
+
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_context_encoding_is_opt_in_and_rebuilds_exactly(board, device):
+    """`context=True` ships the codec's context encoding (smaller), the default does not;
+    both rebuild the view bit for bit."""
+    client, reader = board.client(board.publish_token), board.client(board.read_token)
+    g = torch.Generator().manual_seed(7)
+    scale = 10 ** (torch.rand(256, 256, generator=g) * -5)  # magnitudes over five decades
+    base = {"w": torch.randn(256, 256, generator=g) * scale}
+    sizes = {}
+    for context in (False, True):
+        run = f"ctx-{context}"
+        state = {k: v.clone().to(device) for k, v in base.items()}
+        with Publisher(client, run, context=context) as pub:
+            pub.publish(state, step=0).result()
+            state["w"].add_(3e-8)  # moves the bf16 bits of the smallest weights only
+            result = pub.publish(state, step=1).result()
+        assert result.kind == "delta" and result.changed_elements > 0
+        assert_same_view(materialize(reader, run, 1), view_bytes(state))
+        encodings = delta_encodings(reader, run, 1)
+        assert ("context" in encodings) is context, encodings
+        sizes[context] = result.encoded_bytes
+    assert sizes[True] < sizes[False]

@@ -331,6 +331,11 @@ def summary(
     }
 
 
+def succeeded(report: dict[str, Any]) -> bool:
+    """The demo's verdict: every node converged and every pinned request got its version."""
+    return all(n["converged"] for n in report["nodes"]) and report["pinned_mismatches"] == 0
+
+
 def summary_table(report: dict[str, Any]) -> Any:
     from rich.table import Table
 
@@ -416,6 +421,6 @@ def demo(
     console.print(summary_table(report))
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=2))
-    if not all(converged.values()) or report["pinned_mismatches"]:
+    if not succeeded(report):
         console.print("[red]FAILED[/red]: a node did not converge or a pinned request got another version")
         raise typer.Exit(1)

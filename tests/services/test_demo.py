@@ -69,3 +69,18 @@ def test_demo_as_a_trainer_for_an_existing_board(board, tmp_path):
     report = json.loads(summary.read_text())
     assert report["versions"] == 3 and report["nodes"] == [] and report["pinned_requests"] == 0
     assert board.client(board.read_token).head("demo").version == 2
+
+
+def test_demo_fails_on_a_wrong_version_or_a_node_behind():
+    from services.demo import DemoState, PinnedResult, VersionStats, succeeded, summary
+
+    versions = [VersionStats(0, "full", 1.0, 100), VersionStats(1, "delta", 0.01, 5)]
+    state = DemoState(steps=1, versions=versions)
+    state.pinned.append(PinnedResult("node-0", 1, 200, (1, 1)))
+    assert succeeded(summary(state, [], {}, 1.0))
+    state.pinned.append(PinnedResult("node-0", 1, 200, (0, 1)))  # served across a swap: not version 1
+    report = summary(state, [], {}, 1.0)
+    assert report["pinned_mismatches"] == 1 and not succeeded(report)
+    behind = {**summary(state, [], {}, 1.0), "pinned_mismatches": 0}
+    behind["nodes"] = [{"id": "node-0", "version": 0, "converged": False}]
+    assert not succeeded(behind)

@@ -48,6 +48,7 @@ HOP_BY_HOP = {
     "host",
     "content-length",
 }
+RESPONSE_DROP = HOP_BY_HOP | {"content-encoding"}
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 ENGINE_RETRY_AFTER_S = 2
 
@@ -105,7 +106,7 @@ def _forward_headers(request: Request) -> dict[str, str]:
 
 
 def _response_headers(upstream: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP | {"content-encoding"}}
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in RESPONSE_DROP}
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:

@@ -14,8 +14,6 @@ from board.storage import ObjectNotFound, asset_key
 
 router = APIRouter(prefix="/v1/runs")
 
-ASSET_PREFIX_LEN = len("assets/")
-
 
 async def run_info(state: BoardState, record: RunRecord) -> RunInfo:
     prefix = asset_key(record.name, "")

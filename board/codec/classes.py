@@ -81,7 +81,7 @@ def split_classes(old_bits: np.ndarray, dtype: str, t_low: int, t_top: int) -> P
 
     def part(first: int, stop: int) -> None:
         for a, b in chunks(first * _CHUNK, min(stop * _CHUNK, n), _CHUNK):
-            m = magnitude_bits(old_bits[a:b], "")
+            m = magnitude_bits(old_bits[a:b])
             wa, wb = a // 64, (b + 63) // 64
             low = _words(np.packbits(m < low_limit, bitorder="little"))
             small = _words(np.packbits(m < top_limit, bitorder="little"))
@@ -101,7 +101,7 @@ def split_classes(old_bits: np.ndarray, dtype: str, t_low: int, t_top: int) -> P
 def class_of(old_bits: np.ndarray, dtype: str, t_low: int, t_top: int) -> np.ndarray:
     """0 (low), 1 (mid) or 2 (top) for the given old bits (same rule as `split_classes`)."""
     shift, _ = EXPONENT_FIELDS[dtype]
-    m = magnitude_bits(old_bits, dtype)
+    m = magnitude_bits(old_bits)
     # low implies small, so the class is the number of limits the magnitude reaches
     cls: np.ndarray = (m >= old_bits.dtype.type(t_low << shift)).astype(np.int64)
     cls += m >= old_bits.dtype.type(t_top << shift)

@@ -60,7 +60,7 @@ SAMPLE_FROM = 1 << 16  # tensors this large are sampled every SAMPLE_STRIDE-th e
 CONTEXT_GAIN = 0.9  # use context classes when they estimate <= 90% of the position bits
 
 
-def magnitude_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
+def magnitude_bits(bits: np.ndarray) -> np.ndarray:
     """The bit pattern without its sign bit: monotone in |value| for floats."""
     w = bits.dtype.itemsize
     magnitude: np.ndarray = bits & bits.dtype.type((1 << (8 * w - 1)) - 1)

@@ -30,6 +30,7 @@ from board.storage import (
     head_key,
     lease_key,
     manifest_key,
+    manifest_prefix,
     manifest_version,
     run_key,
 )
@@ -270,7 +271,7 @@ class Ledger:
         if head is None:
             return []
         records = []
-        listed = {manifest_version(info.key) for info in self.store.list(f"runs/{run}/manifests/")}
+        listed = {manifest_version(info.key) for info in self.store.list(manifest_prefix(run))}
         for version in sorted(v for v in listed if v is not None):
             if version > head or (after is not None and version <= after):
                 continue

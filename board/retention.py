@@ -17,7 +17,14 @@ from pydantic import ValidationError
 
 from board.records import VersionRecord
 from board.schemas import Manifest, RetentionReport
-from board.storage import ObjectNotFound, ObjectStore, blob_key, manifest_key, manifest_version
+from board.storage import (
+    ObjectNotFound,
+    ObjectStore,
+    blob_key,
+    manifest_key,
+    manifest_prefix,
+    manifest_version,
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,7 @@ def apply_retention(
     """Delete the selected manifests, then the idle unreferenced blobs. The caller has
     already dropped the versions from the index, so no new plan names them."""
     referenced = {sha for v in selection.keep for sha in versions[v].blobs}
-    for info in store.list(f"runs/{run}/manifests/"):
+    for info in store.list(manifest_prefix(run)):
         version = manifest_version(info.key)
         if version is not None and (head is None or version > head):
             # Possibly a commit in flight: its blobs stay.

@@ -98,10 +98,6 @@ def write_in_order(store: ObjectStore, writes: Sequence[tuple[str, bytes, str | 
     return len(writes)
 
 
-def run_prefix(run: str) -> str:
-    return f"runs/{run}/"
-
-
 def run_key(run: str) -> str:
     return f"runs/{run}/run.json"
 
@@ -122,8 +118,12 @@ def blob_key(run: str, sha256: str) -> str:
     return f"runs/{run}/blobs/{sha256}"
 
 
+def manifest_prefix(run: str) -> str:
+    return f"runs/{run}/manifests/"
+
+
 def manifest_key(run: str, version: int) -> str:
-    return f"runs/{run}/manifests/{version:012d}.json"
+    return f"{manifest_prefix(run)}{version:012d}.json"
 
 
 def manifest_version(key: str) -> int | None:

@@ -33,7 +33,7 @@ from services.engine.runtime import (
     generate,
     load_model,
 )
-from services.sidecar.background import wait_disconnect
+from services.sidecar.background import unless_disconnected
 
 RETRY_AFTER_S = "1"
 # A CPU reference engine: longer prompts are a mistake, not a workload.
@@ -123,16 +123,13 @@ def create_app(state: EngineState) -> FastAPI:
         cancel = threading.Event()
         if stream:
             return StreamingResponse(_stream(completion, params, cancel), media_type="text/event-stream")
-        collect = asyncio.ensure_future(_collect(completion, params, cancel))
-        disconnect = asyncio.ensure_future(wait_disconnect(request))
-        await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-        if not collect.done():
+        response: Response
+        finished, response = await unless_disconnected(request, _collect(completion, params, cancel))
+        if not finished:
             cancel.set()
-            collect.cancel()
             state.aborted += 1
             return Response(status_code=499)
-        disconnect.cancel()
-        return collect.result()
+        return response
 
     async def _collect(completion: Completion, params: SamplingParams, cancel: threading.Event) -> Response:
         try:

@@ -3,15 +3,19 @@
 `BackgroundServer` runs an ASGI app with uvicorn on a loopback port in a background
 thread: the demo runs its sidecars in-process this way and the tests start real engines
 and sidecars this way (a real socket and a real HTTP server, without paying a process
-start and a torch import per server). `wait_disconnect` returns when a client goes away,
-which is how both servers stop work nobody will read.
+start and a torch import per server). `wait_disconnect` returns when a client goes away
+and `unless_disconnected` runs work unless that happens first, which is how both servers
+stop work nobody will read.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from starlette.requests import Request
@@ -60,3 +64,19 @@ async def wait_disconnect(request: Request) -> None:
     """Return once the client disconnects (call only after the body has been read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run `work` unless the client disconnects first (then cancel it): (finished, result)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):  # abandoned either way
+        await task
+    return False, None

@@ -17,10 +17,8 @@ disconnect and stops generating); an engine that cannot be reached gives 503 wit
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +27,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from services.sidecar.background import wait_disconnect
+from services.sidecar.background import unless_disconnected
 from services.sidecar.constraints import HEADER_PREFIX, ConstraintError, parse_constraint
 from services.sidecar.gate import Admitted, Refused, VersionGate
 from services.sidecar.metrics import SidecarMetrics
@@ -109,22 +107,6 @@ def _response_headers(upstream: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in RESPONSE_DROP}
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
-    """Run `work` unless the client disconnects first (then cancel it): (finished, result)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task.done():
-        return True, task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):  # abandoned either way
-        await task
-    return False, None
-
-
 def create_proxy_app(
     gate: VersionGate,
     settings: ProxySettings,
@@ -189,7 +171,7 @@ def create_proxy_app(
             settings.max_wait_s,
         )
 
-        admitted, admission = await _unless_disconnected(request, gate.admit(constraint, wait_s))
+        admitted, admission = await unless_disconnected(request, gate.admit(constraint, wait_s))
         if not admitted:
             metrics.requests.labels("aborted").inc()
             return Response(status_code=499)
@@ -214,7 +196,7 @@ def create_proxy_app(
         )
         streaming = False
         try:
-            sent, upstream = await _unless_disconnected(request, client.send(upstream_request, stream=True))
+            sent, upstream = await unless_disconnected(request, client.send(upstream_request, stream=True))
             if not sent:
                 metrics.requests.labels("aborted").inc()
                 return Response(status_code=499)
@@ -230,7 +212,7 @@ def create_proxy_app(
                     status_code=upstream.status_code,
                     headers=headers,
                 )
-            read, content = await _unless_disconnected(request, upstream.aread())
+            read, content = await unless_disconnected(request, upstream.aread())
             await upstream.aclose()
             if not read:
                 metrics.requests.labels("aborted").inc()

@@ -27,6 +27,7 @@ from services.engine.protocol import ChatRequest, Completion, CompletionRequest
 from services.engine.runtime import (
     Cancelled,
     EngineNotLoaded,
+    LoadedModel,
     SamplingParams,
     TokenStep,
     WeightSlot,
@@ -155,9 +156,7 @@ def create_app(state: EngineState) -> FastAPI:
             if not finished:
                 state.aborted += 1
 
-    def prompt_ids(prompt: str | list[int]) -> list[int]:
-        loaded = state.slot.current
-        assert loaded is not None
+    def prompt_ids(loaded: LoadedModel, prompt: str | list[int]) -> list[int]:
         ids = loaded.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not 0 < len(ids) <= MAX_PROMPT_TOKENS or any(not 0 <= t < loaded.vocab_size for t in ids):
             raise ValueError(f"prompt must be 1..{MAX_PROMPT_TOKENS} token ids in [0, {loaded.vocab_size})")
@@ -169,7 +168,7 @@ def create_app(state: EngineState) -> FastAPI:
         if loaded is None:
             return error(503, "ModelNotLoaded", "no weights loaded yet", retry=True)
         try:
-            ids = prompt_ids(body.prompt)
+            ids = prompt_ids(loaded, body.prompt)
         except ValueError as exc:
             return error(400, "BadPrompt", str(exc))
         completion = Completion("text", state.model_name, loaded.codec, ids, body.logprobs is not None)
@@ -182,7 +181,7 @@ def create_app(state: EngineState) -> FastAPI:
             return error(503, "ModelNotLoaded", "no weights loaded yet", retry=True)
         text = loaded.codec.render_chat([m.model_dump() for m in body.messages])
         try:
-            ids = prompt_ids(text)
+            ids = prompt_ids(loaded, text)
         except ValueError as exc:
             return error(400, "BadPrompt", str(exc))
         completion = Completion("chat", state.model_name, loaded.codec, ids, body.logprobs)

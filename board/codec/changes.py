@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from board.codec.dtypes import as_bits, uint_dtype, width
+from board.codec.dtypes import as_bits, uint_dtype
 from board.codec.errors import PatchError
-from board.codec.parallel import chunks, map_ranges
+from board.codec.jit import differ_mask, kernel, trailing_zeros
+from board.codec.parallel import map_ranges
 
-_WORD_CHUNK = 1 << 16
+_PARALLEL_MIN_WORDS = 1 << 14  # split tensors of a million elements and more
+_Found = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions, old bits, new bits
 
 
 @dataclass(frozen=True)
@@ -49,40 +51,57 @@ def empty_changes(dtype: str, numel: int) -> Changes:
     return Changes(dtype, numel, np.empty(0, dtype=np.int64), bits, bits)
 
 
-def _changed_words(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Indices of differing 64-bit words, scanned in cache-sized chunks on every core."""
-
-    def part(start: int, stop: int) -> np.ndarray:
-        found = [np.flatnonzero(old[a:b] != new[a:b]) + a for a, b in chunks(start, stop, _WORD_CHUNK)]
-        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
-
-    return np.concatenate(map_ranges(part, old.size))
+@kernel
+def _diff_range(old: np.ndarray, new: np.ndarray, start: int, stop: int) -> _Found:
+    """(positions, old bits, new bits) of the differing elements in [start, stop), with
+    start a multiple of 64. Output grows by doubling: the changed count is not known."""
+    size = 1024
+    positions = np.empty(size, dtype=np.int64)
+    found = 0
+    for base in range(start, stop, 64):
+        if base + 64 <= stop:
+            differ = differ_mask(old, new, base)
+        else:
+            differ = np.uint64(0)
+            for j in range(stop - base):
+                differ |= np.uint64(old[base + j] != new[base + j]) << np.uint64(j)
+        if found + 64 > size:
+            size *= 2
+            grown = np.empty(size, dtype=np.int64)
+            grown[:found] = positions[:found]
+            positions = grown
+        while differ:
+            positions[found] = base + int(trailing_zeros(differ))
+            found += 1
+            differ &= differ - np.uint64(1)
+    positions = positions[:found].copy()
+    old_bits = np.empty(found, dtype=old.dtype)
+    new_bits = np.empty(found, dtype=new.dtype)
+    for i in range(found):
+        old_bits[i] = old[positions[i]]
+        new_bits[i] = new[positions[i]]
+    return positions, old_bits, new_bits
 
 
 def diff(old: np.ndarray, new: np.ndarray, dtype: str) -> Changes:
     """Positions whose bit patterns differ between two raw byte arrays, with both bits.
 
-    The comparison runs on 64-bit words (8/width elements at once) so that the full pass
-    reads memory at close to its bandwidth; only differing words are split into elements.
+    One compiled pass compares 64 elements at a time (`board.codec.jit.differ_mask`) and
+    lists only the differing ones; large tensors are split between the cores.
     """
     old_bits = as_bits(old, dtype, "old")
     new_bits = as_bits(new, dtype, "new")
     if old_bits.size != new_bits.size:
         raise PatchError(f"old has {old_bits.size} elements, new has {new_bits.size}")
-    w = width(dtype)
-    per = 8 // w
-    nwords = old_bits.size // per
-    head = nwords * per
-    words = _changed_words(old_bits[:head].view("<u8"), new_bits[:head].view("<u8"))
-    if per == 1:
-        positions = words.astype(np.int64)
-    else:
-        # the XOR of a changed word viewed as its elements (memory order is element order)
-        x = old_bits[:head].view("<u8")[words] ^ new_bits[:head].view("<u8")[words]
-        lanes = np.flatnonzero(x.view(old_bits.dtype))
-        shift = per.bit_length() - 1  # per is 2, 4 or 8
-        positions = (words[lanes >> shift].astype(np.int64) << shift) | (lanes & (per - 1))
-    tail = np.flatnonzero(old_bits[head:] != new_bits[head:]) + head
-    if tail.size:
-        positions = np.concatenate([positions, tail.astype(np.int64)])
-    return Changes(dtype, int(old_bits.size), positions, old_bits[positions], new_bits[positions])
+    n = old_bits.size
+    words = (n + 63) // 64
+
+    def part(first: int, last: int) -> _Found:
+        found: _Found = _diff_range(old_bits, new_bits, first * 64, min(last * 64, n))
+        return found
+
+    parts = map_ranges(part, words, _PARALLEL_MIN_WORDS)
+    if len(parts) == 1:
+        return Changes(dtype, int(n), *parts[0])
+    positions, before, after = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    return Changes(dtype, int(n), positions, before, after)

@@ -18,7 +18,7 @@ import numpy as np
 
 from board.codec.bitio import Reader, Writer, decode_index_sets, encode_index_sets
 from board.codec.changes import Changes
-from board.codec.classes import class_of, class_positions, class_ranks, split_classes
+from board.codec.classes import class_of, class_positions, class_ranks
 from board.codec.context import EXPONENT_FIELDS, exponent_histogram, plan_classes
 from board.codec.errors import PatchError
 
@@ -39,10 +39,7 @@ def context_hint(changes: Changes, old_bits: np.ndarray) -> ContextHint | None:
     plan = plan_classes(exponent_histogram(old_bits, changes.dtype), changes.old_bits, changes.dtype)
     if plan is None:
         return None
-    classes = split_classes(old_bits, changes.dtype, *plan)
-    return ContextHint(
-        *plan, class_ranks(classes, changes.positions, class_of(changes.old_bits, changes.dtype, *plan))
-    )
+    return ContextHint(*plan, class_ranks(old_bits, changes.dtype, *plan, changes.positions))
 
 
 def encode(w: Writer, changes: Changes, hint: ContextHint) -> None:
@@ -75,16 +72,9 @@ def decode(r: Reader, changed: int, old_bits: np.ndarray, dtype: str) -> np.ndar
     t_low, t_top = r.u64(), r.u64()
     if not t_low <= t_top <= EXPONENT_FIELDS[dtype][1] + 1:
         raise PatchError(f"corrupted patch: exponent classes {t_low}, {t_top}")
-    classes = split_classes(old_bits, dtype, t_low, t_top)
     counts = [r.u64() for _ in range(3)]
-    if any(count > size for count, size in zip(counts, classes.sizes, strict=True)):
-        raise PatchError("corrupted patch: more changes than elements in a class")
     if sum(counts) != changed:
         raise PatchError("corrupted patch: class counts do not add up to the changed count")
-    ranks = decode_index_sets(r, counts, classes.sizes)
-    # members of class c follow those of the classes before it: the targets are sorted
-    firsts = [int(classes.before[c * classes.nwords]) for c in range(3)]
-    positions = class_positions(
-        classes, np.concatenate([mine + first for mine, first in zip(ranks, firsts, strict=True)])
-    )
-    return np.sort(positions, kind="stable")
+    # ranks past their class are caught by `class_positions`; numel bounds them here
+    ranks = decode_index_sets(r, counts, [old_bits.size] * 3)
+    return class_positions(old_bits, dtype, t_low, t_top, ranks)

@@ -178,7 +178,7 @@ def _decode(
     r = Reader(payload)
     positions = _POSITIONS[header.encoding](r, header.changed, bits, header.dtype)
     before = bits[positions]
-    after = decode_values(r, before, header.dtype).astype(uint_dtype(header.dtype))
+    after = decode_values(r, before, header.dtype)
     r.done()
     decoded = Changes(header.dtype, header.numel, positions, before, after)
     if digest_update(header.base_digest, decoded) != header.result_digest:

@@ -118,14 +118,15 @@ def _pack_fixed(values: np.ndarray, k: int) -> np.ndarray:
 
 
 @kernel
-def _unpack_fixed(data: np.ndarray, count: int, k: int) -> np.ndarray:
-    """The caller has checked that `data` holds count * k bits."""
-    out = np.empty(count, dtype=np.uint64)
+def _unpack_fixed(data: np.ndarray, high: np.ndarray, k: int) -> np.ndarray:
+    """`high[j] << k` joined with the j-th k-bit field; the caller has checked that `data`
+    holds high.size * k bits."""
+    out = np.empty(high.size, dtype=np.uint64)
     acc = np.uint64(0)
     held = 0
     i = 0
-    for j in range(count):
-        v = np.uint64(0)
+    for j in range(high.size):
+        v = high[j]
         left = k
         while left > 0:
             take = min(left, 32)
@@ -147,13 +148,14 @@ def pack_fixed(values: np.ndarray, k: int) -> bytes:
     return bytes(_pack_fixed(np.ascontiguousarray(values, dtype=np.uint64), k))
 
 
-def unpack_fixed(data: memoryview | bytes, count: int, k: int) -> np.ndarray:
-    """Inverse of `pack_fixed`: `count` k-bit values as uint64."""
-    if k == 0 or count == 0:
-        return np.zeros(count, dtype=np.uint64)
-    if len(data) * 8 < count * k:
+def unpack_fixed(data: memoryview | bytes, high: np.ndarray, k: int) -> np.ndarray:
+    """Inverse of `pack_fixed`, joined to known high parts: `(high[j] << k) | field_j`
+    as uint64, for as many fields as `high` has values."""
+    if len(data) * 8 < high.size * k:
         raise PatchError("patch is truncated or corrupted (fixed-width bits missing)")
-    out: np.ndarray = _unpack_fixed(np.frombuffer(data, dtype=np.uint8), count, k)
+    out: np.ndarray = _unpack_fixed(
+        np.frombuffer(data, dtype=np.uint8), high.astype(np.uint64, copy=False), k
+    )
     return out
 
 
@@ -236,7 +238,6 @@ def rice_decode(r: Reader, counts: Sequence[int]) -> list[np.ndarray]:
     if any(k > 63 for k in ks):
         raise PatchError(f"corrupted patch: Rice parameters {ks}")
     unary = r.section()
-    remainders = [unpack_fixed(r.section(), count, k) for count, k in zip(counts, ks, strict=True)]
     total = sum(counts)
     if total > len(unary) * 8:
         raise PatchError("patch is truncated or corrupted (too few coded values)")
@@ -244,7 +245,7 @@ def rice_decode(r: Reader, counts: Sequence[int]) -> list[np.ndarray]:
     if found < total:
         raise PatchError("patch is truncated or corrupted (too few coded values)")
     quotients = np.split(q, np.cumsum(counts)[:-1]) if counts else []
-    return [(qg << np.uint64(k)) | rg for qg, k, rg in zip(quotients, ks, remainders, strict=True)]
+    return [unpack_fixed(r.section(), qg, k) for qg, k in zip(quotients, ks, strict=True)]
 
 
 def encode_index_sets(w: Writer, sets: Sequence[np.ndarray]) -> None:
@@ -257,14 +258,25 @@ def decode_index_sets(r: Reader, counts: Sequence[int], limits: Sequence[int]) -
     return [positions_from_gaps(g, limit) for g, limit in zip(rice_decode(r, counts), limits, strict=True)]
 
 
+@kernel
+def _positions(gaps: np.ndarray, limit: int) -> tuple[np.ndarray, bool]:
+    out = np.empty(gaps.size, dtype=np.int64)
+    p = -1
+    for j in range(gaps.size):
+        # bounding each gap first keeps the sum far from wrap-around
+        if gaps[j] >= np.uint64(limit):
+            return out, False
+        p += int(gaps[j]) + 1
+        if p >= limit:
+            return out, False
+        out[j] = p
+    return out, True
+
+
 def positions_from_gaps(gaps: np.ndarray, limit: int) -> np.ndarray:
     """Strictly increasing positions from their gaps, checked to lie in [0, limit)."""
-    if gaps.size == 0:
-        return np.empty(0, dtype=np.int64)
-    # bounding each gap first keeps the sum far from uint64 wrap-around
-    if int(gaps.max()) >= limit:
+    positions, ok = _positions(gaps.astype(np.uint64, copy=False), limit)
+    if not ok:
         raise PatchError("corrupted patch: a position lies outside its range")
-    positions = np.cumsum(gaps + np.uint64(1), dtype=np.uint64) - np.uint64(1)
-    if int(positions[-1]) >= limit:
-        raise PatchError("corrupted patch: a position lies outside its range")
-    return positions.astype(np.int64)
+    out: np.ndarray = positions
+    return out

@@ -21,6 +21,8 @@ from board.codec.context import EXPONENT_FIELDS, magnitude_bits
 from board.codec.errors import PatchError
 from board.codec.jit import below_mask, kernel, popcount, trailing_zeros
 
+_PAST = np.iinfo(np.int64).max  # a rank past every class: ends each list of wanted ranks
+
 
 def _limits(
     old_bits: np.ndarray, dtype: str, t_low: int, t_top: int
@@ -99,7 +101,8 @@ def class_ranks(
 
 @kernel
 def _select_bit(word: np.uint64, k: int) -> np.uint64:
-    """The k-th (from 0) set bit of `word` alone."""
+    """The k-th (from 0) set bit of `word` alone. Clearing the lowest set bit k times
+    measured faster here than a branch-free binary search on popcounts of halves."""
     for _ in range(k):
         word &= word - np.uint64(1)
     return word & (np.uint64(0) - word)
@@ -108,10 +111,10 @@ def _select_bit(word: np.uint64, k: int) -> np.uint64:
 @kernel
 def _pick(mask: np.uint64, count: int, ranks: np.ndarray, i: int) -> tuple[np.uint64, int]:
     """(bits of the wanted members in this word, next wanted index) for one class whose
-    members before the word number `count`."""
+    members before the word number `count`; `ranks` ends with a sentinel past every class."""
     hits = np.uint64(0)
     members = count + int(popcount(mask))
-    while i < ranks.size and ranks[i] < members:
+    while ranks[i] < members:
         hits |= _select_bit(mask, ranks[i] - count)
         i += 1
     return hits, i
@@ -128,8 +131,9 @@ def _select(
     r2: np.ndarray,
 ) -> tuple[np.ndarray, int]:
     """(positions, how many were found) of the wanted members (strictly increasing ranks
-    per class); fewer are found when a rank lies past its class."""
-    out = np.empty(r0.size + r1.size + r2.size, dtype=np.int64)
+    per class, each list ending with the sentinel `_PAST`); fewer are found when a rank
+    lies past its class."""
+    out = np.empty(r0.size + r1.size + r2.size - 3, dtype=np.int64)
     i0 = i1 = i2 = 0  # next wanted index per class
     c0 = c1 = c2 = 0  # members of each class before the word
     found = 0
@@ -156,7 +160,7 @@ def class_positions(
 ) -> np.ndarray:
     """Inverse of `class_ranks`: the sorted positions of the members of each class whose
     (strictly increasing) ranks are given; PatchError if a rank lies past its class."""
-    r0, r1, r2 = (r.astype(np.int64, copy=False) for r in ranks)
+    r0, r1, r2 = (np.append(r.astype(np.int64, copy=False), _PAST) for r in ranks)
     positions, found = _select(old_bits, *_limits(old_bits, dtype, t_low, t_top), r0, r1, r2)
     if found != positions.size:
         raise PatchError("corrupted patch: a changed element's rank lies past its class")

@@ -33,17 +33,6 @@ def exponent_of(bits: np.ndarray, dtype: str) -> np.ndarray:
     return e
 
 
-def value_contexts(old_bits: np.ndarray, dtype: str) -> np.ndarray:
-    """Context 0..CONTEXTS-1 per changed element: its old exponent, the top CONTEXTS
-    exponents present kept apart and all smaller ones (tiny weights) lumped into 0."""
-    e = exponent_of(old_bits, dtype)
-    if e.size == 0:
-        return e
-    base = max(0, int(e.max()) - (CONTEXTS - 1))
-    ctx: np.ndarray = np.clip(e - base, 0, CONTEXTS - 1)
-    return ctx
-
-
 # ---- positions: classes of the old exponent ------------------------------------------
 #
 # A changed position is coded as its rank within one of three classes of the old tensor:

@@ -10,8 +10,8 @@
   independent 64-bit mixes collide at once.
 
 It guards against accidents, not adversaries: blob authenticity is sha256 on the board.
-The mixes are multiply/xor-shift finalisers (splitmix/murmur style) on uint64 lanes, which
-numpy vectorises; a full pass runs in cache-sized chunks on every core.
+The mixes are multiply/xor-shift finalisers (splitmix/murmur style) on uint64 lanes, in a
+compiled loop that the compiler vectorises; a full pass runs on every core.
 """
 
 from __future__ import annotations
@@ -24,40 +24,47 @@ import numpy as np
 from board.codec.changes import Changes
 from board.codec.dtypes import as_bits
 from board.codec.errors import PatchError
-from board.codec.parallel import chunks, map_ranges
+from board.codec.jit import kernel
+from board.codec.parallel import map_ranges
 
 _MASK = (1 << 64) - 1
 _A1, _A2, _A3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _B1, _B2, _B3 = np.uint64(0xC2B2AE3D27D4EB4F), np.uint64(0x165667B19E3779F9), np.uint64(0xFF51AFD7ED558CCD)
-_S29, _S31, _S32, _S33 = np.uint64(29), np.uint64(31), np.uint64(32), np.uint64(33)
-_CHUNK = 1 << 15
 _DIGEST_HEX = 32
 
 
-def _lanes(idx: np.ndarray, bits: np.ndarray) -> tuple[int, int]:
-    """Sums of both mixes over aligned uint64 arrays of positions and bit patterns.
+@kernel
+def _mix(i: np.uint64, x: np.uint64) -> tuple[np.uint64, np.uint64]:
+    a = ((i * _A1) ^ x) * _A2
+    a = (a ^ (a >> np.uint64(32))) * _A3
+    a ^= a >> np.uint64(29)
+    b = (x * _B1 + i) * _B2
+    b = (b ^ (b >> np.uint64(31))) * _B3
+    b ^= b >> np.uint64(33)
+    return a, b
 
-    Cache-sized pieces, with one scratch array for the shifts: on patch-sized inputs the
-    mixes otherwise stream a dozen fresh temporaries through memory.
-    """
-    sa = sb = 0
-    scratch = np.empty(min(idx.size, _CHUNK), dtype=np.uint64)
-    for start, stop in chunks(0, idx.size, _CHUNK):
-        i, x, t = idx[start:stop], bits[start:stop], scratch[: stop - start]
-        a = i * _A1
-        a ^= x
-        a *= _A2
-        a ^= np.right_shift(a, _S32, out=t)
-        a *= _A3
-        a ^= np.right_shift(a, _S29, out=t)
-        b = x * _B1
-        b += i
-        b *= _B2
-        b ^= np.right_shift(b, _S31, out=t)
-        b *= _B3
-        b ^= np.right_shift(b, _S33, out=t)
-        sa += int(a.sum(dtype=np.uint64))
-        sb += int(b.sum(dtype=np.uint64))
+
+@kernel
+def _range_sums(bits: np.ndarray, start: int, stop: int) -> tuple[np.uint64, np.uint64]:
+    """Both lanes' sums (mod 2**64) over elements [start, stop)."""
+    sa = sb = np.uint64(0)
+    for i in range(start, stop):
+        a, b = _mix(np.uint64(i), np.uint64(bits[i]))
+        sa += a
+        sb += b
+    return sa, sb
+
+
+@kernel
+def _change_sums(positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[np.uint64, np.uint64]:
+    """How both lanes move (mod 2**64) when `old` becomes `new` at `positions`."""
+    sa = sb = np.uint64(0)
+    for j in range(positions.size):
+        i = np.uint64(positions[j])
+        na, nb = _mix(i, np.uint64(new[j]))
+        oa, ob = _mix(i, np.uint64(old[j]))
+        sa += na - oa
+        sb += nb - ob
     return sa, sb
 
 
@@ -77,20 +84,8 @@ def parse_digest(value: str) -> tuple[int, int]:
 
 def digest_bits(bits: np.ndarray) -> str:
     """Digest of an array of element bit patterns (unsigned ints)."""
-    n = bits.size
-    base = np.arange(min(n, _CHUNK), dtype=np.uint64)
-
-    def part(start: int, stop: int) -> tuple[int, int]:
-        sa = sb = 0
-        for a, b in chunks(start, stop, _CHUNK):
-            idx = base[: b - a] + np.uint64(a)
-            la, lb = _lanes(idx, bits[a:b].astype(np.uint64))
-            sa += la
-            sb += lb
-        return sa, sb
-
-    sums = map_ranges(part, n)
-    return _format(sum(s[0] for s in sums), sum(s[1] for s in sums))
+    sums = map_ranges(lambda start, stop: _range_sums(bits, start, stop), bits.size)
+    return _format(sum(int(s[0]) for s in sums), sum(int(s[1]) for s in sums))
 
 
 def digest(data: np.ndarray, dtype: str) -> str:
@@ -101,10 +96,8 @@ def digest(data: np.ndarray, dtype: str) -> str:
 def digest_update(value: str, changes: Changes) -> str:
     """The digest after `changes`, from the digest before them, in O(changed elements)."""
     a, b = parse_digest(value)
-    idx = changes.positions.astype(np.uint64)
-    na, nb = _lanes(idx, changes.new_bits.astype(np.uint64))
-    oa, ob = _lanes(idx, changes.old_bits.astype(np.uint64))
-    return _format(a + na - oa, b + nb - ob)
+    da, db = _change_sums(changes.positions, changes.old_bits, changes.new_bits)
+    return _format(a + int(da), b + int(db))
 
 
 def state_digest(entries: Iterable[tuple[str, str]]) -> str:

@@ -22,63 +22,82 @@ from __future__ import annotations
 
 import numpy as np
 
-from board.codec.bitio import (
-    Reader,
-    Writer,
-    pack_fixed,
-    positions_from_gaps,
-    rice_decode,
-    rice_encode,
-    unpack_fixed,
-)
-from board.codec.context import CONTEXTS, value_contexts
+from board.codec.bitio import Reader, Writer, positions_from_gaps, rice_decode, rice_encode
+from board.codec.context import CONTEXTS, EXPONENT_FIELDS
 from board.codec.dtypes import width
 from board.codec.errors import PatchError
+from board.codec.jit import kernel, leading_zeros
 
 _CLASSES = 65  # bit lengths 0..64
 
 
-def _mask(w: int) -> np.uint64:
-    return np.uint64((1 << (8 * w)) - 1)
+def _layout(old_bits: np.ndarray, dtype: str) -> tuple[int, int, np.uint64]:
+    """(exponent shift, exponent mask, element mask): mask 0 puts integers in one context."""
+    shift, mask = EXPONENT_FIELDS.get(dtype, (0, 0))
+    return shift, mask, np.uint64((1 << (8 * width(dtype))) - 1)
 
 
-def steps(old_bits: np.ndarray, new_bits: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray]:
-    """(negative?, |d|) of the wrapping difference new - old; |d| >= 1 for changed elements."""
-    m = _mask(w)
-    d = (new_bits.astype(np.uint64) - old_bits.astype(np.uint64)) & m
-    negative = (d >> np.uint64(8 * w - 1)).astype(bool)
-    magnitude = np.where(negative, (np.uint64(0) - d) & m, d)
-    return negative, magnitude
+@kernel
+def _contexts(old: np.ndarray, shift: int, mask: int) -> np.ndarray:
+    """Context 0..CONTEXTS-1 per changed element: its old exponent, the top CONTEXTS
+    exponents present kept apart and all smaller ones (tiny weights) lumped into 0."""
+    top = 0
+    for x in old:
+        top = max(top, int(np.uint64(x) >> np.uint64(shift)) & mask)
+    base = max(0, top - (CONTEXTS - 1))
+    ctx = np.empty(old.size, dtype=np.int64)
+    for i in range(old.size):
+        ctx[i] = min(max((int(np.uint64(old[i]) >> np.uint64(shift)) & mask) - base, 0), CONTEXTS - 1)
+    return ctx
 
 
-def bit_length(v: np.ndarray) -> np.ndarray:
-    """Bit length of each uint64 (0 for 0), as int64."""
-    c = np.frexp(v.astype(np.float64))[1].astype(np.int64)
-    # float64 rounding can carry past a power of two for values of 2**53 and more
-    big = np.flatnonzero(c > 53)
-    if big.size:
-        c[big] -= ((v[big] >> (c[big] - 1).astype(np.uint64)) == 0).astype(np.int64)
-    return c
+@kernel
+def _bit_length(v: np.uint64) -> int:
+    return 0 if v == 0 else 64 - int(leading_zeros(v))
 
 
-def _by_class(c: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """(class, indices) for every class >= 2 present, in class order: the low bits of each
-    class are packed at that class's fixed width (one section per class)."""
-    wide = np.flatnonzero(c >= 2)
-    if wide.size == 0:
-        return []
-    order = wide[np.argsort(c[wide], kind="stable")]
-    counts = np.bincount(c[wide], minlength=_CLASSES)
-    ends = np.cumsum(counts)
-    return [(cls, order[ends[cls] - counts[cls] : ends[cls]]) for cls in np.flatnonzero(counts).tolist()]
+@kernel
+def _steps(old: np.ndarray, new: np.ndarray, element: np.uint64) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sign bits packed MSB first, |d| - 1, its bit length) of the wrapping d = new - old."""
+    n = old.size
+    signs = np.zeros((n + 7) // 8, dtype=np.uint8)
+    v = np.empty(n, dtype=np.uint64)
+    c = np.empty(n, dtype=np.int64)
+    top = (element >> np.uint64(1)) + np.uint64(1)  # the sign bit of the element width
+    for i in range(n):
+        d = (np.uint64(new[i]) - np.uint64(old[i])) & element
+        if d & top:
+            signs[i >> 3] |= np.uint8(0x80 >> (i & 7))
+            d = (np.uint64(0) - d) & element
+        v[i] = d - np.uint64(1)
+        c[i] = _bit_length(v[i])
+    return signs, v, c
+
+
+@kernel
+def _pack_classes(v: np.ndarray, c: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The (c - 1) bits below the leading one of each v of class c >= 2, MSB first, each
+    class in its own byte-aligned section starting at byte `starts[c]`."""
+    out = np.zeros(starts[-1], dtype=np.uint8)
+    cursor = starts[:-1] * 8  # next bit of each class's section
+    for i in range(v.size):
+        k = c[i] - 1
+        if k < 1:
+            continue
+        bit = cursor[c[i]]
+        for j in range(k - 1, -1, -1):
+            if v[i] >> np.uint64(j) & np.uint64(1):
+                out[bit >> 3] |= np.uint8(0x80 >> (bit & 7))
+            bit += 1
+        cursor[c[i]] = bit
+    return out
 
 
 def encode_values(w: Writer, old_bits: np.ndarray, new_bits: np.ndarray, dtype: str) -> None:
-    negative, magnitude = steps(old_bits, new_bits, width(dtype))
-    w.section(np.packbits(negative).tobytes())
-    v = magnitude - np.uint64(1)
-    c = bit_length(v)
-    ctx = value_contexts(old_bits, dtype)
+    shift, mask, element = _layout(old_bits, dtype)
+    signs, v, c = _steps(old_bits, new_bits, element)
+    w.section(signs.tobytes())
+    ctx = _contexts(old_bits, shift, mask)
     table = np.bincount(ctx * _CLASSES + c, minlength=CONTEXTS * _CLASSES).reshape(CONTEXTS, _CLASSES)
     predicted = table.argmax(axis=1)
     w.section(predicted.astype(np.uint8).tobytes())
@@ -87,17 +106,68 @@ def encode_values(w: Writer, old_bits: np.ndarray, new_bits: np.ndarray, dtype: 
     missed = np.flatnonzero(zigzag)
     w.u64(missed.size)
     rice_encode(w, [np.diff(missed, prepend=-1) - 1, zigzag[missed] - np.uint64(1)])
-    for cls, members in _by_class(c):
-        w.section(pack_fixed(v[members], cls - 1))
+    counts = np.bincount(c, minlength=_CLASSES)
+    sizes = (counts * np.maximum(np.arange(_CLASSES) - 1, 0) + 7) // 8
+    sizes[:2] = 0
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    packed = _pack_classes(v, c, starts)
+    for cls in np.flatnonzero(counts[2:]) + 2:
+        w.section(packed[starts[cls] : starts[cls + 1]].tobytes())
+
+
+@kernel
+def _classes(
+    ctx: np.ndarray, predicted: np.ndarray, missed: np.ndarray, sizes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(step class per element, elements per class, all in range) from the predictions
+    and the zigzagged corrections at the missed elements."""
+    c = np.empty(ctx.size, dtype=np.int64)
+    for i in range(ctx.size):
+        c[i] = predicted[ctx[i]]
+    for j in range(missed.size):
+        z = sizes[j] + np.uint64(1)
+        c[missed[j]] += np.int64(z >> np.uint64(1)) ^ -np.int64(z & np.uint64(1))
+    counts = np.zeros(_CLASSES, dtype=np.int64)
+    for x in c:
+        if x < 0 or x >= _CLASSES:
+            return c, counts, False
+        counts[x] += 1
+    return c, counts, True
+
+
+@kernel
+def _apply_steps(
+    old: np.ndarray, c: np.ndarray, signs: np.ndarray, low: np.ndarray, starts: np.ndarray, element: np.uint64
+) -> tuple[np.ndarray, bool]:
+    """New bits from the old ones, the step classes, the signs and the low bits of each
+    class (its section from byte `starts[c]`); False if a step is zero."""
+    new = np.empty(old.size, dtype=old.dtype)
+    cursor = starts * 8
+    for i in range(old.size):
+        k = c[i] - 1
+        v = np.uint64(0) if k < 0 else np.uint64(1)
+        if k > 0:
+            bit = cursor[c[i]]
+            for _ in range(k):
+                v = (v << np.uint64(1)) | np.uint64(low[bit >> 3] >> (7 - (bit & 7)) & 1)
+                bit += 1
+            cursor[c[i]] = bit
+        magnitude = (v + np.uint64(1)) & element
+        if magnitude == 0:
+            return new, False
+        if signs[i >> 3] & (0x80 >> (i & 7)):
+            magnitude = (np.uint64(0) - magnitude) & element
+        new[i] = (np.uint64(old[i]) + magnitude) & element
+    return new, True
 
 
 def decode_values(r: Reader, old_bits: np.ndarray, dtype: str) -> np.ndarray:
-    """New bit patterns (uint64) for the changed elements whose old bits are given."""
+    """New bit patterns (the old bits' dtype) for the changed elements whose old bits are given."""
     n = old_bits.size
+    shift, mask, element = _layout(old_bits, dtype)
     signs = r.section()
     if len(signs) * 8 < n:
         raise PatchError("patch is truncated or corrupted (sign bits missing)")
-    negative = np.unpackbits(np.frombuffer(signs, dtype=np.uint8), count=n).astype(bool)
     predicted = np.frombuffer(r.section(), dtype=np.uint8).astype(np.int64)
     if predicted.size != CONTEXTS or int(predicted.max()) >= _CLASSES:
         raise PatchError("corrupted patch: bad step-class table")
@@ -105,20 +175,21 @@ def decode_values(r: Reader, old_bits: np.ndarray, dtype: str) -> np.ndarray:
     if missed_count > n:
         raise PatchError("corrupted patch: more mispredictions than changed elements")
     gaps, sizes = rice_decode(r, [missed_count, missed_count])
-    zigzag = np.zeros(n, dtype=np.uint64)
-    zigzag[positions_from_gaps(gaps, n)] = sizes + np.uint64(1)
-    c = predicted[value_contexts(old_bits, dtype)] + (
-        (zigzag >> np.uint64(1)).astype(np.int64) ^ -(zigzag & np.uint64(1)).astype(np.int64)
-    )
-    if n and (int(c.min()) < 0 or int(c.max()) >= _CLASSES):
+    c, counts, ok = _classes(_contexts(old_bits, shift, mask), predicted, positions_from_gaps(gaps, n), sizes)
+    if not ok:
         raise PatchError("corrupted patch: step class out of range")
-    v = np.zeros(n, dtype=np.uint64)
-    v[c == 1] = 1
-    for cls, members in _by_class(c):
-        v[members] = (np.uint64(1) << np.uint64(cls - 1)) | unpack_fixed(r.section(), members.size, cls - 1)
-    m = _mask(width(dtype))
-    magnitude = (v + np.uint64(1)) & m
-    if n and not bool(magnitude.all()):
+    sections, starts = [], np.zeros(_CLASSES, dtype=np.int64)
+    offset = 0
+    for cls in np.flatnonzero(counts[2:]) + 2:
+        section = r.section()
+        if len(section) * 8 < int(counts[cls]) * (cls - 1):
+            raise PatchError("patch is truncated or corrupted (fixed-width bits missing)")
+        sections.append(section)
+        starts[cls] = offset
+        offset += len(section)
+    low = np.frombuffer(b"".join(sections), dtype=np.uint8)
+    new, ok = _apply_steps(old_bits, c, np.frombuffer(signs, dtype=np.uint8), low, starts, element)
+    if not ok:
         raise PatchError("corrupted patch: a changed element does not change")
-    d = np.where(negative, (np.uint64(0) - magnitude) & m, magnitude)
-    return (old_bits.astype(np.uint64) + d) & m
+    out: np.ndarray = new
+    return out

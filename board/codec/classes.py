@@ -1,8 +1,8 @@
 """Rank and select within the exponent classes of an old tensor.
 
 A changed position of the `context` encoding is coded as its rank within one of three
-classes of the old tensor: elements whose sign-less bit pattern
-(`board.codec.context.magnitude_bits`) is below `t_low << shift` (class 0, low), below
+classes of the old tensor: elements whose bit pattern without its sign bit (monotone in
+|value| for floats) is below `t_low << shift` (class 0, low), below
 `t_top << shift` (class 1, mid), or not (class 2, top).
 
 * `class_ranks` (encoder): each changed element's class and the number of members of that
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from board.codec.context import EXPONENT_FIELDS, magnitude_bits
+from board.codec.context import EXPONENT_FIELDS
 from board.codec.errors import PatchError
 from board.codec.jit import below_mask, kernel, popcount, trailing_zeros
 
@@ -33,14 +33,44 @@ def _limits(
     return t((1 << (8 * old_bits.dtype.itemsize - 1)) - 1), t(t_low << shift), t(t_top << shift)
 
 
-def class_of(old_bits: np.ndarray, dtype: str, t_low: int, t_top: int) -> np.ndarray:
-    """0 (low), 1 (mid) or 2 (top) for the given old bits."""
-    shift, _ = EXPONENT_FIELDS[dtype]
-    m = magnitude_bits(old_bits)
-    # low implies small, so the class is the number of limits the magnitude reaches
-    cls: np.ndarray = (m >= old_bits.dtype.type(t_low << shift)).astype(np.int64)
-    cls += m >= old_bits.dtype.type(t_top << shift)
-    return cls
+@kernel
+def _split(
+    old: np.ndarray,
+    positions: np.ndarray,
+    ranks: np.ndarray,
+    sign: np.generic,
+    low: np.generic,
+    top: np.generic,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(ranks of class 0, 1, 2, status): status 1 if a rank is negative or past its
+    position, 2 if the ranks of a class do not increase."""
+    out = np.empty((3, ranks.size), dtype=np.int64)
+    sizes = np.zeros(3, dtype=np.int64)
+    for j in range(ranks.size):
+        m = old[j] & sign
+        c = 0 if m < low else (1 if m < top else 2)
+        r = ranks[j]
+        if r < 0 or r > positions[j]:
+            return out[0, :0], out[1, :0], out[2, :0], 1
+        if sizes[c] and out[c, sizes[c] - 1] >= r:
+            return out[0, :0], out[1, :0], out[2, :0], 2
+        out[c, sizes[c]] = r
+        sizes[c] += 1
+    return out[0, : sizes[0]], out[1, : sizes[1]], out[2, : sizes[2]], 0
+
+
+def split_ranks(
+    changed_old_bits: np.ndarray, dtype: str, t_low: int, t_top: int, positions: np.ndarray, ranks: np.ndarray
+) -> list[np.ndarray]:
+    """The ranks of each class (0, 1, 2) from the changed elements' old bits, checked:
+    PatchError unless each is at most its position and they increase within a class."""
+    limits = _limits(changed_old_bits, dtype, t_low, t_top)
+    r0, r1, r2, status = _split(changed_old_bits, positions, ranks.astype(np.int64, copy=False), *limits)
+    if status == 1:
+        raise PatchError("context hint: a rank outside its class")
+    if status == 2:
+        raise PatchError("context hint: ranks not increasing within a class")
+    return [r0, r1, r2]
 
 
 @kernel

@@ -1,10 +1,9 @@
 """What both sides know about a changed element before its new value: its old exponent.
 
 A weight's step in ULPs is about (update size) / ULP(old), and ULP(old) is fixed by the old
-exponent, so the exponent predicts how far a changed element moved. The codec uses it only
-for elements whose position is already decoded, i.e. on `Changes.old_bits`: the device
-path (publisher.device_diff) produces those bits and needs to mirror nothing. If a torch
-mirror is ever needed, `exponent_of` is `(bits >> shift) & mask` with the table below.
+exponent, so the exponent predicts how far a changed element moved (`board.codec.values`
+uses it for elements whose position is already decoded, on `Changes.old_bits`), and small
+weights change far more rarely than large ones (the position classes below).
 """
 
 from __future__ import annotations
@@ -41,19 +40,12 @@ def exponent_of(bits: np.ndarray, dtype: str) -> np.ndarray:
 # one's ranks separately costs sum_c n_c H(p_c) bits instead of n H(p). Three classes catch
 # most of what a context per exponent would (measured on the benchmark trajectories).
 # Both sides compute the classes from the old bits (`board.codec.classes`); the device
-# mirror (`publisher.device_diff`) makes the same two `magnitude_bits(old) < t << shift`
+# mirror (`publisher.device_diff`) makes the same two `(old & ~sign) < t << shift`
 # comparisons and cumulative counts where the tensor lives, from the same sampled histogram.
 
 SAMPLE_STRIDE = 32
 SAMPLE_FROM = 1 << 16  # tensors this large are sampled every SAMPLE_STRIDE-th element
 CONTEXT_GAIN = 0.9  # use context classes when they estimate <= 90% of the position bits
-
-
-def magnitude_bits(bits: np.ndarray) -> np.ndarray:
-    """The bit pattern without its sign bit: monotone in |value| for floats."""
-    w = bits.dtype.itemsize
-    magnitude: np.ndarray = bits & bits.dtype.type((1 << (8 * w - 1)) - 1)
-    return magnitude
 
 
 def sample_stride(numel: int) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 
 from board.codec.bitio import Reader, Writer, decode_index_sets, encode_index_sets
 from board.codec.changes import Changes
-from board.codec.classes import class_of, class_positions, class_ranks
+from board.codec.classes import class_positions, class_ranks, split_ranks
 from board.codec.context import EXPONENT_FIELDS, exponent_histogram, plan_classes
 from board.codec.errors import PatchError
 
@@ -52,13 +52,9 @@ def encode(w: Writer, changes: Changes, hint: ContextHint) -> None:
         raise PatchError(f"context hint: bad thresholds {hint.t_low}, {hint.t_top} for {changes.dtype}")
     if hint.ranks.shape != changes.positions.shape:
         raise PatchError("context hint: one rank per changed element expected")
-    cls = class_of(changes.old_bits, changes.dtype, hint.t_low, hint.t_top)
-    ranks = hint.ranks.astype(np.int64, copy=False)
-    per_class = [ranks[cls == c] for c in range(3)]
-    if changes.count and (int(ranks.min()) < 0 or bool(np.any(ranks > changes.positions))):
-        raise PatchError("context hint: a rank outside its class")
-    if any(mine.size > 1 and not bool(np.all(mine[1:] > mine[:-1])) for mine in per_class):
-        raise PatchError("context hint: ranks not increasing within a class")
+    per_class = split_ranks(
+        changes.old_bits, changes.dtype, hint.t_low, hint.t_top, changes.positions, hint.ranks
+    )
     w.u64(hint.t_low)
     w.u64(hint.t_top)
     for mine in per_class:

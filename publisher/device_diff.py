@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from board import codec
 from board.codec import Changes, ContextHint
 from board.codec.context import EXPONENT_FIELDS, plan_from_counts, sample_stride, scaled_histogram
 from board.codec.dtypes import uint_dtype
@@ -192,6 +193,8 @@ def diff_slots(
     """
     result = ViewDiff()
     group = slots[0].group
+    if group[0] == "cpu" and not hints:
+        return _diff_on_host(old, new, slots)
     start = slots[0].offset
     stop = word_aligned(slots[-1].offset + slots[-1].numel, group[1])
     pos, old_changed, new_changed = _changed(old.groups[group][start:stop], new.groups[group][start:stop])
@@ -224,6 +227,17 @@ def diff_slots(
             if s.name in ranges
         ]
         context_hints(old, changed, result)
+    return result
+
+
+def _diff_on_host(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> ViewDiff:
+    """The CPU path: the codec's compiled diff on the buffers' bytes, in place."""
+    result = ViewDiff()
+    for slot in slots:
+        changes = codec.diff(old.host_bytes(slot), new.host_bytes(slot), slot.dtype)
+        if changes.count:
+            result.changes[slot.name] = changes
+            result.host_bytes += changes.positions.nbytes + changes.old_bits.nbytes + changes.new_bits.nbytes
     return result
 
 

@@ -65,7 +65,7 @@ def encode_rank(
     packer: BlobPacker,
     encoders: Executor,
     window: int,
-    context: bool = False,
+    context: bool | None = None,
 ) -> RankVersion:
     """Encode `buffer` as a keyframe (`base` None) or as a delta against `base`.
 
@@ -73,7 +73,8 @@ def encode_rank(
     releases the GIL), at most `window` at a time, and packed in layout order, so blobs
     and manifests do not depend on thread timing and a keyframe holds at most `window`
     tensors' host bytes and patches while the packer waits for the link.
-    `context` asks for the codec's context encoding (see `Publisher` for its cost).
+    `context` asks for the codec's context encoding: True everywhere, None (auto) where
+    the old bytes are on the host, False nowhere (see `Publisher` for its cost).
     """
     layout = buffer.layout
     slots = {s.name: s for s in layout.slots}
@@ -87,7 +88,8 @@ def encode_rank(
     changed = host_bytes = hint_bytes = 0
     diff_s = 0.0
     started = time.perf_counter()
-    # None: hints where the tensors are off the host; the CPU path hands the codec the old bytes.
+    # hints only where asked for and the tensors are off the host; the CPU path hands the
+    # codec the old bytes instead
     for part in iter_diffs(base, buffer, hints=None if context else False):
         diff_s += time.perf_counter() - started  # time waiting for the diff, not hidden by encoding
         deltas: list[Task] = [
@@ -110,11 +112,11 @@ def encode_rank(
 
 
 def _context(
-    base: ViewBuffer, slot: Slot, hints: Mapping[str, ContextHint], context: bool
+    base: ViewBuffer, slot: Slot, hints: Mapping[str, ContextHint], context: bool | None
 ) -> tuple[np.ndarray | None, ContextHint | None]:
     """What the codec's context encoding reads: host bytes in place, else the device's hint
-    (neither: the codec falls back to its context-free encodings)."""
-    if not context:
+    if one was computed (neither: the codec falls back to its context-free encodings)."""
+    if context is False:
         return None, None
     if slot.device == "cpu":
         return base.host_bytes(slot), None

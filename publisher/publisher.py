@@ -16,14 +16,15 @@ Memory, in bytes (documented bound, see `memory_bound_bytes`):
           plus 2 * encode_workers tensors' bytes while a keyframe encodes, plus the changes of two
           diff batches (`device_diff.iter_diffs`: ~12 bytes per changed bf16 element).
 
-The codec's context encoding (`context`, off by default) makes fp32-master deltas about
-22% smaller (7.7 instead of 9.9 bits per changed element; bf16: 5.7 instead of 13) but
-costs time on both ends: it reads the old exponent class of every element. On the CPU the
-publisher hands the codec the old bytes (encode ~0.75 instead of ~1.25 GB/s of view on 2
-cores); on CUDA a hint is computed on the device (`device_diff.context_hints`), which cut
-snapshot + diff from ~219 to ~62 GB/s on an H200; followers decode it at about half the
-speed. At 1 Gbit/s and more the saved bytes are worth less than the time, so it is for
-slow links or fleets large enough that the board's egress dominates.
+The codec's context encoding (`context`) makes fp32-master deltas about 22% smaller (7.7
+instead of 9.9 bits per changed element; bf16: 5.7 instead of 13): every follower
+downloads, and the board stores, that much less. It reads the old exponent class of every
+element. On the CPU the publisher hands the codec the old bytes in place, which costs
+little (`bench publish`, 1 GB bf16 view, 2 cores: 0.66 instead of 0.40 s from call to
+commit, in the background), so the default (`None`, auto) uses it there. On CUDA it needs
+a hint computed on the device (`device_diff.context_hints`), which cut snapshot + diff
+from ~219 to ~62 GB/s on an H200, so auto leaves it off there; `context=True` asks for
+it everywhere, `context=False` nowhere.
 
 Threads: the caller's (snapshot only), one worker (orders the stages, commits), a diff
 helper, an encoder pool (`encode_workers`, default min(4, cores)), an upload pool, and
@@ -112,7 +113,7 @@ class Publisher:
         max_pending_blob_bytes: int = 256 * MiB,
         steal_lease: bool = False,
         on_uploaded: Progress | None = None,
-        context: bool = False,
+        context: bool | None = None,
     ) -> None:
         if keyframe_every < 1:
             raise ValueError("keyframe_every must be at least 1")

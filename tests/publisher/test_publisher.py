@@ -202,15 +202,15 @@ def delta_encodings(reader, run: str, version: int) -> set[str]:
 
 
 @pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
-def test_context_encoding_is_opt_in_and_rebuilds_exactly(board, device):
-    """`context=True` ships the codec's context encoding (smaller), the default does not;
-    both rebuild the view bit for bit."""
+def test_context_encoding_default_and_choice_rebuild_exactly(board, device):
+    """`context=True` ships the codec's context encoding (smaller), `False` does not, the
+    default (None) does for host tensors only; all rebuild the view bit for bit."""
     client, reader = board.client(board.publish_token), board.client(board.read_token)
     g = torch.Generator().manual_seed(7)
     scale = 10 ** (torch.rand(256, 256, generator=g) * -5)  # magnitudes over five decades
     base = {"w": torch.randn(256, 256, generator=g) * scale}
     sizes = {}
-    for context in (False, True):
+    for context in (False, True, None):
         run = f"ctx-{context}"
         state = {k: v.clone().to(device) for k, v in base.items()}
         with Publisher(client, run, context=context) as pub:
@@ -220,6 +220,8 @@ def test_context_encoding_is_opt_in_and_rebuilds_exactly(board, device):
         assert result.kind == "delta" and result.changed_elements > 0
         assert_same_view(materialize(reader, run, 1), view_bytes(state))
         encodings = delta_encodings(reader, run, 1)
-        assert ("context" in encodings) is context, encodings
+        expected = context if context is not None else device == "cpu"
+        assert ("context" in encodings) is expected, encodings
         sizes[context] = result.encoded_bytes
     assert sizes[True] < sizes[False]
+    assert sizes[None] == sizes[device == "cpu"]

@@ -80,3 +80,19 @@ def test_uncast_tensors_alias_their_parameter() -> None:
     view = rollout_view({"p": p}, ViewSpec())
     p.add_(1)
     assert view["p"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_snapshot_copies_in_shared_pieces_exactly(monkeypatch):
+    """The CPU snapshot splits tensors into pieces copied by two threads: every byte lands."""
+    from publisher import snapshot
+
+    monkeypatch.setattr(snapshot, "_PIECE_BYTES", 1000)  # many uneven pieces per tensor
+    g = torch.Generator().manual_seed(1)
+    state = {
+        f"t{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i, n in enumerate([1, 777, 5003, 0, 64])
+    }
+    layout = snapshot.ViewLayout.of(state, ViewSpec())
+    buffer = snapshot.ViewBuffer(layout)
+    buffer.fill(state)
+    for slot in layout.slots:
+        assert buffer.host_bytes(slot).tobytes() == state[slot.name].view(torch.int16).numpy().tobytes()

@@ -1,0 +1,121 @@
+"""The codec's compiled kernels against plain numpy references (bit-exact)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from board import codec
+from board.codec.bitio import pack_fixed, unpack_fixed
+from board.codec.classes import class_positions, class_ranks, split_ranks
+from board.codec.context import EXPONENT_FIELDS
+from board.codec.digest import digest_bits
+
+SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+UINTS = {"BF16": np.uint16, "F32": np.uint32, "F64": np.uint64, "F8_E4M3": np.uint8, "I32": np.uint32}
+
+
+@st.composite
+def bit_pairs(draw: st.DrawFn) -> tuple[str, np.ndarray, np.ndarray]:
+    """Old and new element bits of one dtype, sizes across 64-element words, changes
+    anywhere (first, last, runs, sparse)."""
+    dtype = draw(st.sampled_from(sorted(UINTS)))
+    n = draw(st.sampled_from([0, 1, 63, 64, 65, 127, 128, 1000, 4097]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(UINTS[dtype])
+    old = rng.integers(0, info.max, size=n, dtype=UINTS[dtype], endpoint=True)
+    new = old.copy()
+    if n:
+        density = draw(st.sampled_from([0.0, 0.01, 0.3, 1.0]))
+        hit = rng.random(n) < density
+        hit[draw(st.integers(0, n - 1))] = draw(st.booleans())
+        new[hit] ^= UINTS[dtype](1) << UINTS[dtype](draw(st.integers(0, 8 * info.bits // 8 - 1)))
+    return dtype, old, new
+
+
+@SETTINGS
+@given(bit_pairs())
+def test_diff_matches_numpy(pair: tuple[str, np.ndarray, np.ndarray]) -> None:
+    dtype, old, new = pair
+    got = codec.diff(old.view(np.uint8), new.view(np.uint8), dtype)
+    want = np.flatnonzero(old != new)
+    assert np.array_equal(got.positions, want)
+    assert np.array_equal(got.old_bits, old[want]) and np.array_equal(got.new_bits, new[want])
+    assert got.old_bits.dtype == old.dtype
+
+
+def test_diff_splits_large_tensors_between_threads_exactly() -> None:
+    rng = np.random.default_rng(3)
+    old = rng.integers(0, 2**16, size=(1 << 21) + 77, dtype=np.uint16)
+    new = old.copy()
+    idx = rng.choice(old.size, 20_000, replace=False)
+    new[idx] ^= np.uint16(1)
+    got = codec.diff(old.view(np.uint8), new.view(np.uint8), "BF16")
+    assert np.array_equal(got.positions, np.sort(idx))
+
+
+def _classes(old: np.ndarray, dtype: str, t_low: int, t_top: int) -> np.ndarray:
+    shift = EXPONENT_FIELDS[dtype][0]
+    m = old & old.dtype.type((1 << (8 * old.itemsize - 1)) - 1)
+    return (m >= old.dtype.type(t_low << shift)).astype(np.int64) + (m >= old.dtype.type(t_top << shift))
+
+
+@SETTINGS
+@given(bit_pairs(), st.data())
+def test_rank_and_select_invert_each_other(
+    pair: tuple[str, np.ndarray, np.ndarray], data: st.DataObject
+) -> None:
+    dtype, old, new = pair
+    if dtype not in EXPONENT_FIELDS:
+        return
+    top = EXPONENT_FIELDS[dtype][1] + 1
+    t_low = data.draw(st.integers(0, top))
+    t_top = data.draw(st.integers(t_low, top))
+    positions = np.flatnonzero(old != new)
+    cls = _classes(old, dtype, t_low, t_top)
+    # reference: rank = members of the element's class before it
+    want = np.array([np.count_nonzero(cls[:p] == cls[p]) for p in positions], dtype=np.int64)
+    ranks = class_ranks(old, dtype, t_low, t_top, positions)
+    assert np.array_equal(ranks, want)
+    per_class = split_ranks(old[positions], dtype, t_low, t_top, positions, ranks)
+    assert [r.tolist() for r in per_class] == [want[cls[positions] == c].tolist() for c in range(3)]
+    assert np.array_equal(class_positions(old, dtype, t_low, t_top, per_class), positions)
+    if positions.size:  # a rank past its class is refused, never read out of bounds
+        members = int(np.count_nonzero(cls == cls[positions[-1]]))
+        bad = [r.copy() for r in per_class]
+        bad[int(cls[positions[-1]])][-1] = members
+        try:
+            class_positions(old, dtype, t_low, t_top, bad)
+        except codec.PatchError:
+            pass
+        else:
+            raise AssertionError("a rank past its class was accepted")
+
+
+@SETTINGS
+@given(st.integers(0, 63), st.lists(st.integers(0, 2**64 - 1), max_size=300), st.integers(0, 2**20))
+def test_fixed_width_fields_roundtrip_with_high_parts(k: int, values: list[int], high: int) -> None:
+    v = np.array(values, dtype=np.uint64) & np.uint64((1 << k) - 1)
+    packed = pack_fixed(v, k)
+    assert len(packed) == (v.size * k + 7) // 8
+    highs = np.full(v.size, high, dtype=np.uint64)
+    assert np.array_equal(unpack_fixed(packed, highs, k), (highs << np.uint64(k)) | v)
+
+
+@SETTINGS
+@given(bit_pairs())
+def test_digest_matches_the_reference_mixes(pair: tuple[str, np.ndarray, np.ndarray]) -> None:
+    _, old, _ = pair
+    mask = (1 << 64) - 1
+    sa = sb = 0
+    for i, x in enumerate(old.tolist()):  # the documented mixes, in Python integers
+        a = (((i * 0x9E3779B97F4A7C15) & mask) ^ x) * 0xBF58476D1CE4E5B9 & mask
+        a = ((a ^ (a >> 32)) * 0x94D049BB133111EB) & mask
+        a ^= a >> 29
+        b = ((x * 0xC2B2AE3D27D4EB4F + i) & mask) * 0x165667B19E3779F9 & mask
+        b = ((b ^ (b >> 31)) * 0xFF51AFD7ED558CCD) & mask
+        b ^= b >> 33
+        sa, sb = (sa + a) & mask, (sb + b) & mask
+    assert digest_bits(old) == f"{sa:016x}{sb:016x}"

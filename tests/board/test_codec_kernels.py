@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,7 +15,13 @@ from board.codec.context import EXPONENT_FIELDS
 from board.codec.digest import digest_bits
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-UINTS = {"BF16": np.uint16, "F32": np.uint32, "F64": np.uint64, "F8_E4M3": np.uint8, "I32": np.uint32}
+UINTS: dict[str, Any] = {
+    "BF16": np.uint16,
+    "F32": np.uint32,
+    "F64": np.uint64,
+    "F8_E4M3": np.uint8,
+    "I32": np.uint32,
+}
 
 
 @st.composite
@@ -59,7 +67,9 @@ def test_diff_splits_large_tensors_between_threads_exactly() -> None:
 def _classes(old: np.ndarray, dtype: str, t_low: int, t_top: int) -> np.ndarray:
     shift = EXPONENT_FIELDS[dtype][0]
     m = old & old.dtype.type((1 << (8 * old.itemsize - 1)) - 1)
-    return (m >= old.dtype.type(t_low << shift)).astype(np.int64) + (m >= old.dtype.type(t_top << shift))
+    cls: np.ndarray = (m >= old.dtype.type(t_low << shift)).astype(np.int64)
+    cls += m >= old.dtype.type(t_top << shift)
+    return cls
 
 
 @SETTINGS

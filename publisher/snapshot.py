@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from board.codec import width
+from board.codec.jit import stream_copy
 from board.schemas import ViewSpec
 from board.view_spec import served_dtype
 from publisher.view import SAFETENSORS_TO_TORCH, safetensors_dtype
@@ -102,16 +103,16 @@ _PIECE_BYTES = 1 << 23
 _helper = ThreadPoolExecutor(1, thread_name_prefix="deltaboard-snapshot")
 
 
-def _pieces(numel: int, itemsize: int) -> list[tuple[int, int]]:
-    step = max(1, _PIECE_BYTES // itemsize)
-    return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+def _pieces(nbytes: int) -> list[tuple[int, int]]:
+    return [(a, min(a + _PIECE_BYTES, nbytes)) for a in range(0, nbytes, _PIECE_BYTES)]
 
 
 def copy_shared(pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """`np.copyto(dst, src)` for each (dst, src) piece, on the calling thread and one helper.
+    """Copy each (dst, src) piece of bytes, on the calling thread and one helper.
 
-    A copy is memory-bound: two cores copy a view about 1.3x faster than one here. Both
-    threads take the next piece from a shared counter, so when the other core is busy
+    A copy is memory-bound: non-temporal stores (`stream_copy`) and two cores copy a 1 GB
+    view in 40 ms here, against 80 ms for one core's `np.copyto`. Both threads take the
+    next piece from a shared counter, so when the other core is busy
     (the previous version still encoding) the caller simply copies everything itself and
     waits at most for the one piece the helper holds, never for the helper to be scheduled.
     """
@@ -119,7 +120,7 @@ def copy_shared(pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
     def work() -> None:
         while (i := next(order)) < len(pieces):
-            np.copyto(*pieces[i])
+            stream_copy(*pieces[i])
 
     helper = _helper.submit(work) if len(pieces) > 1 else None
     work()
@@ -166,7 +167,8 @@ class ViewBuffer:
             host = self._host_bits.get(name)
             if host is not None and src.dtype == target.dtype and src.is_contiguous():
                 flat = src.reshape(-1).view(BITS_DTYPES[src.element_size()]).numpy()
-                pieces.extend((host[a:b], flat[a:b]) for a, b in _pieces(host.size, host.itemsize))
+                raw, source = host.view(np.uint8), flat.view(np.uint8)
+                pieces.extend((raw[a:b], source[a:b]) for a, b in _pieces(raw.size))
             else:
                 target.copy_(src)
         copy_shared(pieces)

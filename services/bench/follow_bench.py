@@ -20,7 +20,9 @@ process (loopback); the nodes are real `Follower`s on local disk. Figures:
   (O(changes)) and write only the changed elements in place (median over steady updates);
   `codec_decode_s` is the codec's decode + verify of one version alone (one thread, in
   memory, nothing written), and `codec_decode_threads_s` the same on the follower's
-  apply threads: the floor under it;
+  apply threads: the floor under it; `page_touch_s` is the other floor: one write into
+  every 4 KiB page of the shards through a fresh mapping (no data), which any in-place
+  apply pays when nearly every page holds a change (`pages_touched`);
   `mirror_s` is the follower's second write of the same changes into its other slot (the
   A/B scheme's price for atomic versions), after the swap, off the critical path;
 * `bootstrap_s`: an empty node to serving the head (the run's one keyframe plus every
@@ -32,6 +34,7 @@ process (loopback); the nodes are real `Follower`s on local disk. Figures:
 
 from __future__ import annotations
 
+import mmap
 import statistics
 import tempfile
 import time
@@ -54,6 +57,7 @@ from clients.follower.patcher import read_placements
 from services.bench.publish_bench import board_process
 
 RUN = "bench-follow"
+PAGE = 4096
 Status = Callable[[str], None]
 
 
@@ -192,9 +196,9 @@ class SyntheticTrainer:
             positions = self._positions(name)
             moves = self.rng.choice(self.stats.steps, positions.size)
             bits[positions] = _unordered(_ordered(bits[positions]) + moves)
-            page = positions // (4096 // 2)
+            page = positions // (PAGE // 2)
             pages += int(page.size > 0) + int(np.count_nonzero(page[1:] != page[:-1]))
-            total += -(-bits.size // (4096 // 2))
+            total += -(-bits.size // (PAGE // 2))
         self.pages_touched = pages / total
 
 
@@ -322,6 +326,23 @@ def full_write_runs(trainer: SyntheticTrainer, slot_dir: Path, scratch: Path) ->
     return times
 
 
+def page_touch_runs(slot_dir: Path, runs: int = 3) -> list[float]:
+    """The floor under any in-place apply that changes nearly every page: one write into
+    each 4 KiB page of the slot's shard files (in the page cache) through a fresh writable
+    mapping, the way the follower maps them; no data moves, so this is the cost of the
+    page faults and of dirtying the pages alone. Each run rewrites the byte it read."""
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        for path in sorted(slot_dir.glob("*.safetensors")):
+            with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mapped:
+                pages = np.frombuffer(mapped, dtype=np.uint8)[::PAGE]
+                pages[:] = pages  # a write fault on every page, the contents unchanged
+                del pages
+        times.append(time.perf_counter() - started)
+    return times
+
+
 def _names(shard: Path) -> list[str]:
     """A shard's tensor names in file order."""
     placements = read_placements(shard)
@@ -344,6 +365,7 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
             materialize(tmp / "layout", client.manifest(RUN, 0), {})
             full_runs = full_write_runs(trainer, tmp / "layout", tmp / "full")
             full_s = statistics.median(full_runs)
+            touch_s = statistics.median(page_touch_runs(tmp / "layout"))
             status("decoding one version in memory")
             decode_s = codec_decode_s(client, k + config.steady, base, 1)
             decode_threads_s = codec_decode_s(client, k + config.steady, base, APPLY_THREADS)
@@ -389,6 +411,8 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
         "full_write_s": full_s,
         "full_write_runs_s": full_runs,
         "apply_verify_ratio": apply_s / full_s,
+        "page_touch_s": touch_s,
+        "page_touch_ratio": touch_s / full_s,
         "bootstrap_s": bootstrap_s,
         "bootstrap_keyframe_s": bootstrap_keyframe_s,
         "catchup_k": k,
@@ -424,6 +448,10 @@ def render(report: dict[str, Any], console: Console) -> None:
         (
             "apply + verify per version",
             f"{report['apply_verify_s']:.3f} s ({report['apply_verify_ratio']:.3f}x)",
+        ),
+        (
+            "  floor: one write into every page of the shards",
+            f"{report['page_touch_s']:.3f} s ({report['page_touch_ratio']:.3f}x)",
         ),
         ("  the codec's decode alone (1 thread, in memory)", f"{report['codec_decode_s']:.3f} s"),
         (

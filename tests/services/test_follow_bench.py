@@ -1,0 +1,17 @@
+"""`bench follow` end to end on a small view: every figure present and consistent."""
+
+from __future__ import annotations
+
+from services.bench import follow_bench
+
+
+def test_bench_follow_small_view() -> None:
+    config = follow_bench.BenchConfig(view_gb=0.008, catchup_k=3, steady=1, tensor_elements=1 << 18)
+    report = follow_bench.run(config, lambda _: None)
+    assert 0.005 < report["changed_fraction"] < 0.02
+    for key in ("apply_verify_s", "full_write_s", "page_touch_s", "codec_decode_s", "bootstrap_s"):
+        assert report[key] > 0, key
+    assert report["page_touch_ratio"] == report["page_touch_s"] / report["full_write_s"]
+    # the plan fetches the cheaper of a keyframe and the chain of deltas
+    assert report["catchup_bytes"] == min(report["keyframe_bytes"], report["replay_bytes"])
+    assert set(report["targets"]) == {"apply_verify_le_0.1x_full_write", "catchup_le_one_keyframe"}

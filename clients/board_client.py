@@ -327,17 +327,6 @@ class BoardClient:
             timeout=timeout + (wait or 0.0) + LONG_POLL_SLACK_S,
         )
 
-    def wait_for_head(self, run: str, after: int | None, timeout: float) -> Head:
-        """Long-poll until head > `after` or `timeout` passes; returns the last head seen."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            head = self.head(run, after=-1 if after is None else after, wait=max(0.0, min(remaining, 60.0)))
-            if head.version is not None and (after is None or head.version > after):
-                return head
-            if remaining <= 0:
-                return head
-
     def events(self, run: str) -> Iterator[Head]:
         """Heads from the server-sent event stream, first the current one; runs until closed."""
         with self._http.stream(

@@ -1,10 +1,12 @@
 """A directory as the object store: the embedded default for one board process.
 
 Writes go to a temporary file and are renamed into place, so a reader never sees a torn
-object. Create-if-absent uses `link(2)` (atomic, fails if the name exists). A record's
-version tag is a generation number kept in its lock file; compare-and-set holds that
-file's `flock`, so that processes sharing the directory agree, and the number only grows,
-so a tag never comes back even when the same bytes are written again. The number is
+object; with `fsync` (the default) the file is synced before and its directory after the
+rename, so a crash keeps both the bytes and the name. Create-if-absent uses `link(2)`
+(atomic, fails if the name exists). A record's version tag is a generation number kept
+in its lock file; compare-and-set holds that file's `flock`, so that processes sharing the
+directory agree, and the number only grows, so a tag never comes back even when the same
+bytes are written again. The number is
 rewritten in place at a fixed width: truncating the file first would make ext4 flush it
 (its `auto_da_alloc` heuristic), a millisecond on every commit.
 """
@@ -77,6 +79,12 @@ class LocalStore:
         finally:
             os.close(fd)
 
+    def _sync_dir(self, directory: Path) -> None:
+        """Make a rename or link in `directory` durable: without it a crash can lose the new
+        name even though the file's bytes were synced (POSIX keeps the two apart)."""
+        if self.fsync:
+            self._sync_file(directory)
+
     def _sync_all(self, paths: list[Path]) -> None:
         """fsync the files concurrently: their flushes share journal commits instead of
         queueing one behind the other (the tail of a commit is two fsyncs otherwise)."""
@@ -122,6 +130,7 @@ class LocalStore:
                     raise PreconditionFailed(key) from None
             else:
                 os.replace(tmp, path)
+            self._sync_dir(path.parent)
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -171,6 +180,7 @@ class LocalStore:
             ):
                 raise PreconditionFailed(key)
             os.replace(tmp, path)
+            self._sync_dir(path.parent)
             # A new number even for the same bytes: a tag never comes back (no ABA).
             os.pwrite(lock.fileno(), str(generation + 1).zfill(GENERATION_WIDTH).encode(), 0)
         return str(generation + 1)
@@ -183,6 +193,7 @@ class LocalStore:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, target)
+        self._sync_dir(target.parent)
 
     def stat(self, key: str) -> ObjectInfo | None:
         try:

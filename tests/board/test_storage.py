@@ -162,3 +162,20 @@ def test_local_store_removes_temporary_files_a_crash_left(tmp_path):
     os.utime(old, (time.time() - 2 * STALE_TEMP_S,) * 2)
     LocalStore(tmp_path)
     assert not old.exists() and fresh.exists()
+
+
+def test_local_store_syncs_the_directory_after_each_rename(tmp_path, monkeypatch):
+    """A rename is durable only once its directory is synced: every write path does it."""
+    synced: list[Path] = []
+    real = LocalStore._sync_file
+    monkeypatch.setattr(LocalStore, "_sync_file", staticmethod(lambda p: (synced.append(Path(p)), real(p))))
+    store = LocalStore(tmp_path / "store")
+    store.put("runs/r/blobs/a", b"x", if_none_match=True)
+    store.put("runs/r/assets/b", b"y")
+    store.write_record("runs/r/head.json", b"{}", None)
+    loose = tmp_path / "upload"
+    loose.write_bytes(b"z")
+    store.put_file("runs/r/blobs/c", loose)
+    run = tmp_path / "store" / "runs" / "r"
+    assert synced.count(run / "blobs") == 2  # the create-if-absent link and the moved upload
+    assert run / "assets" in synced and run in synced  # a plain put and a record

@@ -168,7 +168,12 @@ def test_local_store_syncs_the_directory_after_each_rename(tmp_path, monkeypatch
     """A rename is durable only once its directory is synced: every write path does it."""
     synced: list[Path] = []
     real = LocalStore._sync_file
-    monkeypatch.setattr(LocalStore, "_sync_file", staticmethod(lambda p: (synced.append(Path(p)), real(p))))
+
+    def recording(path: Path) -> None:
+        synced.append(Path(path))
+        real(path)
+
+    monkeypatch.setattr(LocalStore, "_sync_file", staticmethod(recording))
     store = LocalStore(tmp_path / "store")
     store.put("runs/r/blobs/a", b"x", if_none_match=True)
     store.put("runs/r/assets/b", b"y")

@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="JSON bodies and assets")
     body_idle_timeout_s: float = Field(default=30.0, gt=0, description="give up on a stalled request body")
     max_wait_s: float = Field(default=60.0, gt=0)
+    fleet_ttl_s: float = Field(
+        default=300.0, gt=0, description="a node not heard from in this long leaves the fleet listing"
+    )
     fsync: bool = True
     log_level: str = "warning"
     instance: str = Field(

@@ -27,7 +27,7 @@ async def heartbeat(run: str, body: Heartbeat, state: BoardState = Reader) -> Re
 @router.get("/v1/runs/{run}/fleet", response_model=list[FleetNode])
 async def fleet(run: str, state: BoardState = Reader) -> list[FleetNode]:
     await state.require_run(run)
-    return await state.index.fleet(run)
+    return await state.index.fleet(run, time.time() - state.settings.fleet_ttl_s)
 
 
 @router.post("/v1/runs/{run}/retention", response_model=RetentionReport)

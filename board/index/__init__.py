@@ -68,7 +68,10 @@ class Index(Protocol):
 
     async def heartbeat(self, run: str, node: FleetNode) -> None: ...
 
-    async def fleet(self, run: str) -> list[FleetNode]: ...
+    async def fleet(self, run: str, seen_after: float) -> list[FleetNode]:
+        """The nodes heard from after `seen_after` (sorted by id); older ones are dropped
+        from the index, so that nodes that went away do not accumulate."""
+        ...
 
     async def touch_blob(self, run: str, sha256: str, at: float) -> None:
         """Note that a deduplicated upload claimed a stored blob (retention's grace clock)."""

@@ -57,8 +57,11 @@ class EmbeddedIndex:
     async def heartbeat(self, run: str, node: FleetNode) -> None:
         self._fleet.setdefault(run, {})[node.node_id] = node
 
-    async def fleet(self, run: str) -> list[FleetNode]:
-        return sorted(self._fleet.get(run, {}).values(), key=lambda n: n.node_id)
+    async def fleet(self, run: str, seen_after: float) -> list[FleetNode]:
+        nodes = self._fleet.get(run, {})
+        for node_id in [i for i, n in nodes.items() if n.last_seen <= seen_after]:
+            del nodes[node_id]
+        return sorted(nodes.values(), key=lambda n: n.node_id)
 
     async def touch_blob(self, run: str, sha256: str, at: float) -> None:
         self._touches.setdefault(run, {})[sha256] = at

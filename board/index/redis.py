@@ -125,9 +125,15 @@ class RedisIndex:
     async def heartbeat(self, run: str, node: FleetNode) -> None:
         await self.redis.hset(self._k("fleet", run), node.node_id, node.model_dump_json())
 
-    async def fleet(self, run: str) -> list[FleetNode]:
+    async def fleet(self, run: str, seen_after: float) -> list[FleetNode]:
+        """A node that beats between the read and the deletion of its stale entry drops out
+        until its next heartbeat: harmless for a listing, and no script is needed."""
         found: dict[Any, Any] = await self.redis.hgetall(self._k("fleet", run))
-        return sorted((FleetNode.model_validate_json(v) for v in found.values()), key=lambda n: n.node_id)
+        nodes = [FleetNode.model_validate_json(v) for v in found.values()]
+        stale = [n.node_id for n in nodes if n.last_seen <= seen_after]
+        if stale:
+            await self.redis.hdel(self._k("fleet", run), *stale)
+        return sorted((n for n in nodes if n.last_seen > seen_after), key=lambda n: n.node_id)
 
     async def touch_blob(self, run: str, sha256: str, at: float) -> None:
         await self.redis.hset(self._k("touch", run), sha256, str(at))

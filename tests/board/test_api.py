@@ -234,3 +234,29 @@ def test_blob_upload_streams_to_disk(board):
     assert r.status_code == 201, r.text
     assert c.blob_size("r", sha) == count * len(chunk)
     assert peak_rss_bytes(board.process.pid) - before < 64 * 2**20
+
+
+@pytest.mark.parametrize("index", ["embedded", "redis"])
+def test_silent_nodes_leave_the_fleet(index, tmp_path, request):
+    from tests.support.servers import board_server
+
+    settings = {"fleet_ttl_s": "1.5"}
+    if index == "redis":
+        settings |= {
+            "redis": request.getfixturevalue("redis_server"),
+            "redis_namespace": f"fleet{time.time_ns()}",
+        }
+    server = board_server(tmp_path / "board", **settings).start()
+    try:
+        c = server.client(server.admin_token)
+        c.create_run("r")
+        c.heartbeat("r", Heartbeat(node_id="gone", version=None, engine="x"))
+        time.sleep(1.0)
+        c.heartbeat("r", Heartbeat(node_id="alive", version=None, engine="x"))
+        assert [n.node_id for n in c.fleet("r")] == ["alive", "gone"]
+        time.sleep(0.8)  # "gone" is now 1.8 s silent, "alive" 0.8 s
+        assert [n.node_id for n in c.fleet("r")] == ["alive"]
+        c.heartbeat("r", Heartbeat(node_id="gone", version=3, engine="x"))  # back after a restart
+        assert [(n.node_id, n.version) for n in c.fleet("r")] == [("alive", None), ("gone", 3)]
+    finally:
+        server.stop()

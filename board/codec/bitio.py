@@ -1,4 +1,4 @@
-"""Byte sections and vectorised Rice coding: the codec's only entropy coder.
+"""Byte sections and Rice coding: the codec's only entropy coder.
 
 A payload is a sequence of fields (u64) and length-prefixed byte sections; `Reader` checks
 every bound so that truncated or corrupted input raises PatchError, never IndexError.

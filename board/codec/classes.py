@@ -5,12 +5,15 @@ classes of the old tensor: elements whose bit pattern without its sign bit (mono
 |value| for floats) is below `t_low << shift` (class 0, low), below
 `t_top << shift` (class 1, mid), or not (class 2, top).
 
-* `class_ranks` (encoder): each changed element's class and the number of members of that
-  class before it, from one pass over the old tensor up to the last change (a counting
-  loop that the compiler vectorises between consecutive changes).
-* `class_positions` (decoder): the inverse, from one pass over the old tensor that builds
-  each 64-element word's class masks and picks the wanted members out of them by
-  popcount, emitting the positions of a word in order, so they come out sorted.
+Both directions make one pass over the old tensor, 64 elements (a word) at a time: two
+vector compares give the word's class masks (`board.codec.jit.below_mask`), popcounts
+keep each class's running count.
+
+* `class_ranks` (encoder): each changed element's rank is its class's count before the
+  word plus the popcount of its class mask below it; the pass stops at the last change.
+* `class_positions` (decoder): the inverse; the wanted members of a word are picked out of
+  its masks by popcount select, and a word's positions are emitted in order, so they come
+  out sorted. A rank past its class is never found, which the caller reports.
 """
 
 from __future__ import annotations

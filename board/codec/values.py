@@ -3,7 +3,8 @@
 `d = new - old` as a wrapping signed integer of the element width. For floats of one sign
 the bit pattern is monotone in magnitude, so a weight nudged across one rounding boundary
 of the view moves by d = +-1, and a weight whose ULP is smaller than the update moves by
-about update / ULP, a size its old exponent predicts. The coding, all vectorised:
+about update / ULP, a size its old exponent predicts. The coding (compiled loops over the
+changed elements, `board.codec.jit`):
 
 * the sign of d: one bit per changed element (the update direction is unpredictable);
 * the magnitude class c = bit_length(|d| - 1) (0 for one step, 1 for two, 2 for 3-4, ...),

@@ -12,9 +12,9 @@ changed when the old bytes are at hand and the deltas cost more than half the te
 Context and the device path: ULP steps only use the *old bits at the changed positions*,
 which `Changes.old_bits` already carries. The `context` encoding also needs each changed
 element's rank within its class of the old tensor: `ranked.context_hint` computes it from
-the old bytes (one pass, `board.codec.classes`); the publisher computes the same `ContextHint` on the
-tensors' device and passes it instead of `old`. Without either (only `old_digest`) or with
-`context=False` it is not tried.
+the old bytes (one pass, `board.codec.classes`); the publisher computes the same
+`ContextHint` on the tensors' device and passes it instead of `old`. Without either (only
+`old_digest`) or with `context=False` it is not tried.
 
 Verification: `apply`/`decode` check the base digest (trusting `old_digest` if given, so the
 cost stays O(changed)), then the result digest, updated from the base in O(changed) through

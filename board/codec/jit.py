@@ -6,6 +6,11 @@ step streams a fresh temporary through memory and pays a call per array; one com
 does the same work in registers, several times faster, which is what the throughput
 targets (GB of view per second on two cores) need.
 
+Besides `kernel`, this module holds the few LLVM intrinsics the kernels need (popcount,
+64-lane compares straight into bit masks) and `stream_copy`, a copy with non-temporal
+stores that the publisher's snapshot uses for the same reason: memory-bound passes at
+memory speed.
+
 `kernel` compiles with `nogil`, so the codec's thread pools (`board.codec.parallel`, and
 callers that code several tensors at once) run kernels on every core. numba does not check
 array bounds: kernels that read coded (untrusted) streams check every index themselves and

@@ -15,6 +15,10 @@ memory speed.
 callers that code several tensors at once) run kernels on every core. numba does not check
 array bounds: kernels that read coded (untrusted) streams check every index themselves and
 report failure through their return value, which the Python side turns into `PatchError`.
+
+numba's disk cache is keyed on each kernel's own source file, not on what it calls: after
+changing an intrinsic here, delete `board/codec/__pycache__/*.nb[ic]` so that the kernels
+of the other modules are compiled again.
 """
 
 from __future__ import annotations

@@ -23,7 +23,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from board.codec.bitio import Reader, Writer, positions_from_gaps, rice_decode, rice_encode
+from board.codec.bitio import (
+    Reader,
+    Writer,
+    pack_fixed,
+    positions_from_gaps,
+    rice_decode,
+    rice_encode,
+    unpack_fixed,
+)
 from board.codec.context import CONTEXTS, EXPONENT_FIELDS
 from board.codec.dtypes import width
 from board.codec.errors import PatchError
@@ -75,23 +83,16 @@ def _steps(old: np.ndarray, new: np.ndarray, element: np.uint64) -> tuple[np.nda
     return signs, v, c
 
 
-@kernel
-def _pack_classes(v: np.ndarray, c: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """The (c - 1) bits below the leading one of each v of class c >= 2, MSB first, each
-    class in its own byte-aligned section starting at byte `starts[c]`."""
-    out = np.zeros(starts[-1], dtype=np.uint8)
-    cursor = starts[:-1] * 8  # next bit of each class's section
-    for i in range(v.size):
-        k = c[i] - 1
-        if k < 1:
-            continue
-        bit = cursor[c[i]]
-        for j in range(k - 1, -1, -1):
-            if v[i] >> np.uint64(j) & np.uint64(1):
-                out[bit >> 3] |= np.uint8(0x80 >> (bit & 7))
-            bit += 1
-        cursor[c[i]] = bit
-    return out
+def _by_class(c: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(class, indices) for every class >= 2 present, in class order: the low bits of each
+    class are packed at that class's fixed width (one section per class)."""
+    wide = np.flatnonzero(c >= 2)
+    if wide.size == 0:
+        return []
+    order = wide[np.argsort(c[wide], kind="stable")]
+    counts = np.bincount(c[wide], minlength=_CLASSES)
+    ends = np.cumsum(counts)
+    return [(cls, order[ends[cls] - counts[cls] : ends[cls]]) for cls in np.flatnonzero(counts).tolist()]
 
 
 def encode_values(w: Writer, old_bits: np.ndarray, new_bits: np.ndarray, dtype: str) -> None:
@@ -107,53 +108,36 @@ def encode_values(w: Writer, old_bits: np.ndarray, new_bits: np.ndarray, dtype: 
     missed = np.flatnonzero(zigzag)
     w.u64(missed.size)
     rice_encode(w, [np.diff(missed, prepend=-1) - 1, zigzag[missed] - np.uint64(1)])
-    counts = np.bincount(c, minlength=_CLASSES)
-    sizes = (counts * np.maximum(np.arange(_CLASSES) - 1, 0) + 7) // 8
-    sizes[:2] = 0
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    packed = _pack_classes(v, c, starts)
-    for cls in np.flatnonzero(counts[2:]) + 2:
-        w.section(packed[starts[cls] : starts[cls + 1]].tobytes())
+    for cls, members in _by_class(c):
+        w.section(pack_fixed(v[members], cls - 1))
 
 
 @kernel
 def _classes(
     ctx: np.ndarray, predicted: np.ndarray, missed: np.ndarray, sizes: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(step class per element, elements per class, all in range) from the predictions
-    and the zigzagged corrections at the missed elements."""
+) -> tuple[np.ndarray, bool]:
+    """(step class per element, all in range) from the predictions and the zigzagged
+    corrections at the missed elements."""
     c = np.empty(ctx.size, dtype=np.int64)
     for i in range(ctx.size):
         c[i] = predicted[ctx[i]]
     for j in range(missed.size):
         z = sizes[j] + np.uint64(1)
         c[missed[j]] += np.int64(z >> np.uint64(1)) ^ -np.int64(z & np.uint64(1))
-    counts = np.zeros(_CLASSES, dtype=np.int64)
     for x in c:
         if x < 0 or x >= _CLASSES:
-            return c, counts, False
-        counts[x] += 1
-    return c, counts, True
+            return c, False
+    return c, True
 
 
 @kernel
 def _apply_steps(
-    old: np.ndarray, c: np.ndarray, signs: np.ndarray, low: np.ndarray, starts: np.ndarray, element: np.uint64
+    old: np.ndarray, v: np.ndarray, signs: np.ndarray, element: np.uint64
 ) -> tuple[np.ndarray, bool]:
-    """New bits from the old ones, the step classes, the signs and the low bits of each
-    class (its section from byte `starts[c]`); False if a step is zero."""
+    """New bits from the old ones, |d| - 1 and the signs; False if a step is zero."""
     new = np.empty(old.size, dtype=old.dtype)
-    cursor = starts * 8
     for i in range(old.size):
-        k = c[i] - 1
-        v = np.uint64(0) if k < 0 else np.uint64(1)
-        if k > 0:
-            bit = cursor[c[i]]
-            for _ in range(k):
-                v = (v << np.uint64(1)) | np.uint64(low[bit >> 3] >> (7 - (bit & 7)) & 1)
-                bit += 1
-            cursor[c[i]] = bit
-        magnitude = (v + np.uint64(1)) & element
+        magnitude = (v[i] + np.uint64(1)) & element
         if magnitude == 0:
             return new, False
         if signs[i >> 3] & (0x80 >> (i & 7)):
@@ -176,20 +160,13 @@ def decode_values(r: Reader, old_bits: np.ndarray, dtype: str) -> np.ndarray:
     if missed_count > n:
         raise PatchError("corrupted patch: more mispredictions than changed elements")
     gaps, sizes = rice_decode(r, [missed_count, missed_count])
-    c, counts, ok = _classes(_contexts(old_bits, shift, mask), predicted, positions_from_gaps(gaps, n), sizes)
+    c, ok = _classes(_contexts(old_bits, shift, mask), predicted, positions_from_gaps(gaps, n), sizes)
     if not ok:
         raise PatchError("corrupted patch: step class out of range")
-    sections, starts = [], np.zeros(_CLASSES, dtype=np.int64)
-    offset = 0
-    for cls in np.flatnonzero(counts[2:]) + 2:
-        section = r.section()
-        if len(section) * 8 < int(counts[cls]) * (cls - 1):
-            raise PatchError("patch is truncated or corrupted (fixed-width bits missing)")
-        sections.append(section)
-        starts[cls] = offset
-        offset += len(section)
-    low = np.frombuffer(b"".join(sections), dtype=np.uint8)
-    new, ok = _apply_steps(old_bits, c, np.frombuffer(signs, dtype=np.uint8), low, starts, element)
+    v = (c == 1).astype(np.uint64)  # class 0 is one step (v = 0), class 1 two (v = 1)
+    for cls, members in _by_class(c):  # the bits below the leading one, which is implied
+        v[members] = unpack_fixed(r.section(), np.ones(members.size, dtype=np.uint64), cls - 1)
+    new, ok = _apply_steps(old_bits, v, np.frombuffer(signs, dtype=np.uint8), element)
     if not ok:
         raise PatchError("corrupted patch: a changed element does not change")
     out: np.ndarray = new

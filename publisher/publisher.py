@@ -22,10 +22,10 @@ downloads, and the board stores, that much less. It reads the old exponent class
 element. On the CPU the publisher hands the codec the old bytes in place; the pass costs
 background time only (`bench publish`, 1 GB bf16 view, 2 cores: 0.66 instead of 0.40 s
 from call to commit, none of it on the trainer thread), so the default (`None`, auto)
-uses it there. On CUDA it needs
-a hint computed on the device (`device_diff.context_hints`), which cut snapshot + diff
-from ~211 to ~58 GB/s on an H200, so auto leaves it off there; `context=True` asks for
-it everywhere, `context=False` nowhere.
+uses it there. On CUDA it needs a hint computed on the device
+(`device_diff.context_hints`), which cut snapshot + diff from ~211 to ~58 GB/s on an
+H200, so auto leaves it off there; `context=True` asks for it everywhere,
+`context=False` nowhere.
 
 Threads: the caller's (snapshot only), one worker (orders the stages, commits), a diff
 helper, an encoder pool (`encode_workers`, default min(4, cores)), an upload pool, and

@@ -112,9 +112,9 @@ def copy_shared(pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
     A copy is memory-bound: non-temporal stores (`stream_copy`) and two cores copy a 1 GB
     view in 40 ms here, against 80 ms for one core's `np.copyto`. Both threads take the
-    next piece from a shared counter, so when the other core is busy
-    (the previous version still encoding) the caller simply copies everything itself and
-    waits at most for the one piece the helper holds, never for the helper to be scheduled.
+    next piece from a shared counter, so when the other core is busy (the previous
+    version still encoding) the caller simply copies everything itself and waits at most
+    for the one piece the helper holds, never for the helper to be scheduled.
     """
     order = itertools.count()  # next() is atomic under the GIL
 
@@ -158,7 +158,7 @@ class ViewBuffer:
         """Copy (and cast) the state dict into this buffer: the snapshot.
 
         On CUDA this only enqueues copies; `wait_ready()` in another thread blocks until
-        they ran. On the CPU a tensor already in its served dtype is copied by numpy in
+        they ran. On the CPU a tensor already in its served dtype is copied as bytes, in
         pieces shared with one helper thread (`copy_shared`); others are cast by torch.
         """
         pieces: list[tuple[np.ndarray, np.ndarray]] = []

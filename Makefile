@@ -18,5 +18,5 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy .
+	$(BIN)/mypy
 	$(BIN)/pytest -q

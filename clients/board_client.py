@@ -19,8 +19,8 @@ from typing import IO, Any, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
-from board.errors import BoardError
-from board.schemas import (
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.schemas import (
     BlobUploadTarget,
     CommitRequest,
     FleetNode,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from board.schemas import ASSET_NAME_RE
+from deltaboard.board.contract.schemas import ASSET_NAME_RE
 
 # Weight files are versions, not assets; optimizer and trainer state never reach an engine.
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".h5")

@@ -2,7 +2,7 @@
 
 For trainers that write checkpoints instead of calling `Publisher.publish` in the loop
 (`deltaboard publish DIR --run R`). The previous version's view is the base of the
-delta: it is kept in a local cache directory by a rollout follower (`clients.follower`),
+delta: it is kept in a local cache directory by a rollout follower (`deltaboard.clients.follower`),
 which fetches only what changed since the cache's version, and its state digest is
 checked against the board before any patch is made against it. With no previous version
 (or when the tensor names changed) the directory goes out as a keyframe.
@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from board.schemas import ViewSpec
-from board.view_spec import INDEX_FILE
-from clients.board_client import BoardClient
-from publisher.publisher import Publisher, PublishResult
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.board.contract.view_spec import INDEX_FILE
+from deltaboard.clients.board_client import BoardClient
+from deltaboard.publisher.publisher import Publisher, PublishResult
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
@@ -54,7 +54,7 @@ def keyframe_order(client: BoardClient, run: str, version: int) -> list[str]:
 
 def cached_view(client: BoardClient, run: str, version: int, cache_dir: Path) -> dict[str, torch.Tensor]:
     """The view of `version`, kept current in `cache_dir` by a follower."""
-    from clients.follower import Follower
+    from deltaboard.clients.follower import Follower
 
     follower = Follower(client, run, cache_dir, node_id=f"publish-cache-{run}")
     follower.sync(version)

@@ -1,6 +1,6 @@
 """The diff of two view buffers on their own device, moving only changes to the host.
 
-`board.codec.diff` does the same on host numpy arrays; here the comparison runs where
+`deltaboard.board.codec.diff` does the same on host numpy arrays; here the comparison runs where
 the tensors live (CUDA when the parameters are there), so the device->host traffic is
 the changed positions and their old and new bit patterns, never a whole tensor: the old
 bits are the context the codec conditions on, the new bits what it encodes. Bit
@@ -9,7 +9,7 @@ patterns are compared as integers, so -0/+0 differ and an unchanged NaN is uncha
 For tensors off the host (CUDA) the diff also computes each changed tensor's
 `board.codec.ContextHint` there (`context_hints`): the codec's context encoding needs the
 class of every element of the old tensor, which would otherwise mean copying the old
-tensor to the host. The device mirrors `board.codec.context` exactly (same sampled
+tensor to the host. The device mirrors `deltaboard.board.codec.context` exactly (same sampled
 exponent histogram, same thresholds chosen on the host from it, same comparisons on the
 sign-less bit patterns) and only a histogram and one rank per changed element cross.
 On the CPU the publisher hands the codec the old bytes themselves (no copy).
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from board import codec
-from board.codec import Changes, ContextHint
-from board.codec.context import EXPONENT_FIELDS, plan_from_counts, sample_stride, scaled_histogram
-from board.codec.dtypes import uint_dtype
-from publisher.snapshot import Slot, ViewBuffer, ViewLayout, word_aligned
+from deltaboard.board import codec
+from deltaboard.board.codec import Changes, ContextHint
+from deltaboard.board.codec.context import EXPONENT_FIELDS, plan_from_counts, sample_stride, scaled_histogram
+from deltaboard.board.codec.dtypes import uint_dtype
+from deltaboard.publisher.snapshot import Slot, ViewBuffer, ViewLayout, word_aligned
 
 CHUNK_ELEMENTS = 1 << 27
 RANK_CHUNK_ELEMENTS = 1 << 26  # class counts: int32 cumulative sums of at most this many
@@ -130,7 +130,7 @@ def _sign_less_max(bits: torch.Tensor) -> int:
 
 
 def _exponent_keys(bits: torch.Tensor, dtype: str, offset: int) -> torch.Tensor:
-    """Each element's exponent (`board.codec.context.exponent_of`: the arithmetic shift of
+    """Each element's exponent (`deltaboard.board.codec.context.exponent_of`: the arithmetic shift of
     the signed view then the mask gives the unsigned field) plus `offset`, as int32."""
     shift, mask = EXPONENT_FIELDS[dtype]
     return ((bits >> shift) & mask).to(torch.int32).add_(offset)
@@ -149,7 +149,7 @@ def _class_ranks(
     limits: tuple[int, int],
     rank_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Rank of each changed position within its class (`board.codec.classes.class_ranks`).
+    """Rank of each changed position within its class (`deltaboard.board.codec.classes.class_ranks`).
 
     A class test `magnitude < limit` is written `magnitude <= limit - 1` clamped to the
     largest sign-less pattern, so that the limit fits the signed element type. Members up
@@ -256,7 +256,7 @@ def context_hints(
     floating = [(slot, pos, bits) for slot, pos, bits in changed if slot.dtype in EXPONENT_FIELDS]
     if not floating:
         return
-    # per slot: the sampled histogram of `board.codec.context.exponent_histogram` (before
+    # per slot: the sampled histogram of `deltaboard.board.codec.context.exponent_histogram` (before
     # scaling) and the changed elements' exponent counts, each in its own range of keys
     keys: list[torch.Tensor] = []
     edges = [0]

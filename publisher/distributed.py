@@ -21,10 +21,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from publisher.encode import RankVersion
-from publisher.lease import FencedError, LeaseKeeper
-from publisher.manifest import Proposal
-from publisher.publisher import Publisher, PublishError
+from deltaboard.publisher.encode import RankVersion
+from deltaboard.publisher.lease import FencedError, LeaseKeeper
+from deltaboard.publisher.manifest import Proposal
+from deltaboard.publisher.publisher import Publisher, PublishError
 
 
 def partition_by_name(

@@ -21,11 +21,11 @@ from functools import partial
 
 import numpy as np
 
-from board import codec
-from board.codec import Changes, ContextHint
-from publisher.device_diff import iter_diffs
-from publisher.packer import BlobPacker, TensorPart
-from publisher.snapshot import Slot, ViewBuffer
+from deltaboard.board import codec
+from deltaboard.board.codec import Changes, ContextHint
+from deltaboard.publisher.device_diff import iter_diffs
+from deltaboard.publisher.packer import BlobPacker, TensorPart
+from deltaboard.publisher.snapshot import Slot, ViewBuffer
 
 
 @dataclass(frozen=True)

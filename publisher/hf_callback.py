@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from publisher.publisher import Publisher, PublishResult
+from deltaboard.publisher.publisher import Publisher, PublishResult
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Protocol
 
-from board.errors import BoardError
-from board.schemas import Lease
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.schemas import Lease
 
 
 class FencedError(RuntimeError):

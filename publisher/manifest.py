@@ -1,7 +1,7 @@
 """Assemble one manifest from the parts every rank produced.
 
 Ranks encode and upload independently; the manifest is where their parts meet. The
-shard files come from `board.view_spec.plan_layout` over every tensor of every rank (in
+shard files come from `deltaboard.board.contract.view_spec.plan_layout` over every tensor of every rank (in
 rank order, then each rank's state-dict order), so a keyframe and the deltas after it
 agree on where each tensor lives, and the state digest covers every tensor, changed or
 not.
@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from board import codec
-from board.schemas import Manifest, ManifestStats, TensorEntry, ViewSpec
-from board.view_spec import plan_layout
-from publisher.encode import RankVersion
+from deltaboard.board import codec
+from deltaboard.board.contract.schemas import Manifest, ManifestStats, TensorEntry, ViewSpec
+from deltaboard.board.contract.view_spec import plan_layout
+from deltaboard.publisher.encode import RankVersion
 
 
 @dataclass(frozen=True)

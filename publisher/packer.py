@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from board.schemas import BlobRef
+from deltaboard.board.contract.schemas import BlobRef
 
 Upload = Callable[[str, bytes], None]
 

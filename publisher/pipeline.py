@@ -31,8 +31,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from board.schemas import ViewSpec
-from publisher.snapshot import ViewBuffer, ViewLayout
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.publisher.snapshot import ViewBuffer, ViewLayout
 
 R = TypeVar("R")
 

@@ -46,17 +46,17 @@ from typing import Any, Literal
 
 import torch
 
-from board import codec
-from board.errors import BoardError
-from board.schemas import ViewSpec
-from clients.board_client import BoardClient
-from publisher.assets import read_assets
-from publisher.encode import RankVersion, encode_rank
-from publisher.lease import FencedError, LeaseKeeper
-from publisher.manifest import Proposal, build_manifest
-from publisher.packer import BlobPacker
-from publisher.pipeline import Job, SnapshotPipeline
-from publisher.snapshot import ViewBuffer
+from deltaboard.board import codec
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.clients.board_client import BoardClient
+from deltaboard.publisher.assets import read_assets
+from deltaboard.publisher.encode import RankVersion, encode_rank
+from deltaboard.publisher.lease import FencedError, LeaseKeeper
+from deltaboard.publisher.manifest import Proposal, build_manifest
+from deltaboard.publisher.packer import BlobPacker
+from deltaboard.publisher.pipeline import Job, SnapshotPipeline
+from deltaboard.publisher.snapshot import ViewBuffer
 
 MiB = 1 << 20
 ModelOrState = torch.nn.Module | Mapping[str, torch.Tensor]

@@ -4,7 +4,7 @@ A publish copies the rollout view (the served dtype of every tensor) into a buff
 was allocated once, on the tensors' own device. Tensors whose served elements have the
 same width share one flat integer buffer per device (`int16` for bf16/fp16, `int32` for
 fp32, ...): the copy is a cast-on-copy (`Tensor.copy_`, torch's round-to-nearest-even,
-the same cast as `publisher.view.rollout_view`) into a typed view of a slice, and the
+the same cast as `deltaboard.publisher.view.rollout_view`) into a typed view of a slice, and the
 diff of a whole group is one comparison and one `nonzero` instead of one synchronising
 kernel chain per tensor. On CUDA the copy is only enqueued on the trainer's current
 stream; an event recorded after it tells the background diff when the bytes are there,
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from board.codec import width
-from board.codec.jit import stream_copy
-from board.schemas import ViewSpec
-from board.view_spec import served_dtype
-from publisher.view import SAFETENSORS_TO_TORCH, safetensors_dtype
+from deltaboard.board.codec import width
+from deltaboard.board.codec.jit import stream_copy
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.board.contract.view_spec import served_dtype
+from deltaboard.publisher.view import SAFETENSORS_TO_TORCH, safetensors_dtype
 
 # Element width in bytes -> the integer dtype whose bit patterns the diff compares.
 BITS_DTYPES: dict[int, torch.dtype] = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from board.schemas import ViewSpec
-from board.view_spec import served_dtype
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.board.contract.view_spec import served_dtype
 
 TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
     torch.float64: "F64",

@@ -1,6 +1,6 @@
 """The `deltaboard` command line.
 
-Each role registers its commands from its own module in `services.commands`; command
+Each role registers its commands from its own module in `deltaboard.services.commands`; command
 bodies import their heavy dependencies lazily so that `deltaboard board serve` never
 imports torch.
 """
@@ -12,11 +12,11 @@ import importlib
 import typer
 
 COMMAND_MODULES = (
-    "services.commands.board",
-    "services.commands.codec",
-    "services.commands.publish",
-    "services.commands.rollout",
-    "services.commands.serving",
+    "deltaboard.services.commands.board",
+    "deltaboard.services.commands.codec",
+    "deltaboard.services.commands.publish",
+    "deltaboard.services.commands.rollout",
+    "deltaboard.services.commands.serving",
 )
 
 

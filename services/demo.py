@@ -34,8 +34,8 @@ import httpx
 import typer
 
 if TYPE_CHECKING:  # FastAPI and uvicorn load only when nodes run
-    from services.sidecar.background import BackgroundServer
-    from services.sidecar.node import Sidecar
+    from deltaboard.services.sidecar.background import BackgroundServer
+    from deltaboard.services.sidecar.node import Sidecar
 
 RUN = "demo"
 PROMPT = [11, 7, 42, 99, 5, 1]
@@ -50,7 +50,7 @@ def free_port() -> int:
 
 def deltaboard_command(*args: str) -> list[str]:
     """This installation's CLI, run by this interpreter (no reliance on PATH)."""
-    return [sys.executable, "-c", "from services.cli import main; main()", *args]
+    return [sys.executable, "-c", "from deltaboard.services.cli import main; main()", *args]
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], what: str, timeout_s: float = 120.0) -> None:
@@ -218,8 +218,8 @@ def start_nodes(
     processes: Processes, workdir: Path, count: int, board_url: str, token: str, mode: str
 ) -> list[Node]:
     """Engines first (subprocesses, loading torch in parallel), then their sidecars."""
-    from services.sidecar.background import BackgroundServer
-    from services.sidecar.node import Sidecar, SidecarConfig
+    from deltaboard.services.sidecar.background import BackgroundServer
+    from deltaboard.services.sidecar.node import Sidecar, SidecarConfig
 
     engines = []
     for i in range(count):
@@ -257,8 +257,8 @@ class TrainerSettings:
 def train_and_publish(
     state: DemoState, board_url: str, token: str, nodes: list[Node], settings: TrainerSettings
 ) -> None:
-    from publisher.publisher import Publisher
-    from services.trajectory import build_model, train
+    from deltaboard.publisher.publisher import Publisher
+    from deltaboard.services.trajectory import build_model, train
 
     model = build_model("tiny", seed=0)
     config: Any = model.config

@@ -211,8 +211,8 @@ def load_trajectory(
 
 
 def _flat_view(model: torch.nn.Module) -> tuple[np.ndarray, list[dict[str, Any]]]:
-    from board.schemas import ViewSpec
-    from publisher.view import rollout_view, safetensors_dtype, tensor_bytes
+    from deltaboard.board.contract.schemas import ViewSpec
+    from deltaboard.publisher.view import rollout_view, safetensors_dtype, tensor_bytes
 
     view = rollout_view(model.state_dict(), ViewSpec())
     parts, tensors, offset = [], [], 0

@@ -1,7 +1,7 @@
 """encode / apply / decode: the codec's public operations on raw tensor bytes.
 
 Every delta patch is positions (by one of three codings) followed by the same ULP-step
-coding of the values (`board.codec.values`). `encode_changes` builds the candidates that
+coding of the values (`deltaboard.board.codec.values`). `encode_changes` builds the candidates that
 can pay off for the changed fraction and keeps the smallest: `context` (positions ranked
 within classes of the old exponent) for floating tensors when the old tensor or a
 `ContextHint` is at hand and the classes' estimated entropy is at most
@@ -12,7 +12,7 @@ changed when the old bytes are at hand and the deltas cost more than half the te
 Context and the device path: ULP steps only use the *old bits at the changed positions*,
 which `Changes.old_bits` already carries. The `context` encoding also needs each changed
 element's rank within its class of the old tensor: `ranked.context_hint` computes it from
-the old bytes (one pass, `board.codec.classes`); the publisher computes the same
+the old bytes (one pass, `deltaboard.board.codec.classes`); the publisher computes the same
 `ContextHint` on the tensors' device and passes it instead of `old`. Without either (only
 `old_digest`) or with `context=False` it is not tried.
 
@@ -27,15 +27,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from board.codec import dense, ranked, replace, sparse
-from board.codec.bitio import Reader, Writer
-from board.codec.changes import Changes, diff
-from board.codec.context import EXPONENT_FIELDS
-from board.codec.digest import digest, digest_bits, digest_update, parse_digest
-from board.codec.dtypes import as_bits, uint_dtype, width
-from board.codec.errors import PatchError
-from board.codec.header import PatchHeader, pack, unpack
-from board.codec.values import decode_values, encode_values
+from deltaboard.board.codec import dense, ranked, replace, sparse
+from deltaboard.board.codec.bitio import Reader, Writer
+from deltaboard.board.codec.changes import Changes, diff
+from deltaboard.board.codec.context import EXPONENT_FIELDS
+from deltaboard.board.codec.digest import digest, digest_bits, digest_update, parse_digest
+from deltaboard.board.codec.dtypes import as_bits, uint_dtype, width
+from deltaboard.board.codec.errors import PatchError
+from deltaboard.board.codec.header import PatchHeader, pack, unpack
+from deltaboard.board.codec.values import decode_values, encode_values
 
 _DENSE_FROM = 8  # try dense when more than numel / 8 changed
 _REPLACE_FROM = 4  # try replacement when more than numel / 4 changed

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from board.codec.dtypes import as_bits, uint_dtype
-from board.codec.errors import PatchError
-from board.codec.jit import differ_mask, kernel, trailing_zeros
-from board.codec.parallel import map_ranges
+from deltaboard.board.codec.dtypes import as_bits, uint_dtype
+from deltaboard.board.codec.errors import PatchError
+from deltaboard.board.codec.jit import differ_mask, kernel, trailing_zeros
+from deltaboard.board.codec.parallel import map_ranges
 
 _PARALLEL_MIN_WORDS = 1 << 14  # split tensors of a million elements and more
 _Found = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions, old bits, new bits
@@ -86,7 +86,7 @@ def _diff_range(old: np.ndarray, new: np.ndarray, start: int, stop: int) -> _Fou
 def diff(old: np.ndarray, new: np.ndarray, dtype: str) -> Changes:
     """Positions whose bit patterns differ between two raw byte arrays, with both bits.
 
-    One compiled pass compares 64 elements at a time (`board.codec.jit.differ_mask`) and
+    One compiled pass compares 64 elements at a time (`deltaboard.board.codec.jit.differ_mask`) and
     lists only the differing ones; large tensors are split between the cores.
     """
     old_bits = as_bits(old, dtype, "old")

@@ -6,7 +6,7 @@ classes of the old tensor: elements whose bit pattern without its sign bit (mono
 `t_top << shift` (class 1, mid), or not (class 2, top).
 
 Both directions make one pass over the old tensor, 64 elements (a word) at a time: two
-vector compares give the word's class masks (`board.codec.jit.below_mask`), popcounts
+vector compares give the word's class masks (`deltaboard.board.codec.jit.below_mask`), popcounts
 keep each class's running count.
 
 * `class_ranks` (encoder): each changed element's rank is its class's count before the
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from board.codec.context import EXPONENT_FIELDS
-from board.codec.errors import PatchError
-from board.codec.jit import below_mask, kernel, popcount, trailing_zeros
+from deltaboard.board.codec.context import EXPONENT_FIELDS
+from deltaboard.board.codec.errors import PatchError
+from deltaboard.board.codec.jit import below_mask, kernel, popcount, trailing_zeros
 
 _PAST = np.iinfo(np.int64).max  # a rank past every class: ends each list of wanted ranks
 

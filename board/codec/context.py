@@ -1,7 +1,7 @@
 """What both sides know about a changed element before its new value: its old exponent.
 
 A weight's step in ULPs is about (update size) / ULP(old), and ULP(old) is fixed by the old
-exponent, so the exponent predicts how far a changed element moved (`board.codec.values`
+exponent, so the exponent predicts how far a changed element moved (`deltaboard.board.codec.values`
 uses it for elements whose position is already decoded, on `Changes.old_bits`), and small
 weights change far more rarely than large ones (the position classes below).
 """
@@ -39,8 +39,8 @@ def exponent_of(bits: np.ndarray, dtype: str) -> np.ndarray:
 # weights have small ULPs, so the classes have very different change rates and coding each
 # one's ranks separately costs sum_c n_c H(p_c) bits instead of n H(p). Three classes catch
 # most of what a context per exponent would (measured on the benchmark trajectories).
-# Both sides compute the classes from the old bits (`board.codec.classes`); the device
-# mirror (`publisher.device_diff`) makes the same two `(old & ~sign) < t << shift`
+# Both sides compute the classes from the old bits (`deltaboard.board.codec.classes`); the device
+# mirror (`deltaboard.publisher.device_diff`) makes the same two `(old & ~sign) < t << shift`
 # comparisons and cumulative counts where the tensor lives, from the same sampled histogram.
 
 SAMPLE_STRIDE = 32

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from board.codec import zstd
-from board.codec.bitio import Reader, Writer
-from board.codec.changes import Changes
-from board.codec.errors import PatchError
+from deltaboard.board.codec import zstd
+from deltaboard.board.codec.bitio import Reader, Writer
+from deltaboard.board.codec.changes import Changes
+from deltaboard.board.codec.errors import PatchError
 
 
 def encode(w: Writer, changes: Changes) -> None:

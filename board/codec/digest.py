@@ -21,11 +21,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from board.codec.changes import Changes
-from board.codec.dtypes import as_bits
-from board.codec.errors import PatchError
-from board.codec.jit import kernel
-from board.codec.parallel import map_ranges
+from deltaboard.board.codec.changes import Changes
+from deltaboard.board.codec.dtypes import as_bits
+from deltaboard.board.codec.errors import PatchError
+from deltaboard.board.codec.jit import kernel
+from deltaboard.board.codec.parallel import map_ranges
 
 _MASK = (1 << 64) - 1
 _A1, _A2, _A3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

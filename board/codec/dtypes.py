@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from board.codec.errors import PatchError
+from deltaboard.board.codec.errors import PatchError
 
 WIDTHS: dict[str, int] = {
     "BF16": 2,

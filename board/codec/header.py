@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from board.codec.dtypes import dtype_code, dtype_name
-from board.codec.errors import PatchError
+from deltaboard.board.codec.dtypes import dtype_code, dtype_name
+from deltaboard.board.codec.errors import PatchError
 
 MAGIC = b"DBPT"
 FORMAT_VERSION = 1

@@ -11,7 +11,7 @@ Besides `kernel`, this module holds the few LLVM intrinsics the kernels need (po
 stores that the publisher's snapshot uses for the same reason: memory-bound passes at
 memory speed.
 
-`kernel` compiles with `nogil`, so the codec's thread pools (`board.codec.parallel`, and
+`kernel` compiles with `nogil`, so the codec's thread pools (`deltaboard.board.codec.parallel`, and
 callers that code several tensors at once) run kernels on every core. numba does not check
 array bounds: kernels that read coded (untrusted) streams check every index themselves and
 report failure through their return value, which the Python side turns into `PatchError`.

@@ -1,7 +1,7 @@
 """`context` positions: ranks within classes of the old exponent.
 
 The receiver holds the old tensor, so it splits it into the classes of
-`board.codec.context` itself; the patch carries the two thresholds, then per class the
+`deltaboard.board.codec.context` itself; the patch carries the two thresholds, then per class the
 Rice-coded gaps between the ranks of its changed elements. It costs one pass over the old
 tensor on both sides, which is why the encoder only picks it when the classes save enough.
 
@@ -16,17 +16,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from board.codec.bitio import Reader, Writer, decode_index_sets, encode_index_sets
-from board.codec.changes import Changes
-from board.codec.classes import class_positions, class_ranks, split_ranks
-from board.codec.context import EXPONENT_FIELDS, exponent_histogram, plan_classes
-from board.codec.errors import PatchError
+from deltaboard.board.codec.bitio import Reader, Writer, decode_index_sets, encode_index_sets
+from deltaboard.board.codec.changes import Changes
+from deltaboard.board.codec.classes import class_positions, class_ranks, split_ranks
+from deltaboard.board.codec.context import EXPONENT_FIELDS, exponent_histogram, plan_classes
+from deltaboard.board.codec.errors import PatchError
 
 
 @dataclass(frozen=True)
 class ContextHint:
     """What the `context` encoding needs from the old tensor, for one `Changes`: the class
-    thresholds (`board.codec.context.plan_classes`) and, per changed element, its rank
+    thresholds (`deltaboard.board.codec.context.plan_classes`) and, per changed element, its rank
     within its class (int64, the number of class members before it in the old tensor)."""
 
     t_low: int

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from board.codec import zstd
+from deltaboard.board.codec import zstd
 
 
 def encode(new: np.ndarray, width: int) -> bytes:

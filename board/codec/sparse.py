@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from board.codec.bitio import Reader, Writer, decode_index_sets, encode_index_sets
-from board.codec.changes import Changes
+from deltaboard.board.codec.bitio import Reader, Writer, decode_index_sets, encode_index_sets
+from deltaboard.board.codec.changes import Changes
 
 
 def encode(w: Writer, changes: Changes) -> None:

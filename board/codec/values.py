@@ -4,11 +4,11 @@
 the bit pattern is monotone in magnitude, so a weight nudged across one rounding boundary
 of the view moves by d = +-1, and a weight whose ULP is smaller than the update moves by
 about update / ULP, a size its old exponent predicts. The coding (compiled loops over the
-changed elements, `board.codec.jit`):
+changed elements, `deltaboard.board.codec.jit`):
 
 * the sign of d: one bit per changed element (the update direction is unpredictable);
 * the magnitude class c = bit_length(|d| - 1) (0 for one step, 1 for two, 2 for 3-4, ...),
-  predicted per old-exponent context (`board.codec.context`) by the most common class of
+  predicted per old-exponent context (`deltaboard.board.codec.context`) by the most common class of
   that context (a 16-entry table in the patch); the zigzagged misprediction is coded as a
   sparse set of nonzero positions plus Rice-coded sizes, so a well-predicted tensor pays
   a fraction of a bit;
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from board.codec.bitio import (
+from deltaboard.board.codec.bitio import (
     Reader,
     Writer,
     pack_fixed,
@@ -32,10 +32,10 @@ from board.codec.bitio import (
     rice_encode,
     unpack_fixed,
 )
-from board.codec.context import CONTEXTS, EXPONENT_FIELDS
-from board.codec.dtypes import width
-from board.codec.errors import PatchError
-from board.codec.jit import kernel, leading_zeros
+from deltaboard.board.codec.context import CONTEXTS, EXPONENT_FIELDS
+from deltaboard.board.codec.dtypes import width
+from deltaboard.board.codec.errors import PatchError
+from deltaboard.board.codec.jit import kernel, leading_zeros
 
 _CLASSES = 65  # bit lengths 0..64
 

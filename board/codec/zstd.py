@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from board.codec.errors import PatchError
+from deltaboard.board.codec.errors import PatchError
 
 LEVEL = 3
 _PIECE = 1 << 24

@@ -6,10 +6,10 @@ engine's own weight-reload routes. `make_adapter(kind, url)` picks one by name.
 
 from __future__ import annotations
 
-from clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError
-from clients.engines.reference import ReferenceAdapter
-from clients.engines.sglang import SGLangAdapter
-from clients.engines.vllm import VLLMAdapter
+from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError
+from deltaboard.clients.engines.reference import ReferenceAdapter
+from deltaboard.clients.engines.sglang import SGLangAdapter
+from deltaboard.clients.engines.vllm import VLLMAdapter
 
 ADAPTERS: dict[str, type[EngineAdapter]] = {
     "reference": ReferenceAdapter,

@@ -1,6 +1,6 @@
 """Adapter for deltaboard's reference engine (`deltaboard engine`).
 
-Routes (see `services.engine.app`): `POST /pause`, `POST /reload {"model", "weight_version"}`,
+Routes (see `deltaboard.services.engine.app`): `POST /pause`, `POST /reload {"model", "weight_version"}`,
 `POST /resume`, `GET /health`.
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from clients.engines.base import EngineAdapter
+from deltaboard.clients.engines.base import EngineAdapter
 
 
 class ReferenceAdapter(EngineAdapter):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clients.engines.base import EngineAdapter, EngineAdapterError
+from deltaboard.clients.engines.base import EngineAdapter, EngineAdapterError
 
 
 class SGLangAdapter(EngineAdapter):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clients.engines.base import EngineAdapter, EngineAdapterError
+from deltaboard.clients.engines.base import EngineAdapter, EngineAdapterError
 
 
 class VLLMAdapter(EngineAdapter):

@@ -23,11 +23,11 @@ from typing import TypeVar
 
 import numpy as np
 
-from board import codec
-from board.schemas import Manifest, TensorEntry
-from clients.follower.errors import FollowerError
-from clients.follower.fetch import BlobReader
-from clients.follower.patcher import ShardMaps
+from deltaboard.board import codec
+from deltaboard.board.contract.schemas import Manifest, TensorEntry
+from deltaboard.clients.follower.errors import FollowerError
+from deltaboard.clients.follower.fetch import BlobReader
+from deltaboard.clients.follower.patcher import ShardMaps
 
 TensorProgress = Callable[[int], None]
 T = TypeVar("T")

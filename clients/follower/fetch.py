@@ -20,10 +20,10 @@ from pathlib import Path
 
 import httpx
 
-from board.errors import BoardError
-from board.schemas import BlobRef, BlobSize
-from clients.board_client import BoardClient
-from clients.follower.errors import FollowerError, IntegrityError
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.schemas import BlobRef, BlobSize
+from deltaboard.clients.board_client import BoardClient
+from deltaboard.clients.follower.errors import FollowerError, IntegrityError
 
 ByteProgress = Callable[[int], None]
 

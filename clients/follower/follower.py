@@ -47,18 +47,18 @@ from typing import Protocol
 
 import httpx
 
-from board.errors import BoardError
-from board.schemas import Heartbeat, Manifest, Plan
-from board.view_spec import INDEX_FILE
-from clients.board_client import BoardClient
-from clients.follower.apply import BadBlob, Written, apply_step, replay
-from clients.follower.errors import DirectoryError, FollowerError, IntegrityError
-from clients.follower.fetch import BlobCache, BlobReader, Fetcher
-from clients.follower.journal import Journal, SlotName, SlotRecord
-from clients.follower.layout import materialize
-from clients.follower.manifests import ManifestCache
-from clients.follower.patcher import ShardMaps
-from clients.follower.slots import CURRENT, Slots, other
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.schemas import Heartbeat, Manifest, Plan
+from deltaboard.board.contract.view_spec import INDEX_FILE
+from deltaboard.clients.board_client import BoardClient
+from deltaboard.clients.follower.apply import BadBlob, Written, apply_step, replay
+from deltaboard.clients.follower.errors import DirectoryError, FollowerError, IntegrityError
+from deltaboard.clients.follower.fetch import BlobCache, BlobReader, Fetcher
+from deltaboard.clients.follower.journal import Journal, SlotName, SlotRecord
+from deltaboard.clients.follower.layout import materialize
+from deltaboard.clients.follower.manifests import ManifestCache
+from deltaboard.clients.follower.patcher import ShardMaps
+from deltaboard.clients.follower.slots import CURRENT, Slots, other
 
 log = logging.getLogger("deltaboard.follower")
 

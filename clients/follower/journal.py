@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from clients.follower.errors import DirectoryError
+from deltaboard.clients.follower.errors import DirectoryError
 
 SlotName = Literal["A", "B"]
 

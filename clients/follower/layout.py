@@ -1,6 +1,6 @@
 """Materialise a slot in the layout the publisher's view declares.
 
-The shard files and the index JSON come from `board.view_spec.plan_layout` over the
+The shard files and the index JSON come from `deltaboard.board.contract.view_spec.plan_layout` over the
 keyframe's tensors (the same rule the publisher used to fill each entry's `file`); inside
 a shard, tensors follow the manifest's order. A new slot is created with each shard's
 safetensors header and its data region allocated (zero-filled, sparse on disk); the
@@ -13,10 +13,10 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from board.schemas import Manifest
-from board.view_spec import INDEX_FILE, nbytes, plan_layout
-from clients.follower.errors import FollowerError
-from clients.follower.patcher import HEADER_LEN
+from deltaboard.board.contract.schemas import Manifest
+from deltaboard.board.contract.view_spec import INDEX_FILE, nbytes, plan_layout
+from deltaboard.clients.follower.errors import FollowerError
+from deltaboard.clients.follower.patcher import HEADER_LEN
 
 ALIGN = 8  # safetensors pads its header so that tensor data starts 8-byte aligned
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from board.schemas import Manifest
-from clients.board_client import BoardClient
-from clients.follower.errors import FollowerError
-from clients.follower.journal import atomic_write
+from deltaboard.board.contract.schemas import Manifest
+from deltaboard.clients.board_client import BoardClient
+from deltaboard.clients.follower.errors import FollowerError
+from deltaboard.clients.follower.journal import atomic_write
 
 
 class ManifestCache:

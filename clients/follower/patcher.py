@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from board.codec import uint_dtype
+from deltaboard.board.codec import uint_dtype
 
 HEADER_LEN = struct.Struct("<Q")
 # A header larger than this is not a shard we wrote: refuse rather than allocate it.

@@ -34,8 +34,8 @@ import shutil
 from pathlib import Path
 from typing import IO
 
-from clients.follower.errors import DirectoryError
-from clients.follower.journal import SlotName, fsync_dir
+from deltaboard.clients.follower.errors import DirectoryError
+from deltaboard.clients.follower.journal import SlotName, fsync_dir
 
 META = ".deltaboard"
 CURRENT = "current"

@@ -17,14 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from board import codec
-from board.schemas import Manifest
-from board.view_spec import INDEX_FILE
-from clients.follower.errors import DirectoryError
-from clients.follower.journal import Journal, SlotRecord
-from clients.follower.manifests import ManifestCache
-from clients.follower.patcher import ShardMaps
-from clients.follower.slots import Slots
+from deltaboard.board import codec
+from deltaboard.board.contract.schemas import Manifest
+from deltaboard.board.contract.view_spec import INDEX_FILE
+from deltaboard.clients.follower.errors import DirectoryError
+from deltaboard.clients.follower.journal import Journal, SlotRecord
+from deltaboard.clients.follower.manifests import ManifestCache
+from deltaboard.clients.follower.patcher import ShardMaps
+from deltaboard.clients.follower.slots import Slots
 
 
 @dataclass

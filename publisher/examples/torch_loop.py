@@ -1,6 +1,6 @@
 """A plain torch training loop that publishes the policy after every optimizer step.
 
-    python -m publisher.examples.torch_loop --board http://127.0.0.1:8000 --run demo --token T
+    python -m deltaboard.publisher.examples.torch_loop --board http://127.0.0.1:8000 --run demo --token T
 
 The loop trains a tiny causal LM (random init from a config: nothing is downloaded) with
 AdamW; one `publish` per step costs the loop only the snapshot copy, the rest runs
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from publisher.publisher import Publisher, PublishResult
+from deltaboard.publisher.publisher import Publisher, PublishResult
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM

@@ -11,7 +11,7 @@ manifest does.
   replacement values (the new bf16 bits); all tensors of the step in one zstd level-1 frame.
 * `xor-zstd`: per changed tensor, the whole-tensor XOR of old and new bytes, zstd level 1
   (what stitch and slime ship).
-* `deltaboard`: `board.codec` patches, per changed tensor. The publisher carries the digest
+* `deltaboard`: `deltaboard.board.codec` patches, per changed tensor. The publisher carries the digest
   of the view it last published and the follower the digest of the view it holds, so the
   digests of the old view are inputs here, as they are in the system.
 * `deltaboard-sparse`: the same without the `context` encoding (no pass over the old
@@ -32,7 +32,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import zstandard
 
-from board import codec
+from deltaboard.board import codec
 
 View = Mapping[str, np.ndarray]
 Blobs = dict[str, bytes]

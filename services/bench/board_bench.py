@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from board.schemas import BlobRef, Manifest, ManifestStats, TensorEntry, ViewSpec
+from deltaboard.board.contract.schemas import BlobRef, Manifest, ManifestStats, TensorEntry, ViewSpec
 
 TOKEN = "bench-admin-token"
 RUN = "bench"
@@ -69,7 +69,7 @@ def percentile(values: list[float], q: float) -> float:
 @contextlib.contextmanager
 def board_process(data_dir: Path) -> Iterator[str]:
     """A board child process (children inherit the raised descriptor limit)."""
-    from board.api.server import free_port, spawn
+    from deltaboard.board.server.api.server import free_port, spawn
 
     port = free_port()
     env = {
@@ -80,7 +80,7 @@ def board_process(data_dir: Path) -> Iterator[str]:
         "DELTABOARD_LOG_LEVEL": "warning",
     }
     data_dir.mkdir(parents=True, exist_ok=True)
-    proc = spawn(env, data_dir / "board.log")
+    proc = spawn(env, data_dir / "deltaboard.board.log")
     try:
         yield f"http://{HOST}:{port}"
     finally:

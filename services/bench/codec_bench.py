@@ -23,9 +23,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from board import codec
-from services.bench.baselines import ENCODINGS, View, make
-from services.trajectory import DEFAULT_CACHE, REGIMES, Regime, Trajectory, load_trajectory
+from deltaboard.board import codec
+from deltaboard.services.bench.baselines import ENCODINGS, View, make
+from deltaboard.services.trajectory import DEFAULT_CACHE, REGIMES, Regime, Trajectory, load_trajectory
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The view is **synthetic, with the change statistics of a real AdamW trajectory**: bf16
 weights drawn from N(0, 0.02) (a Llama init), changed per version the way
-`services.trajectory`'s recorded run (a tiny Llama, fp32 master weights, lr 1e-6, warm
+`deltaboard.services.trajectory`'s recorded run (a tiny Llama, fp32 master weights, lr 1e-6, warm
 Adam) changes its bf16 view: the probability that a weight changes depends on its old
 exponent as measured there (it about doubles each time |w| halves: Adam's step is ~lr
 whatever |w|, so small weights cross bf16 rounding boundaries far more often), scaled to
@@ -48,13 +48,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from board.schemas import TensorEntry
-from clients.board_client import BoardClient
-from clients.follower import Follower
-from clients.follower.follower import APPLY_THREADS
-from clients.follower.layout import materialize
-from clients.follower.patcher import read_placements
-from services.bench.publish_bench import board_process
+from deltaboard.board.contract.schemas import TensorEntry
+from deltaboard.clients.board_client import BoardClient
+from deltaboard.clients.follower import Follower
+from deltaboard.clients.follower.follower import APPLY_THREADS
+from deltaboard.clients.follower.layout import materialize
+from deltaboard.clients.follower.patcher import read_placements
+from deltaboard.services.bench.publish_bench import board_process
 
 RUN = "bench-follow"
 PAGE = 4096
@@ -111,7 +111,7 @@ class ChangeStats:
 
 def trajectory_stats() -> ChangeStats:
     """Measure `ChangeStats` on the recorded trajectory (trained once, then cached)."""
-    from services.trajectory import load_trajectory
+    from deltaboard.services.trajectory import load_trajectory
 
     trajectory = load_trajectory(
         size="tiny",
@@ -266,7 +266,7 @@ def publish(
     client: BoardClient, trainer: SyntheticTrainer, versions: int, status: Status
 ) -> tuple[list[Any], dict[str, np.ndarray]]:
     """Publish `versions` versions; the results, and the view before the last step."""
-    from publisher.publisher import Publisher
+    from deltaboard.publisher.publisher import Publisher
 
     results = []
     base: dict[str, np.ndarray] = {}
@@ -284,7 +284,7 @@ def publish(
 def codec_decode_s(client: BoardClient, version: int, base: dict[str, np.ndarray], threads: int) -> float:
     """The codec's share of one version's apply: decoding (and verifying) every patch of
     `version` against its base in memory, on `threads` threads, nothing written."""
-    from board import codec
+    from deltaboard.board import codec
 
     manifest = client.manifest(RUN, version)
     blobs = {sha: client.get_blob(RUN, sha) for sha in manifest.blob_shas()}

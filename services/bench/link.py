@@ -4,7 +4,7 @@ The publish benchmark compares deltas with full checkpoints *across a link*: on 
 both are CPU-bound and the comparison says nothing about the cross-region case the design
 targets. The proxy paces bytes with one token bucket per direction shared by every
 connection, like a single physical link would, so parallel uploads do not multiply the
-bandwidth. It runs in its own process (`LinkProcess`, `python -m services.bench.link`)
+bandwidth. It runs in its own process (`LinkProcess`, `python -m deltaboard.services.bench.link`)
 so that its pacing loop does not compete with the publisher for the GIL.
 """
 
@@ -90,7 +90,7 @@ class LinkProcess:
         self._args = [
             sys.executable,
             "-m",
-            "services.bench.link",
+            "deltaboard.services.bench.link",
             "--port",
             str(self.port),
             "--target-host",

@@ -1,6 +1,6 @@
 """`deltaboard bench publish`: deltas against full checkpoints, across an emulated link.
 
-The view is **derived from a real AdamW trajectory** (`services.trajectory`: a Llama-style
+The view is **derived from a real AdamW trajectory** (`deltaboard.services.trajectory`: a Llama-style
 model trained with AdamW, fp32 master weights, bf16 view, lr 1e-6): the trajectory's
 bf16 view is tiled into as many copies as it takes to reach `view_gb`, and copy j at
 version v holds the trajectory's view at step `1 + v + (j mod offsets)`. So every
@@ -38,11 +38,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from services.bench.link import LinkProcess, free_port
-from services.trajectory import DEFAULT_CACHE, Trajectory, load_trajectory
+from deltaboard.services.bench.link import LinkProcess, free_port
+from deltaboard.services.trajectory import DEFAULT_CACHE, Trajectory, load_trajectory
 
 if TYPE_CHECKING:
-    from publisher.publisher import PublishResult
+    from deltaboard.publisher.publisher import PublishResult
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ QUICK = BenchConfig(view_gb=0.0625, deltas=2, fulls=1, size="tiny")
 
 @contextmanager
 def board_process(data_dir: Path) -> Iterator[tuple[str, str]]:
-    """A board (`python -m board.api`) on a loopback port; yields (url, publish token)."""
+    """A board (`python -m deltaboard.board.server.api`) on a loopback port; yields (url, publish token)."""
     port, token = free_port(), f"bench-{secrets.token_hex(8)}"
     env = {
         **os.environ,
@@ -73,16 +73,18 @@ def board_process(data_dir: Path) -> Iterator[tuple[str, str]]:
         "DELTABOARD_HOST": "127.0.0.1",
         "DELTABOARD_TOKENS": f"publish:{token}",
     }
-    log = open(data_dir / "board.log", "ab")  # noqa: SIM115 - kept open for the process' lifetime
+    log = open(data_dir / "deltaboard.board.log", "ab")  # noqa: SIM115 - kept open for the process' lifetime
     proc = subprocess.Popen(
-        [sys.executable, "-m", "board.api"], env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "deltaboard.board.server.api"], env=env, stdout=log, stderr=subprocess.STDOUT
     )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the board exited ({proc.returncode}); see {data_dir / 'board.log'}")
+                raise RuntimeError(
+                    f"the board exited ({proc.returncode}); see {data_dir / 'deltaboard.board.log'}"
+                )
             try:
                 if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
                     break
@@ -134,7 +136,7 @@ def _publish_series(
     url: str, token: str, run: str, view: TiledView, versions: range, keyframe_every: int
 ) -> list[tuple[PublishResult, float]]:
     """Publish `versions` one at a time; each result with the caller's time inside publish()."""
-    from publisher.publisher import Publisher
+    from deltaboard.publisher.publisher import Publisher
 
     out = []
     with Publisher(url, run, token=token, keyframe_every=keyframe_every, lease_ttl_s=120) as pub:
@@ -216,9 +218,9 @@ def device_throughput(
     """
     import torch
 
-    from board.schemas import ViewSpec
-    from publisher.device_diff import diff_views
-    from publisher.snapshot import ViewBuffer, ViewLayout
+    from deltaboard.board.contract.schemas import ViewSpec
+    from deltaboard.publisher.device_diff import diff_views
+    from deltaboard.publisher.snapshot import ViewBuffer, ViewLayout
 
     def sync() -> None:
         if device.startswith("cuda"):

@@ -38,8 +38,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         log_level: str | None = typer.Option(None, help="debug, info, warning [warning]."),
     ) -> None:
         """Serve the board (embedded defaults: local directory, in-process index, 127.0.0.1:8080)."""
-        from board.api import serve as serve_board
-        from board.settings import Settings
+        from deltaboard.board.server.api import serve as serve_board
+        from deltaboard.board.server.settings import Settings
 
         given: dict[str, Any] = {
             "data_dir": data_dir,
@@ -68,6 +68,6 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         pollers: int = typer.Option(1000, min=1, help="Concurrent long-pollers woken by one commit."),
     ) -> None:
         """Long-poll wake latency, head requests/s, commit latency, blob download GB/s."""
-        from services.bench.board_bench import run_board_bench
+        from deltaboard.services.bench.board_bench import run_board_bench
 
         run_board_bench(quick, pollers, json_path)

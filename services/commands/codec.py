@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from services.trajectory import DEFAULT_CACHE
+from deltaboard.services.trajectory import DEFAULT_CACHE
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -35,9 +35,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import Progress
 
-        from services.bench import codec_bench
-        from services.bench.baselines import ENCODINGS, VARIANTS
-        from services.trajectory import REGIMES
+        from deltaboard.services.bench import codec_bench
+        from deltaboard.services.bench.baselines import ENCODINGS, VARIANTS
+        from deltaboard.services.trajectory import REGIMES
 
         config = codec_bench.QUICK if quick else codec_bench.BenchConfig()
         bad = [r for r in regime if r not in REGIMES]

@@ -35,9 +35,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             TransferSpeedColumn,
         )
 
-        from board.schemas import ViewSpec
-        from clients.board_client import BoardClient
-        from publisher.checkpoint_dir import publish_directory
+        from deltaboard.board.contract.schemas import ViewSpec
+        from deltaboard.clients.board_client import BoardClient
+        from deltaboard.publisher.checkpoint_dir import publish_directory
 
         if dtype not in ("bf16", "fp16", "fp32"):
             raise typer.BadParameter("dtype must be bf16, fp16 or fp32")
@@ -91,7 +91,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import Progress
 
-        from services.bench import publish_bench
+        from deltaboard.services.bench import publish_bench
 
         console = Console()
         if throughput:

@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress, TaskID
 
-    from clients.board_client import BoardClient
-    from clients.follower import Follower
+    from deltaboard.clients.board_client import BoardClient
+    from deltaboard.clients.follower import Follower
 
 BOARD = typer.Option("http://127.0.0.1:8080", "--board", envvar="DELTABOARD_URL", help="Board URL.")
 TOKEN = typer.Option(None, "--token", envvar="DELTABOARD_TOKEN", help="A read-scope token.")
@@ -55,7 +55,7 @@ def _follower(
     bar: Progress,
     on_version: Callable[[int], None] | None = None,
 ) -> Follower:
-    from clients.follower import Follower
+    from deltaboard.clients.follower import Follower
 
     node = node_id or f"{os.uname().nodename}:{os.getpid()}"
     progress = RichProgress(bar)
@@ -68,8 +68,8 @@ def _follower(
 def _failures(console: Console) -> Iterator[None]:
     """Turn the follower's and the board's errors into one red line and exit status 1: an
     operator needs what went wrong (integrity, auth, unknown run), not a traceback."""
-    from board.errors import BoardError
-    from clients.follower import FollowerError
+    from deltaboard.board.contract.errors import BoardError
+    from deltaboard.clients.follower import FollowerError
 
     try:
         yield
@@ -106,7 +106,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         from rich.console import Console
 
-        from clients.board_client import BoardClient
+        from deltaboard.clients.board_client import BoardClient
 
         console = Console()
         started = time.perf_counter()
@@ -135,7 +135,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         from rich.console import Console
 
-        from clients.board_client import BoardClient
+        from deltaboard.clients.board_client import BoardClient
 
         console = Console()
         stop = threading.Event()
@@ -162,8 +162,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """Re-hash every served tensor of DIR against its version's manifest."""
         from rich.console import Console
 
-        from clients.board_client import BoardClient
-        from clients.follower.verify import served, verify_directory
+        from deltaboard.clients.board_client import BoardClient
+        from deltaboard.clients.follower.verify import served, verify_directory
 
         console = Console()
         with _failures(console):
@@ -200,7 +200,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from rich.console import Console
         from rich.progress import Progress
 
-        from services.bench import follow_bench
+        from deltaboard.services.bench import follow_bench
 
         config = follow_bench.QUICK if quick else follow_bench.BenchConfig()
         config = replace(config, view_gb=view_gb or config.view_gb)

@@ -28,7 +28,7 @@ def engine(
     import torch
     import uvicorn
 
-    from services.engine.app import EngineState, create_app
+    from deltaboard.services.engine.app import EngineState, create_app
 
     torch.set_num_threads(threads)
     state = EngineState(name or model.resolve().name)
@@ -55,7 +55,7 @@ def sidecar(
     """Serve the version-aware proxy in front of an engine, following the run's versions."""
     import uvicorn
 
-    from services.sidecar.node import Sidecar, SidecarConfig
+    from deltaboard.services.sidecar.node import Sidecar, SidecarConfig
 
     if engine_kind not in ("reference", "sglang", "vllm"):
         raise typer.BadParameter("--engine-kind must be reference, sglang or vllm")
@@ -79,7 +79,7 @@ def sidecar(
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     """Add `engine`, `sidecar` and `demo`."""
-    from services.demo import demo
+    from deltaboard.services.demo import demo
 
     app.command("engine")(engine)
     app.command("sidecar")(sidecar)

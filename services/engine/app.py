@@ -23,8 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from services.engine.protocol import ChatRequest, Completion, CompletionRequest
-from services.engine.runtime import (
+from deltaboard.services.engine.protocol import ChatRequest, Completion, CompletionRequest
+from deltaboard.services.engine.runtime import (
     Cancelled,
     EngineNotLoaded,
     LoadedModel,
@@ -34,7 +34,7 @@ from services.engine.runtime import (
     generate,
     load_model,
 )
-from services.sidecar.background import unless_disconnected
+from deltaboard.services.sidecar.background import unless_disconnected
 
 RETRY_AFTER_S = "1"
 # A CPU reference engine: longer prompts are a mistake, not a workload.

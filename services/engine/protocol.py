@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.engine.runtime import SamplingParams, TokenStep
-from services.engine.textcodec import TextCodec
+from deltaboard.services.engine.runtime import SamplingParams, TokenStep
+from deltaboard.services.engine.textcodec import TextCodec
 
 MAX_TOKENS_LIMIT = 4096
 

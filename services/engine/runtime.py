@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.engine.textcodec import TextCodec, load_codec
+from deltaboard.services.engine.textcodec import TextCodec, load_codec
 
 
 class EngineNotLoaded(RuntimeError):

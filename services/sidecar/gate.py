@@ -20,8 +20,15 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from clients.engines import CommitMode
-from services.sidecar.constraints import Gone, Serve, VersionConstraint, Wait, decide, retry_after_s
+from deltaboard.clients.engines import CommitMode
+from deltaboard.services.sidecar.constraints import (
+    Gone,
+    Serve,
+    VersionConstraint,
+    Wait,
+    decide,
+    retry_after_s,
+)
 
 T = TypeVar("T")
 

@@ -17,13 +17,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from board.errors import BoardError
-from clients.board_client import BoardClient
-from clients.engines import CommitMode, EngineAdapter, make_adapter
-from services.sidecar.gate import VersionGate
-from services.sidecar.metrics import SidecarMetrics
-from services.sidecar.proxy import ProxySettings, create_proxy_app
-from services.sidecar.sync import VersionSync
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.clients.board_client import BoardClient
+from deltaboard.clients.engines import CommitMode, EngineAdapter, make_adapter
+from deltaboard.services.sidecar.gate import VersionGate
+from deltaboard.services.sidecar.metrics import SidecarMetrics
+from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
+from deltaboard.services.sidecar.sync import VersionSync
 
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -68,7 +68,7 @@ class Sidecar:
             return None
 
     def _make_follower(self) -> Any:
-        from clients.follower import Follower
+        from deltaboard.clients.follower import Follower
 
         return Follower(
             self.board,

@@ -27,11 +27,17 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from services.sidecar.background import unless_disconnected
-from services.sidecar.constraints import HEADER_PREFIX, ConstraintError, parse_constraint
-from services.sidecar.gate import Admitted, Refused, VersionGate
-from services.sidecar.metrics import SidecarMetrics
-from services.sidecar.stamping import Release, StampedStream, range_headers, restamped_stream, stamp
+from deltaboard.services.sidecar.background import unless_disconnected
+from deltaboard.services.sidecar.constraints import HEADER_PREFIX, ConstraintError, parse_constraint
+from deltaboard.services.sidecar.gate import Admitted, Refused, VersionGate
+from deltaboard.services.sidecar.metrics import SidecarMetrics
+from deltaboard.services.sidecar.stamping import (
+    Release,
+    StampedStream,
+    range_headers,
+    restamped_stream,
+    stamp,
+)
 
 HOP_BY_HOP = {
     "connection",

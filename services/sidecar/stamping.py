@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from fastapi.responses import StreamingResponse
 
-from services.sidecar.gate import VersionGate
+from deltaboard.services.sidecar.gate import VersionGate
 
 
 def range_headers(start: int | None, end: int | None) -> dict[str, str]:

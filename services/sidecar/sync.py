@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from board.errors import BoardError
-from clients.engines import EngineAdapter, EngineAdapterError
-from services.sidecar.constraints import next_target
-from services.sidecar.gate import VersionGate
-from services.sidecar.metrics import SidecarMetrics
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.clients.engines import EngineAdapter, EngineAdapterError
+from deltaboard.services.sidecar.constraints import next_target
+from deltaboard.services.sidecar.gate import VersionGate
+from deltaboard.services.sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger("deltaboard.sidecar")
 # Retries of a failed turn (board away, engine still starting) back off up to this: one

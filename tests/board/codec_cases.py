@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from board import codec
+from deltaboard.board import codec
 
 FLOATS = {"BF16", "F16", "F32", "F64"}
 # Bit patterns that float comparison gets wrong: +-0, +-inf, NaNs with payloads.

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from board.errors import BoardError
-from board.schemas import Heartbeat, RetentionPolicy
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.schemas import Heartbeat, RetentionPolicy
 from tests.support.manifests import publish
 
 

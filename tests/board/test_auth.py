@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from board.auth import AuthConfig, Authorizer
-from board.errors import BoardError
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.server.auth import AuthConfig, Authorizer
 
 
 def status(auth: Authorizer, header: str | None, scope: str, run: str | None) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from board.errors import BoardError
+from deltaboard.board.contract.errors import BoardError
 from tests.support.manifests import manifest
 from tests.support.servers import BoardServer, board_server
 

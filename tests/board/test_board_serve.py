@@ -10,14 +10,14 @@ import threading
 import httpx
 import pytest
 
-from board.api.server import PortTaken, free_port, spawn
+from deltaboard.board.server.api.server import PortTaken, free_port, spawn
 from tests.support.servers import stop_process, wait_until
 
 
 def test_board_serve_with_flags(tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
-    code = "import sys; from services.cli import main; sys.argv[0] = 'deltaboard'; main()\n"
+    code = "import sys; from deltaboard.services.cli import main; sys.argv[0] = 'deltaboard'; main()\n"
     args = [
         sys.executable,
         "-c",
@@ -51,7 +51,10 @@ def test_board_serve_with_flags(tmp_path):
 
 
 def test_board_server_does_not_import_torch():
-    code = "import sys, board.api, board.storage.s3, board.index.redis; print('torch' in sys.modules)"
+    code = (
+        "import sys, deltaboard.board.server.api, deltaboard.board.server.storage.s3,"
+        " deltaboard.board.server.index.redis; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -74,5 +77,5 @@ def test_spawn_does_not_mistake_another_server_on_its_port_for_the_board(tmp_pat
         threading.Thread(target=impostor.serve_forever, daemon=True).start()
         env = {"DELTABOARD_DATA_DIR": str(tmp_path), "DELTABOARD_PORT": str(impostor.server_address[1])}
         with pytest.raises(PortTaken):
-            spawn(env, tmp_path / "board.log", timeout_s=30)
+            spawn(env, tmp_path / "deltaboard.board.log", timeout_s=30)
         impostor.shutdown()

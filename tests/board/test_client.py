@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from board.errors import BoardError
-from clients.board_client import BoardClient
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.clients.board_client import BoardClient
 from tests.support.manifests import manifest, publish
 
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from board import codec
-from board.codec.header import HEADER_SIZE, pack, unpack
+from deltaboard.board import codec
+from deltaboard.board.codec.header import HEADER_SIZE, pack, unpack
 from tests.board.codec_cases import Case, make_case
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

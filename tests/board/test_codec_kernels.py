@@ -8,11 +8,11 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from board import codec
-from board.codec.bitio import pack_fixed, unpack_fixed
-from board.codec.classes import class_positions, class_ranks, split_ranks
-from board.codec.context import EXPONENT_FIELDS
-from board.codec.digest import digest_bits
+from deltaboard.board import codec
+from deltaboard.board.codec.bitio import pack_fixed, unpack_fixed
+from deltaboard.board.codec.classes import class_positions, class_ranks, split_ranks
+from deltaboard.board.codec.context import EXPONENT_FIELDS
+from deltaboard.board.codec.digest import digest_bits
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 UINTS: dict[str, Any] = {
@@ -134,7 +134,7 @@ def test_digest_matches_the_reference_mixes(pair: tuple[str, np.ndarray, np.ndar
 @SETTINGS
 @given(st.integers(0, 130), st.integers(0, 70), st.integers(0, 70))
 def test_stream_copy_copies_every_byte_and_nothing_else(size: int, dst_offset: int, src_offset: int) -> None:
-    from board.codec.jit import stream_copy
+    from deltaboard.board.codec.jit import stream_copy
 
     src = np.random.default_rng(size).integers(0, 256, size=src_offset + size + 64, dtype=np.uint8)
     dst = np.zeros(dst_offset + size + 64, dtype=np.uint8)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from board import codec
+from deltaboard.board import codec
 from tests.board.codec_cases import PATTERNS, Case, cases, make_case
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -121,7 +121,7 @@ def test_encode_changes_from_a_device_like_producer() -> None:
 @SETTINGS
 @given(st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=200), max_size=4))
 def test_rice_roundtrip(groups: list[list[int]]) -> None:
-    from board.codec.bitio import Reader, Writer, rice_decode, rice_encode
+    from deltaboard.board.codec.bitio import Reader, Writer, rice_decode, rice_encode
 
     w = Writer()
     rice_encode(w, [np.array(g, dtype=np.uint64) for g in groups])

@@ -9,12 +9,12 @@ from collections.abc import Callable
 
 import pytest
 
-from board.errors import BoardError
-from board.ledger import Ledger, encode
-from board.retention import select_versions
-from board.schemas import LeaseRequest, RunCreate
-from board.storage import head_key, manifest_key
-from board.storage.local import LocalStore
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.schemas import LeaseRequest, RunCreate
+from deltaboard.board.server.ledger import Ledger, encode
+from deltaboard.board.server.retention import select_versions
+from deltaboard.board.server.storage import head_key, manifest_key
+from deltaboard.board.server.storage.local import LocalStore
 from tests.support.manifests import manifest
 
 

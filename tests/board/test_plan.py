@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from board.errors import BoardError
-from board.plan import plan
-from board.records import VersionRecord
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.server.plan import plan
+from deltaboard.board.server.records import VersionRecord
 
 
 def rec(v: int, kind: str, **blobs: int) -> VersionRecord:

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from board.errors import BoardError
-from board.schemas import RetentionPolicy
-from board.storage.local import STALE_TEMP_S
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.schemas import RetentionPolicy
+from deltaboard.board.server.storage.local import STALE_TEMP_S
 from tests.support.manifests import publish
 
 

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from board.api.state import open_store
-from board.errors import BoardError
-from board.ledger import Ledger
-from board.schemas import RetentionPolicy
-from board.settings import Settings
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.schemas import RetentionPolicy
+from deltaboard.board.server.api.state import open_store
+from deltaboard.board.server.ledger import Ledger
+from deltaboard.board.server.settings import Settings
 from tests.support.manifests import manifest, publish
 from tests.support.servers import BoardServer, S3Server, board_server
 

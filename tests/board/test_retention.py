@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from board.records import VersionRecord
-from board.retention import apply_retention, select_blobs, select_versions
-from board.storage import blob_key, manifest_key
-from board.storage.local import LocalStore
+from deltaboard.board.server.records import VersionRecord
+from deltaboard.board.server.retention import apply_retention, select_blobs, select_versions
+from deltaboard.board.server.storage import blob_key, manifest_key
+from deltaboard.board.server.storage.local import LocalStore
 
 
 @st.composite

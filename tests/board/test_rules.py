@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from board.errors import BoardError
-from board.records import HeadRecord
-from board.rules import check_blob_ranges, check_commit
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.server.records import HeadRecord
+from deltaboard.board.server.rules import check_blob_ranges, check_commit
 from tests.support.manifests import manifest
 
 

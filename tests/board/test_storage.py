@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from board.settings import Settings
-from board.storage import ObjectNotFound, PreconditionFailed, blob_key
-from board.storage.local import STALE_TEMP_S, LocalStore
-from board.storage.s3 import S3Store
+from deltaboard.board.server.settings import Settings
+from deltaboard.board.server.storage import ObjectNotFound, PreconditionFailed, blob_key
+from deltaboard.board.server.storage.local import STALE_TEMP_S, LocalStore
+from deltaboard.board.server.storage.s3 import S3Store
 from tests.support.servers import S3Server
 
 

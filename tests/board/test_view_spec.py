@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from board.schemas import ViewRule, ViewSpec
-from board.view_spec import INDEX_FILE, SINGLE_FILE, nbytes, plan_layout, served_dtype
+from deltaboard.board.contract.schemas import ViewRule, ViewSpec
+from deltaboard.board.contract.view_spec import INDEX_FILE, SINGLE_FILE, nbytes, plan_layout, served_dtype
 
 
 def test_floating_tensors_take_the_default_or_the_first_matching_rule() -> None:

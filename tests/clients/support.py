@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from board.schemas import ViewSpec
-from clients.board_client import BoardClient
-from publisher.publisher import Publisher
-from publisher.view import rollout_view, tensor_bytes
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.clients.board_client import BoardClient
+from deltaboard.publisher.publisher import Publisher
+from deltaboard.publisher.view import rollout_view, tensor_bytes
 
 CONFIG = {"model_type": "test", "architectures": ["Test"]}
 

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from board import codec
-from board.schemas import BlobRef, Manifest, ManifestStats, TensorEntry, ViewSpec
-from clients.follower.apply import BadBlob, Written, apply_step, replay
-from clients.follower.fetch import BlobCache, BlobReader
-from clients.follower.layout import materialize
-from clients.follower.patcher import ShardMaps
+from deltaboard.board import codec
+from deltaboard.board.contract.schemas import BlobRef, Manifest, ManifestStats, TensorEntry, ViewSpec
+from deltaboard.clients.follower.apply import BadBlob, Written, apply_step, replay
+from deltaboard.clients.follower.fetch import BlobCache, BlobReader
+from deltaboard.clients.follower.layout import materialize
+from deltaboard.clients.follower.patcher import ShardMaps
 from tests.clients.support import assert_view
 
 NUMPY = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "I64": "<i8", "U8": "u1", "I32": "<i4"}
@@ -90,7 +90,7 @@ def test_keyframe_then_delta_in_place_and_replayed(specs, seed, fraction):
         refs1 = store(cache, patches)
 
         def entries(refs: list[BlobRef], digests: dict[str, str]) -> list[TensorEntry]:
-            from board.view_spec import plan_layout
+            from deltaboard.board.contract.view_spec import plan_layout
 
             layout = plan_layout(
                 [(n, d, s) for n, (d, s) in zip(names, specs, strict=True)], ViewSpec(shard_max_bytes=4096)

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import time
 
-from clients.follower.verify import served
+from deltaboard.clients.follower.verify import served
 from tests.clients.support import assert_view, publish_states
 from tests.support.servers import VENV_BIN
 

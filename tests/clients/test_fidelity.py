@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from board.schemas import ViewSpec
-from clients.follower import Follower
-from publisher.publisher import Publisher
-from publisher.view import rollout_view
-from services.trajectory import build_model, train
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.clients.follower import Follower
+from deltaboard.publisher.publisher import Publisher
+from deltaboard.publisher.view import rollout_view
+from deltaboard.services.trajectory import build_model, train
 from tests.clients.support import assert_view, view_of
 
 

@@ -11,10 +11,10 @@ import httpx
 import numpy as np
 import pytest
 
-from board.schemas import RetentionPolicy
-from clients.follower import DirectoryError, Follower, FollowerError, IntegrityError
-from clients.follower.journal import Journal, SlotName, SlotRecord
-from clients.follower.verify import served, verify_directory
+from deltaboard.board.contract.schemas import RetentionPolicy
+from deltaboard.clients.follower import DirectoryError, Follower, FollowerError, IntegrityError
+from deltaboard.clients.follower.journal import Journal, SlotName, SlotRecord
+from deltaboard.clients.follower.verify import served, verify_directory
 from tests.clients.support import assert_view, publish_states, read_dir
 from tests.support.servers import VENV_BIN
 
@@ -50,7 +50,7 @@ def test_bootstrap_catch_up_and_back_bit_exact_with_heartbeat(board, tmp_path):
 
 
 def test_steady_updates_mirror_without_copy_and_sharded_layout(board, tmp_path):
-    from board.schemas import ViewSpec
+    from deltaboard.board.contract.schemas import ViewSpec
 
     spec = ViewSpec(shard_max_bytes=40_000)
     views = publish_states(board.client(board.publish_token), "s", SIZES, 5, spec=spec)
@@ -114,7 +114,7 @@ def test_commit_hook_controls_the_swap(board, tmp_path):
 
 
 def test_follow_tracks_head_until_stopped(board, tmp_path):
-    from publisher.publisher import Publisher
+    from deltaboard.publisher.publisher import Publisher
     from tests.clients.support import CONFIG, states, view_of
 
     d = tmp_path / "model"

@@ -21,9 +21,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from clients.follower.journal import Journal
-from clients.follower.verify import served
-from services.bench.link import LinkProcess
+from deltaboard.clients.follower.journal import Journal
+from deltaboard.clients.follower.verify import served
+from deltaboard.services.bench.link import LinkProcess
 from tests.clients.support import assert_view, publish_states
 from tests.support.servers import VENV_BIN
 

@@ -9,10 +9,10 @@ import httpx
 import numpy as np
 import torch
 
-from board import codec
-from board.schemas import ViewSpec
-from clients.board_client import BoardClient
-from publisher.view import rollout_view, tensor_bytes
+from deltaboard.board import codec
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.clients.board_client import BoardClient
+from deltaboard.publisher.view import rollout_view, tensor_bytes
 
 
 def materialize(client: BoardClient, run: str, version: int) -> dict[str, np.ndarray]:

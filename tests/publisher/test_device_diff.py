@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
 
-from board import codec
-from board.schemas import ViewRule, ViewSpec
-from publisher import device_diff
-from publisher.device_diff import diff_views
-from publisher.snapshot import ViewBuffer, ViewLayout
-from publisher.view import rollout_view, safetensors_dtype, tensor_bytes
+from deltaboard.board import codec
+from deltaboard.board.contract.schemas import ViewRule, ViewSpec
+from deltaboard.publisher import device_diff
+from deltaboard.publisher.device_diff import diff_views
+from deltaboard.publisher.snapshot import ViewBuffer, ViewLayout
+from deltaboard.publisher.view import rollout_view, safetensors_dtype, tensor_bytes
 
 DTYPES = [
     torch.float32,

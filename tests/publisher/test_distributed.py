@@ -41,8 +41,8 @@ def _rank_main(
 ):
     import torch.distributed as dist
 
-    from clients.board_client import BoardClient
-    from publisher.distributed import DistributedPublisher, partition_by_name
+    from deltaboard.clients.board_client import BoardClient
+    from deltaboard.publisher.distributed import DistributedPublisher, partition_by_name
     from tests.publisher.pub_support import FaultyTransport, error, is_blob_put
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -7,9 +7,9 @@ import json
 import torch
 from typer.testing import CliRunner
 
-from publisher.examples.torch_loop import tiny_model, train
-from publisher.hf_callback import DeltaboardCallback
-from publisher.publisher import Publisher
+from deltaboard.publisher.examples.torch_loop import tiny_model, train
+from deltaboard.publisher.hf_callback import DeltaboardCallback
+from deltaboard.publisher.publisher import Publisher
 from tests.publisher.pub_support import assert_same_view, materialize, view_bytes
 
 
@@ -62,7 +62,7 @@ def test_torch_loop_example(board):
 
 
 def test_publish_directory_command(board, tmp_path):
-    from services.cli import build_app
+    from deltaboard.services.cli import build_app
 
     model = tiny_model(seed=3)
     cli = build_app()

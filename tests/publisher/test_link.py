@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 
-from clients.board_client import BoardClient
-from services.bench.link import LinkProcess
+from deltaboard.clients.board_client import BoardClient
+from deltaboard.services.bench.link import LinkProcess
 
 
 def test_link_proxy_carries_requests_both_ways_unchanged(board):

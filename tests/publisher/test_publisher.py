@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 
-from board import codec
-from board.schemas import ViewRule, ViewSpec
-from publisher.lease import FencedError
-from publisher.publisher import Publisher, PublishError
+from deltaboard.board import codec
+from deltaboard.board.contract.schemas import ViewRule, ViewSpec
+from deltaboard.publisher.lease import FencedError
+from deltaboard.publisher.publisher import Publisher, PublishError
 from tests.publisher.pub_support import (
     FaultyTransport,
     assert_same_view,

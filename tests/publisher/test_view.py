@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from board.schemas import ViewRule, ViewSpec
-from publisher.view import rollout_view, safetensors_dtype, tensor_bytes
+from deltaboard.board.contract.schemas import ViewRule, ViewSpec
+from deltaboard.publisher.view import rollout_view, safetensors_dtype, tensor_bytes
 
 
 def bf16_reference(x: np.ndarray) -> np.ndarray:
@@ -84,7 +84,7 @@ def test_uncast_tensors_alias_their_parameter() -> None:
 
 def test_snapshot_copies_in_shared_pieces_exactly(monkeypatch):
     """The CPU snapshot splits tensors into pieces copied by two threads: every byte lands."""
-    from publisher import snapshot
+    from deltaboard.publisher import snapshot
 
     monkeypatch.setattr(snapshot, "_PIECE_BYTES", 1000)  # many uneven pieces per tensor
     g = torch.Generator().manual_seed(1)

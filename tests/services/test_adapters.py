@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from clients.engines import CommitMode, EngineAdapter, EngineAdapterError, make_adapter
-from services.engine.app import EngineState, create_app
-from services.sidecar.background import BackgroundServer
+from deltaboard.clients.engines import CommitMode, EngineAdapter, EngineAdapterError, make_adapter
+from deltaboard.services.engine.app import EngineState, create_app
+from deltaboard.services.sidecar.background import BackgroundServer
 from tests.services.fakes.engines import fake_sglang, fake_vllm
 from tests.services.fakes.tiny_model import save_tiny_model
 

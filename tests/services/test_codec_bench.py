@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from services.cli import build_app
+from deltaboard.services.cli import build_app
 
 FIELDS = {
     "encoding",

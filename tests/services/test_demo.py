@@ -13,7 +13,7 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
     command = [
         sys.executable,
         "-c",
-        "from services.cli import main; main()",
+        "from deltaboard.services.cli import main; main()",
         "demo",
         "--steps=3",
         "--warmup=0",
@@ -44,7 +44,13 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
 
 
 def test_demo_refuses_an_unknown_commit_mode(tmp_path):
-    command = [sys.executable, "-c", "from services.cli import main; main()", "demo", "--mode=eventually"]
+    command = [
+        sys.executable,
+        "-c",
+        "from deltaboard.services.cli import main; main()",
+        "demo",
+        "--mode=eventually",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "quiesce" in done.stdout + done.stderr
 
@@ -55,7 +61,7 @@ def test_demo_as_a_trainer_for_an_existing_board(board, tmp_path):
     command = [
         sys.executable,
         "-c",
-        "from services.cli import main; main()",
+        "from deltaboard.services.cli import main; main()",
         "demo",
         f"--board={board.url}",
         "--nodes=0",
@@ -72,7 +78,7 @@ def test_demo_as_a_trainer_for_an_existing_board(board, tmp_path):
 
 
 def test_demo_fails_on_a_wrong_version_or_a_node_behind():
-    from services.demo import DemoState, PinnedResult, VersionStats, succeeded, summary
+    from deltaboard.services.demo import DemoState, PinnedResult, VersionStats, succeeded, summary
 
     versions = [VersionStats(0, "full", 1.0, 100), VersionStats(1, "delta", 0.01, 5)]
     state = DemoState(steps=1, versions=versions)

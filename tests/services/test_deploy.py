@@ -15,8 +15,8 @@ import pytest
 import typer
 import yaml
 
-from board.settings import Settings
-from services.cli import build_app
+from deltaboard.board.server.settings import Settings
+from deltaboard.services.cli import build_app
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -14,13 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
-from board.schemas import ViewSpec
-from publisher.publisher import Publisher
-from publisher.view import rollout_view
-from services.engine.app import EngineState, create_app
-from services.sidecar.background import BackgroundServer
-from services.sidecar.node import Sidecar, SidecarConfig
-from services.trajectory import build_model, train
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.publisher.publisher import Publisher
+from deltaboard.publisher.view import rollout_view
+from deltaboard.services.engine.app import EngineState, create_app
+from deltaboard.services.sidecar.background import BackgroundServer
+from deltaboard.services.sidecar.node import Sidecar, SidecarConfig
+from deltaboard.services.trajectory import build_model, train
 from tests.services.fakes.direct import direct_logprobs
 
 RUN = "e2e"

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from services.engine.app import EngineState, create_app
-from services.sidecar.background import BackgroundServer
+from deltaboard.services.engine.app import EngineState, create_app
+from deltaboard.services.sidecar.background import BackgroundServer
 from tests.services.fakes.direct import direct_logprobs
 from tests.services.fakes.polling import wait_until
 from tests.services.fakes.tiny_model import save_tiny_model

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.bench import follow_bench
+from deltaboard.services.bench import follow_bench
 
 
 def test_bench_follow_small_view() -> None:

@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 
-from publisher.publisher import Publisher
-from services.trajectory import build_model
+from deltaboard.publisher.publisher import Publisher
+from deltaboard.services.trajectory import build_model
 
-CLI = [sys.executable, "-c", "from services.cli import main; main()"]
+CLI = [sys.executable, "-c", "from deltaboard.services.cli import main; main()"]
 
 
 def free_port() -> int:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.sidecar.constraints import (
+from deltaboard.services.sidecar.constraints import (
     ConstraintError,
     Gone,
     Serve,

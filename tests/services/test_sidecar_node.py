@@ -10,13 +10,13 @@ from typing import Any
 import httpx
 import pytest
 
-from clients.engines import EngineAdapter, EngineAdapterError
-from clients.engines.reference import ReferenceAdapter
-from publisher.publisher import Publisher
-from services.engine.app import EngineState, create_app
-from services.sidecar.background import BackgroundServer
-from services.sidecar.node import Sidecar, SidecarConfig
-from services.trajectory import build_model, train
+from deltaboard.clients.engines import EngineAdapter, EngineAdapterError
+from deltaboard.clients.engines.reference import ReferenceAdapter
+from deltaboard.publisher.publisher import Publisher
+from deltaboard.services.engine.app import EngineState, create_app
+from deltaboard.services.sidecar.background import BackgroundServer
+from deltaboard.services.sidecar.node import Sidecar, SidecarConfig
+from deltaboard.services.trajectory import build_model, train
 from tests.services.fakes.polling import wait_until
 
 RUN = "node"

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from services.engine.app import EngineState, create_app
-from services.sidecar.background import BackgroundServer
-from services.sidecar.gate import VersionGate
-from services.sidecar.metrics import SidecarMetrics
-from services.sidecar.proxy import ProxySettings, create_proxy_app
+from deltaboard.services.engine.app import EngineState, create_app
+from deltaboard.services.sidecar.background import BackgroundServer
+from deltaboard.services.sidecar.gate import VersionGate
+from deltaboard.services.sidecar.metrics import SidecarMetrics
+from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
 from tests.services.fakes.echo import echo_engine
 from tests.services.fakes.polling import wait_until
 from tests.services.fakes.tiny_model import save_tiny_model

@@ -10,8 +10,8 @@ from typing import Any, cast
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.sidecar.gate import VersionGate
-from services.sidecar.stamping import Release, restamped_stream, stamp
+from deltaboard.services.sidecar.gate import VersionGate
+from deltaboard.services.sidecar.stamping import Release, restamped_stream, stamp
 
 
 class EndsAt:

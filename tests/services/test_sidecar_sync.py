@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from board.errors import BoardError
-from clients.engines import CommitMode, EngineAdapter
-from services.sidecar.constraints import VersionConstraint
-from services.sidecar.gate import Admitted, Refused, VersionGate
-from services.sidecar.metrics import SidecarMetrics
-from services.sidecar.sync import VersionSync
+from deltaboard.board.contract.errors import BoardError
+from deltaboard.clients.engines import CommitMode, EngineAdapter
+from deltaboard.services.sidecar.constraints import VersionConstraint
+from deltaboard.services.sidecar.gate import Admitted, Refused, VersionGate
+from deltaboard.services.sidecar.metrics import SidecarMetrics
+from deltaboard.services.sidecar.sync import VersionSync
 
 
 class RecordingAdapter(EngineAdapter):

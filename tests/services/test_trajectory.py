@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from board.schemas import ViewSpec
-from publisher.view import rollout_view, tensor_bytes
-from services.trajectory import build_model, load_trajectory, train
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.publisher.view import rollout_view, tensor_bytes
+from deltaboard.services.trajectory import build_model, load_trajectory, train
 
 
 def view_bytes(model: torch.nn.Module) -> np.ndarray:

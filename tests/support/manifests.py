@@ -7,8 +7,8 @@ import hashlib
 import time
 from typing import Literal
 
-from board.schemas import BlobRef, Head, Manifest, ManifestStats, TensorEntry, ViewSpec
-from clients.board_client import BoardClient
+from deltaboard.board.contract.schemas import BlobRef, Head, Manifest, ManifestStats, TensorEntry, ViewSpec
+from deltaboard.clients.board_client import BoardClient
 
 
 def manifest(

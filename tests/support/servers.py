@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from board.api.server import PortTaken, free_port, spawn
-from clients.board_client import BoardClient
+from deltaboard.board.server.api.server import PortTaken, free_port, spawn
+from deltaboard.clients.board_client import BoardClient
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -1,0 +1,146 @@
+"""Routes for content-addressed blobs: upload targets (deduplicated by sha256), the
+board-proxied streaming upload, and downloads with Range, ETag and immutable caching
+(a redirect to a presigned URL when the store has one)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import BinaryIO
+
+import anyio
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import FileResponse, RedirectResponse
+from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
+from starlette.types import Receive, Scope, Send
+
+from deltaboard.board.contract.errors import BoardError, bad_request, not_found
+from deltaboard.board.contract.schemas import BlobUploadTarget
+from deltaboard.board.server.api.state import BoardState, Publisher, Reader, check_sha
+from deltaboard.board.server.api.uploads import receive_to_file
+from deltaboard.board.server.storage import blob_key
+
+router = APIRouter(prefix="/v1/runs/{run}/blobs")
+
+IMMUTABLE = "public, max-age=31536000, immutable"
+
+
+class BlobFileResponse(FileResponse):
+    """Serves a file opened before the answer starts: retention may delete the blob at any
+    moment, and a file reopened by name after the headers went out would break the answer
+    half-way (an unlinked file stays readable through its open descriptor). Larger reads
+    than Starlette's 64 KiB default: fewer event-loop turns per GB."""
+
+    chunk_size = 1024 * 1024
+
+    def __init__(self, path: Path, file: BinaryIO, headers: dict[str, str]) -> None:
+        self._file = file
+        super().__init__(
+            path, media_type="application/octet-stream", headers=headers, stat_result=os.fstat(file.fileno())
+        )
+
+    @contextlib.asynccontextmanager
+    async def _open_file(self) -> AsyncIterator[anyio.AsyncFile[bytes]]:
+        yield anyio.wrap_file(self._file)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._file.close()
+
+    def check_range(self, header: str | None) -> None:
+        """Refuse a bad `Range` with a JSON error, as every other failure (Starlette would
+        answer in plain text)."""
+        if header is None:
+            return
+        size = int(self.headers["content-length"])
+        try:
+            self._parse_range_header(header, size)
+        except MalformedRangeHeader as e:
+            self._file.close()
+            raise bad_request("BadRange", f"malformed Range header: {e.content}") from None
+        except RangeNotSatisfiable:
+            self._file.close()
+            raise BoardError(416, "RangeNotSatisfiable", f"the blob has {size} bytes", size=size) from None
+
+
+def blob_url(run: str, sha256: str) -> str:
+    return f"/v1/runs/{run}/blobs/{sha256}"
+
+
+@router.post("/{sha256}/upload", response_model=BlobUploadTarget)
+async def upload_target(
+    run: str, sha256: str, size: int = Query(ge=0), state: BoardState = Publisher
+) -> BlobUploadTarget:
+    check_sha(sha256)
+    await state.require_run(run)
+    if size > state.settings.max_blob_bytes:
+        raise BoardError(413, "BodyTooLarge", f"blobs are limited to {state.settings.max_blob_bytes} bytes")
+    key = blob_key(run, sha256)
+    info = await state.blocking(state.store.stat, key)
+    if info is not None:
+        await state.index.touch_blob(run, sha256, time.time())
+        return BlobUploadTarget(sha256=sha256, exists=True, url=None)
+    presigned = await state.blocking(state.store.presign_upload, key, sha256, state.settings.presign_expiry_s)
+    if presigned is None:
+        return BlobUploadTarget(sha256=sha256, exists=False, url=blob_url(run, sha256))
+    url, headers = presigned
+    return BlobUploadTarget(sha256=sha256, exists=False, url=url, headers=headers)
+
+
+@router.put("/{sha256}", status_code=201)
+async def put_blob(
+    run: str, sha256: str, request: Request, state: BoardState = Publisher
+) -> dict[str, object]:
+    check_sha(sha256)
+    await state.require_run(run)
+    received = await receive_to_file(request, state.settings.tmp_dir, state.settings.max_blob_bytes)
+    try:
+        if received.sha256 != sha256:
+            raise bad_request("DigestMismatch", f"body hashes to {received.sha256}, not {sha256}")
+        key = blob_key(run, sha256)
+        if await state.blocking(state.store.stat, key) is None:
+            await state.blocking(state.store.put_file, key, received.path)
+        state.metrics.blob_bytes_in.inc(received.size)
+    finally:
+        received.path.unlink(missing_ok=True)
+    return {"sha256": sha256, "size": received.size}
+
+
+@router.get("/{sha256}", response_model=None)
+@router.head("/{sha256}", response_model=None, operation_id="head_blob")
+async def get_blob(run: str, sha256: str, request: Request, state: BoardState = Reader) -> Response:
+    check_sha(sha256)
+    await state.require_run(run)
+    key = blob_key(run, sha256)
+    etag = f'"{sha256}"'
+    path = state.store.local_path(key)
+    if path is None:
+        info = await state.blocking(state.store.stat, key)
+        if info is None:
+            raise not_found("UnknownBlob", f"blob {sha256} is not stored")
+        if request.method == "HEAD":  # a presigned GET URL does not sign HEAD: answer here
+            headers = {"ETag": etag, "Cache-Control": IMMUTABLE, "Content-Length": str(info.size)}
+            return Response(status_code=200, headers=headers, media_type="application/octet-stream")
+        url = await state.blocking(state.store.presign_download, key, state.settings.presign_expiry_s)
+        assert url is not None
+        return RedirectResponse(url, status_code=307, headers={"ETag": etag})
+    headers = {"ETag": etag, "Cache-Control": IMMUTABLE}
+    if request.headers.get("if-none-match") in (etag, "*"):
+        if not path.is_file():
+            raise not_found("UnknownBlob", f"blob {sha256} is not stored")
+        return Response(status_code=304, headers=headers)
+    try:
+        file = open(path, "rb")  # noqa: SIM115 (closed by the response)
+    except FileNotFoundError:
+        raise not_found("UnknownBlob", f"blob {sha256} is not stored") from None
+    response = BlobFileResponse(path, file, headers)
+    if "if-range" not in request.headers:  # with If-Range, a stale validator ignores the range
+        response.check_range(request.headers.get("range"))
+    if request.method == "GET" and "range" not in request.headers:
+        state.metrics.blob_bytes_out.inc(int(response.headers["content-length"]))
+    return response

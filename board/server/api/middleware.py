@@ -1,0 +1,82 @@
+"""ASGI middleware: request metrics; a cap on request bodies other than blob uploads (which
+stream to disk and carry their own, larger cap); and an idle timeout while a body is
+arriving, so a body shorter than its Content-Length gets a 400 instead of a hung request."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from deltaboard.board.server.api.errors import RequestBodyError, error_response
+from deltaboard.board.server.metrics import BoardMetrics
+
+BLOB_PUT = re.compile(r"^/v1/runs/[^/]+/blobs/[^/]+$")
+
+
+class BoardMiddleware:
+    def __init__(
+        self, app: ASGIApp, *, metrics: BoardMetrics, max_body_bytes: int, body_idle_s: float
+    ) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.body_idle_s = body_idle_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        cap: int | None = None
+        if not (scope["method"] == "PUT" and BLOB_PUT.match(scope["path"])):
+            cap = self.max_body_bytes
+            declared = dict(scope["headers"]).get(b"content-length")
+            if declared is not None and (not declared.isdigit() or int(declared) > cap):
+                response = error_response(413, "BodyTooLarge", f"bodies are limited to {cap} bytes")
+                await response(scope, receive, counting_send)
+                self._count(scope, status)
+                return
+        limited = self._guard(receive, cap)
+        try:
+            await self.app(scope, limited, counting_send)
+        finally:
+            self._count(scope, status)
+
+    def _guard(self, receive: Receive, cap: int | None) -> Receive:
+        seen = 0
+        complete = False
+
+        async def guarded_receive() -> Message:
+            nonlocal seen, complete
+            if complete:  # later receives only wait for a disconnect: no timeout
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_idle_s)
+            except TimeoutError:
+                raise RequestBodyError(
+                    400,
+                    "IncompleteBody",
+                    f"no body bytes for {self.body_idle_s:g}s (shorter than Content-Length?)",
+                ) from None
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
+                if cap is not None and seen > cap:
+                    raise RequestBodyError(413, "BodyTooLarge", f"bodies are limited to {cap} bytes")
+            return message
+
+        return guarded_receive
+
+    def _count(self, scope: Scope, status: int) -> None:
+        route = scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        self.metrics.requests.labels(route=path, status=str(status)).inc()

@@ -1,0 +1,81 @@
+"""Running the board: in this process under uvicorn (`deltaboard board serve`,
+`python -m deltaboard.board.server.api`), or as a child process for benchmarks and tests."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from deltaboard.board.server.settings import Settings
+
+
+def serve(settings: Settings) -> None:
+    import uvicorn
+
+    from deltaboard.board.server.api.app import create_app
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        # Long-polls hold connections for up to a minute; keep idle ones a little longer.
+        timeout_keep_alive=75,
+        backlog=4096,
+    )
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for child boards in benches and tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class PortTaken(RuntimeError):
+    """The board could not listen on its port: another process took it first."""
+
+
+def spawn(env: dict[str, str], log: Path, timeout_s: float = 60.0) -> subprocess.Popen[bytes]:
+    """Start `python -m deltaboard.board.server.api` with DELTABOARD_* settings in `env` (plus this process's
+    environment; DELTABOARD_PORT is required), wait until /healthz answers, and return the
+    process. The answer must carry this process's instance nonce: a port found free a
+    moment earlier may have been taken by another server (`PortTaken`), which would
+    otherwise answer in the board's place."""
+    host = env.get("DELTABOARD_HOST", "127.0.0.1")
+    url = f"http://{host}:{env['DELTABOARD_PORT']}/healthz"
+    instance = secrets.token_hex(8)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deltaboard.board.server.api"],
+            env={**os.environ, **env, "DELTABOARD_INSTANCE": instance},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:]
+            error = PortTaken if "address already in use" in tail else RuntimeError
+            raise error(f"board exited with {proc.returncode}: {tail}")
+        try:
+            answer = httpx.get(url, timeout=1.0)
+            if answer.status_code == 200 and answer.json().get("instance") == instance:
+                return proc
+        except (httpx.TransportError, ValueError, AttributeError):
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError(f"board did not answer {url} within {timeout_s}s")

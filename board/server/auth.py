@@ -1,0 +1,104 @@
+"""Bearer-token authorisation: scopes `read` < `publish` < `admin` on run-name globs.
+
+Tokens come from a config file (YAML or JSON) or from `scope:token[:glob]` strings (env or
+flags). Tokens are compared in constant time against every configured token, so response
+timing does not reveal how much of a guess was right. A higher scope includes the lower
+ones; `read` can never publish or delete.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hmac
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from deltaboard.board.contract.errors import BoardError
+
+Scope = Literal["read", "publish", "admin"]
+SCOPE_RANK: dict[str, int] = {"read": 0, "publish": 1, "admin": 2}
+
+
+class TokenGrant(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token: str = Field(min_length=8)
+    scope: Scope
+    runs: tuple[str, ...] = ("*",)
+    name: str = ""
+
+
+class AuthConfig(BaseModel):
+    """`anonymous_read`: run globs readable without a token (empty: none)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens: tuple[TokenGrant, ...] = ()
+    anonymous_read: tuple[str, ...] = ()
+
+    @classmethod
+    def load(cls, path: Path) -> AuthConfig:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        if isinstance(data, dict) and isinstance(data.get("anonymous_read"), bool):
+            data["anonymous_read"] = ["*"] if data["anonymous_read"] else []
+        return cls.model_validate(data or {})
+
+    @staticmethod
+    def parse_grants(specs: Iterable[str]) -> tuple[TokenGrant, ...]:
+        """`scope:token[:glob]` strings, e.g. `publish:s3cret:exp-*`."""
+        grants = []
+        for spec in specs:
+            scope, _, rest = spec.strip().partition(":")
+            token, _, pattern = rest.partition(":")
+            grants.append(
+                TokenGrant.model_validate({"scope": scope, "token": token, "runs": (pattern or "*",)})
+            )
+        return tuple(grants)
+
+    def merged(self, grants: Iterable[TokenGrant], anonymous_read: bool) -> AuthConfig:
+        anonymous = self.anonymous_read + (("*",) if anonymous_read else ())
+        return AuthConfig(tokens=self.tokens + tuple(grants), anonymous_read=anonymous)
+
+
+class Authorizer:
+    def __init__(self, config: AuthConfig) -> None:
+        self.config = config
+
+    def _grants(self, token: str) -> list[TokenGrant]:
+        presented = token.encode()
+        # Compare against every token (no early exit) so timing says nothing about which matched.
+        matches = [g for g in self.config.tokens if hmac.compare_digest(presented, g.token.encode())]
+        return matches
+
+    def check(self, authorization: str | None, scope: Scope, run: str | None) -> None:
+        """Raise 401/403 unless the request may act with `scope` on `run` (None: any run)."""
+        target = run or ""
+        if authorization is None:
+            anonymous = self.config.anonymous_read
+            # Without a run (listing runs), any anonymous grant lets the caller in; the
+            # listing then shows only the runs it may read.
+            if (
+                scope == "read"
+                and anonymous
+                and (run is None or any(fnmatch.fnmatchcase(target, p) for p in anonymous))
+            ):
+                return
+            raise BoardError(401, "Unauthorized", "a bearer token is required")
+        kind, _, token = authorization.partition(" ")
+        if kind.lower() != "bearer" or not token:
+            raise BoardError(401, "Unauthorized", "expected 'Authorization: Bearer <token>'")
+        grants = self._grants(token.strip())
+        if not grants:
+            raise BoardError(401, "Unauthorized", "unknown token")
+        for grant in grants:
+            if SCOPE_RANK[grant.scope] >= SCOPE_RANK[scope] and (
+                run is None or any(fnmatch.fnmatchcase(target, p) for p in grant.runs)
+            ):
+                return
+        raise BoardError(403, "Forbidden", f"token lacks scope {scope!r} on run {run!r}")

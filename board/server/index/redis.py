@@ -1,0 +1,143 @@
+"""The Redis (or Valkey) index: shared by several board replicas.
+
+Heads advance through a Lua script (compare by version, then epoch: atomic, monotonic) that
+also PUBLISHes the new head; every replica keeps one subscription and wakes its own
+long-polls from it, so a commit on one replica wakes pollers on all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from deltaboard.board.contract.schemas import FleetNode, Head
+from deltaboard.board.server.index import HeadWaiters
+from deltaboard.board.server.records import RunRecord, VersionRecord, head_rank
+
+log = logging.getLogger("deltaboard.board.redis")
+
+ADVANCE_HEAD = """
+local version = tonumber(redis.call('HGET', KEYS[1], 'version') or '-2')
+local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '-2')
+local new_version = tonumber(ARGV[2])
+local new_epoch = tonumber(ARGV[3])
+if new_version > version or (new_version == version and new_epoch > epoch) then
+  redis.call('HSET', KEYS[1], 'json', ARGV[1], 'version', ARGV[2], 'epoch', ARGV[3])
+  redis.call('PUBLISH', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+
+RESUBSCRIBE_S = 0.5
+
+
+class RedisIndex:
+    def __init__(self, url: str, namespace: str = "deltaboard") -> None:
+        self.waiters = HeadWaiters()
+        self.url = url
+        self.ns = namespace
+        self.channel = f"{namespace}:heads"
+        self._redis: Redis | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._subscribed: asyncio.Event | None = None
+
+    @property
+    def redis(self) -> Redis:
+        assert self._redis is not None, "RedisIndex.start() was not awaited"
+        return self._redis
+
+    def _k(self, kind: str, run: str | None = None) -> str:
+        return f"{self.ns}:{kind}" if run is None else f"{self.ns}:{kind}:{run}"
+
+    async def start(self) -> None:
+        self._redis = Redis.from_url(self.url)
+        self._subscribed = asyncio.Event()
+        self._listener = asyncio.create_task(self._listen())
+        await asyncio.wait_for(self._subscribed.wait(), timeout=30)
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    async def _listen(self) -> None:
+        """Forward heads published by any replica to this process's waiters, for ever."""
+        assert self._subscribed is not None
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self.channel)
+                    self._subscribed.set()
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message":
+                            self.waiters.notify(Head.model_validate_json(message["data"]))
+            except RedisError:
+                log.warning("head subscription lost; resubscribing", exc_info=True)
+                await asyncio.sleep(RESUBSCRIBE_S)
+
+    async def put_run(self, run: RunRecord) -> None:
+        await self.redis.hset(self._k("runs"), run.name, run.model_dump_json())
+
+    async def get_run(self, name: str) -> RunRecord | None:
+        data = await self.redis.hget(self._k("runs"), name)
+        return None if data is None else RunRecord.model_validate_json(data)
+
+    async def list_runs(self) -> list[RunRecord]:
+        found: dict[Any, Any] = await self.redis.hgetall(self._k("runs"))
+        return sorted((RunRecord.model_validate_json(v) for v in found.values()), key=lambda r: r.name)
+
+    async def get_head(self, run: str) -> Head | None:
+        data = await self.redis.hget(self._k("head", run), "json")
+        return None if data is None else Head.model_validate_json(data)
+
+    async def advance_head(self, head: Head) -> bool:
+        version, epoch = head_rank(head)
+        advanced = await self.redis.eval(
+            ADVANCE_HEAD, 2, self._k("head", head.run), self.channel, head.model_dump_json(), version, epoch
+        )
+        if advanced:
+            self.waiters.notify(head)  # our own pollers need not wait for the round trip
+        return bool(advanced)
+
+    async def put_versions(self, run: str, records: list[VersionRecord]) -> None:
+        if records:
+            await self.redis.hset(
+                self._k("versions", run), mapping={str(r.version): r.model_dump_json() for r in records}
+            )
+
+    async def versions(self, run: str) -> dict[int, VersionRecord]:
+        found: dict[Any, Any] = await self.redis.hgetall(self._k("versions", run))
+        return {int(k): VersionRecord.model_validate_json(v) for k, v in found.items()}
+
+    async def drop_versions(self, run: str, versions: list[int]) -> None:
+        if versions:
+            await self.redis.hdel(self._k("versions", run), *[str(v) for v in versions])
+
+    async def heartbeat(self, run: str, node: FleetNode) -> None:
+        await self.redis.hset(self._k("fleet", run), node.node_id, node.model_dump_json())
+
+    async def fleet(self, run: str, seen_after: float) -> list[FleetNode]:
+        """A node that beats between the read and the deletion of its stale entry drops out
+        until its next heartbeat: harmless for a listing, and no script is needed."""
+        found: dict[Any, Any] = await self.redis.hgetall(self._k("fleet", run))
+        nodes = [FleetNode.model_validate_json(v) for v in found.values()]
+        stale = [n.node_id for n in nodes if n.last_seen <= seen_after]
+        if stale:
+            await self.redis.hdel(self._k("fleet", run), *stale)
+        return sorted((n for n in nodes if n.last_seen > seen_after), key=lambda n: n.node_id)
+
+    async def touch_blob(self, run: str, sha256: str, at: float) -> None:
+        await self.redis.hset(self._k("touch", run), sha256, str(at))
+
+    async def blob_touches(self, run: str) -> dict[str, float]:
+        found: dict[Any, Any] = await self.redis.hgetall(self._k("touch", run))
+        return {k.decode(): float(v) for k, v in found.items()}

@@ -1,0 +1,291 @@
+"""The durable state machine of the board: every write of a record goes through here.
+
+It works on the object store only (synchronous; the API runs it in worker threads) and
+returns what the index must learn. The order of writes is what makes a commit safe:
+blobs are checked, the manifest is written create-if-absent, then head.json advances by
+compare-and-set on the version tag read before the checks. Granting a lease raises the epoch
+in head.json by compare-and-set too, so a writer fenced off mid-commit loses its head CAS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from deltaboard.board.contract.errors import conflict, not_found
+from deltaboard.board.contract.schemas import (
+    Lease,
+    LeaseRenew,
+    LeaseRequest,
+    Manifest,
+    RetentionReport,
+    RunCreate,
+)
+from deltaboard.board.server import rules
+from deltaboard.board.server.records import HeadRecord, LeaseRecord, RunRecord, VersionRecord
+from deltaboard.board.server.retention import VersionSelection, apply_retention
+from deltaboard.board.server.storage import (
+    ObjectNotFound,
+    ObjectStore,
+    PreconditionFailed,
+    blob_key,
+    head_key,
+    lease_key,
+    manifest_key,
+    manifest_prefix,
+    manifest_version,
+    run_key,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+CAS_ATTEMPTS = 16
+
+
+def encode(model: BaseModel) -> bytes:
+    return model.model_dump_json().encode()
+
+
+class Ledger:
+    def __init__(self, store: ObjectStore, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.clock = clock
+        self._run_locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    @contextlib.contextmanager
+    def _exclusive(self, run: str) -> Iterator[None]:
+        """Commits and retention of one run in this process, one at a time: a retention
+        pass running between a commit's blob check and its manifest write would delete
+        blobs that the commit is about to reference. (Across replicas the grace period
+        protects them: a commit follows its uploads or dedup claims within it.)"""
+        with self._guard:
+            lock = self._run_locks.setdefault(run, threading.Lock())
+        with lock:
+            yield
+
+    # ---- reading records ---------------------------------------------------------------
+
+    def _read(self, key: str, model: type[M]) -> tuple[M, str] | None:
+        found = self.store.read_record(key)
+        return None if found is None else (model.model_validate_json(found[0]), found[1])
+
+    def run(self, run: str) -> RunRecord | None:
+        try:
+            return RunRecord.model_validate_json(self.store.get(run_key(run)))
+        except ObjectNotFound:
+            return None
+
+    def head(self, run: str) -> tuple[HeadRecord, str]:
+        found = self._read(head_key(run), HeadRecord)
+        if found is None:
+            raise not_found("UnknownRun", f"run {run!r} does not exist")
+        return found
+
+    def lease(self, run: str) -> tuple[LeaseRecord, str] | None:
+        return self._read(lease_key(run), LeaseRecord)
+
+    def manifest_bytes(self, run: str, version: int) -> bytes | None:
+        found = self.store.read_record(manifest_key(run, version))
+        return None if found is None else found[0]
+
+    def blob_size(self, run: str, sha256: str) -> int | None:
+        info = self.store.stat(blob_key(run, sha256))
+        return None if info is None else info.size
+
+    # ---- runs --------------------------------------------------------------------------
+
+    def create_run(self, req: RunCreate) -> tuple[RunRecord, bool]:
+        """Create the run (idempotent). Returns the record and whether it is new."""
+        record = RunRecord(name=req.name, created_at=self.clock(), meta=req.meta)
+        try:
+            self.store.put(run_key(req.name), encode(record), if_none_match=True)
+        except PreconditionFailed:
+            existing = self.run(req.name)
+            assert existing is not None
+            record, created = existing, False
+        else:
+            created = True
+        # The head record may be missing if a creator died between the two writes.
+        with contextlib.suppress(PreconditionFailed):
+            self.store.write_record(head_key(req.name), encode(HeadRecord()), None)
+        return record, created
+
+    # ---- leases ------------------------------------------------------------------------
+
+    def acquire_lease(self, run: str, req: LeaseRequest) -> tuple[Lease, HeadRecord]:
+        """Grant a new epoch unless another holder's lease is live (or `req.steal`); returns
+        the lease and the head record carrying the raised epoch."""
+        self.head(run)
+        for _ in range(CAS_ATTEMPTS):
+            now = self.clock()
+            found = self.lease(run)
+            current, tag = found if found is not None else (None, None)
+            if (
+                current is not None
+                and current.expires_at > now
+                and current.holder != req.holder
+                and not req.steal
+            ):
+                raise conflict(
+                    "LeaseHeld",
+                    f"lease held by {current.holder!r} until {current.expires_at:.0f}",
+                    holder=current.holder,
+                    expires_at=current.expires_at,
+                )
+            head, _ = self.head(run)
+            epoch = max(head.epoch, current.epoch if current else 0) + 1
+            record = LeaseRecord(holder=req.holder, epoch=epoch, expires_at=now + req.ttl_s)
+            try:
+                self.store.write_record(lease_key(run), encode(record), tag)
+            except PreconditionFailed:
+                continue
+            lease = Lease(run=run, holder=record.holder, epoch=record.epoch, expires_at=record.expires_at)
+            return lease, self._raise_head_epoch(run, epoch)
+        raise conflict("Contended", "lease record kept changing; retry")
+
+    def _raise_head_epoch(self, run: str, epoch: int) -> HeadRecord:
+        for _ in range(CAS_ATTEMPTS):
+            head, tag = self.head(run)
+            if head.epoch >= epoch:
+                return head
+            raised = head.model_copy(update={"epoch": epoch})
+            try:
+                self.store.write_record(head_key(run), encode(raised), tag)
+                return raised
+            except PreconditionFailed:
+                continue
+        raise conflict("Contended", "head record kept changing; retry")
+
+    def _own_lease(self, run: str, holder: str, epoch: int) -> tuple[LeaseRecord, str]:
+        found = self.lease(run)
+        if found is None or found[0].holder != holder or found[0].epoch != epoch:
+            current = None if found is None else found[0].epoch
+            raise conflict(
+                "StaleEpoch", f"epoch {epoch} of {holder!r} is not the current lease", current_epoch=current
+            )
+        return found
+
+    def renew_lease(self, run: str, req: LeaseRenew) -> Lease:
+        self.head(run)
+        holder, epoch = req.holder, req.epoch
+        record, tag = self._own_lease(run, holder, epoch)
+        renewed = record.model_copy(update={"expires_at": self.clock() + req.ttl_s})
+        try:
+            self.store.write_record(lease_key(run), encode(renewed), tag)
+        except PreconditionFailed:
+            raise conflict("StaleEpoch", "the lease changed while renewing") from None
+        return Lease(run=run, holder=holder, epoch=epoch, expires_at=renewed.expires_at)
+
+    def release_lease(self, run: str, holder: str, epoch: int) -> None:
+        """Expire the lease now; the epoch stays, so the next lease gets a higher one."""
+        self.head(run)
+        record, tag = self._own_lease(run, holder, epoch)
+        try:
+            released = record.model_copy(update={"expires_at": 0.0})
+            self.store.write_record(lease_key(run), encode(released), tag)
+        except PreconditionFailed:
+            raise conflict("StaleEpoch", "the lease changed while releasing") from None
+
+    # ---- commit ------------------------------------------------------------------------
+
+    def commit(self, run: str, manifest: Manifest) -> tuple[HeadRecord, VersionRecord]:
+        with self._exclusive(run):
+            return self._commit(run, manifest)
+
+    def retain(
+        self,
+        run: str,
+        versions: Mapping[int, VersionRecord],
+        head: int | None,
+        selection: VersionSelection,
+        grace_s: float,
+        touches: Mapping[str, float],
+    ) -> RetentionReport:
+        """Apply retention (`retention`) to the store, never in the middle of a commit."""
+        with self._exclusive(run):
+            return apply_retention(self.store, run, versions, head, selection, grace_s, touches, self.clock())
+
+    def _commit(self, run: str, manifest: Manifest) -> tuple[HeadRecord, VersionRecord]:
+        head, head_tag = self.head(run)
+        found = self.lease(run)
+        rules.check_commit(manifest, run, head, None if found is None else found[0].epoch)
+        sizes = {sha: self.blob_size(run, sha) for sha in manifest.blob_shas()}
+        rules.check_blob_ranges(manifest, sizes)
+        new_head = HeadRecord(version=manifest.version, kind=manifest.kind, epoch=manifest.epoch)
+        data = encode(manifest)
+        head_write = (head_key(run), encode(new_head), head_tag)
+        # The manifest create-if-absent, then the head CAS, durable together.
+        written = self.store.write_records([(manifest_key(run, manifest.version), data, None), head_write])
+        if written == 0:
+            self._take_manifest_slot(run, manifest, data, head)
+            written = 1 + self.store.write_records([head_write])
+        if written < 2:
+            now, _ = self.head(run)
+            if now.epoch > manifest.epoch:
+                raise conflict(
+                    "StaleEpoch", f"epoch {manifest.epoch} was fenced off", current_epoch=now.epoch
+                )
+            raise conflict(
+                "NotHead", f"version {manifest.version} was committed concurrently", head=now.version
+            )
+        return new_head, VersionRecord.of(manifest, {k: v for k, v in sizes.items() if v is not None})
+
+    def _take_manifest_slot(self, run: str, manifest: Manifest, data: bytes, head: HeadRecord) -> None:
+        """The manifest's create-if-absent lost. What is there above head is either our own
+        retry (same bytes: fine), a fenced writer's leftover (lower epoch: replace it by CAS),
+        or a concurrent commit of the same epoch (refused)."""
+        key = manifest_key(run, manifest.version)
+        found = self.store.read_record(key)
+        if found is None:
+            raise conflict("NotHead", "manifest slot changed concurrently; retry")
+        existing, tag = found
+        if existing == data:
+            return
+        try:
+            other = Manifest.model_validate_json(existing)
+        except ValidationError:
+            other = None
+        if other is None or other.epoch < manifest.epoch:
+            try:
+                self.store.write_record(key, data, tag)
+                return
+            except PreconditionFailed:
+                pass
+        raise conflict(
+            "NotHead", f"version {manifest.version} is being committed by another writer", head=head.version
+        )
+
+    # ---- rebuilding the index -----------------------------------------------------------
+
+    def runs(self) -> list[RunRecord]:
+        out = []
+        for info in self.store.list("runs/"):
+            parts = info.key.split("/")
+            if len(parts) == 3 and parts[2] == "run.json":
+                record = self.run(parts[1])
+                if record is not None:
+                    out.append(record)
+        return out
+
+    def committed_versions(self, run: str, head: int | None, after: int | None = None) -> list[VersionRecord]:
+        """Version records of the committed manifests (above `after`) still stored, for the index."""
+        if head is None:
+            return []
+        records = []
+        listed = {manifest_version(info.key) for info in self.store.list(manifest_prefix(run))}
+        for version in sorted(v for v in listed if v is not None):
+            if version > head or (after is not None and version <= after):
+                continue
+            data = self.manifest_bytes(run, version)
+            if data is None:
+                continue
+            manifest = Manifest.model_validate_json(data)
+            sizes = {sha: self.blob_size(run, sha) or 0 for sha in manifest.blob_shas()}
+            records.append(VersionRecord.of(manifest, sizes))
+        return records

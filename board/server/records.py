@@ -1,0 +1,75 @@
+"""Records the board keeps in the object store next to manifests (docs/contract.md section 3),
+plus the per-version summary the index caches for planning and retention.
+
+They are internal to the board: clients see the wire models of `deltaboard.board.contract.schemas`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deltaboard.board.contract.schemas import Head, Manifest, RunInfo
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunRecord(Record):
+    """`runs/{run}/run.json`: what never changes about a run."""
+
+    name: str
+    created_at: float
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    def info(self, head: int | None, assets: tuple[str, ...]) -> RunInfo:
+        return RunInfo(name=self.name, created_at=self.created_at, meta=self.meta, head=head, assets=assets)
+
+
+class HeadRecord(Record):
+    """`runs/{run}/head.json`: the committed head and the highest epoch ever granted.
+
+    Granting a lease raises `epoch` here by compare-and-set, which invalidates the ETag a
+    fenced writer read before its commit: its head CAS then fails (see `deltaboard.board.server.ledger`).
+    """
+
+    version: int | None = None
+    kind: Literal["full", "delta"] | None = None
+    epoch: int = 0
+
+    def wire(self, run: str) -> Head:
+        return Head(run=run, version=self.version, kind=self.kind, epoch=self.epoch)
+
+
+class LeaseRecord(Record):
+    """`runs/{run}/lease.json`: who may publish, with which epoch, until when."""
+
+    holder: str
+    epoch: int
+    expires_at: float
+
+
+class VersionRecord(Record):
+    """What planning and retention need of a committed version: its kind and the sizes of
+    the whole blobs it references (a node downloads whole blobs)."""
+
+    version: int
+    kind: Literal["full", "delta"]
+    blobs: dict[str, int]
+
+    @classmethod
+    def of(cls, manifest: Manifest, sizes: dict[str, int]) -> VersionRecord:
+        return cls(
+            version=manifest.version,
+            kind=manifest.kind,
+            blobs={sha: sizes[sha] for sha in sorted(manifest.blob_shas())},
+        )
+
+
+def head_rank(head: Head | HeadRecord | None) -> tuple[int, int]:
+    """Order of head records: a newer version, or the same version under a newer epoch."""
+    if head is None:
+        return (-2, -2)
+    return (-1 if head.version is None else head.version, -1 if head.epoch is None else head.epoch)

@@ -1,0 +1,230 @@
+"""A directory as the object store: the embedded default for one board process.
+
+Writes go to a temporary file and are renamed into place, so a reader never sees a torn
+object; with `fsync` (the default) the file is synced before and its directory after the
+rename, so a crash keeps both the bytes and the name. Create-if-absent uses `link(2)`
+(atomic, fails if the name exists). A record's version tag is a generation number kept
+in its lock file; compare-and-set holds that file's `flock`, so that processes sharing the
+directory agree, and the number only grows, so a tag never comes back even when the same
+bytes are written again. The number is
+rewritten in place at a fixed width: truncating the file first would make ext4 flush it
+(its `auto_da_alloc` heuristic), a millisecond on every commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import BinaryIO
+
+from deltaboard.board.server.storage import ObjectInfo, ObjectNotFound, PreconditionFailed
+
+GENERATION_WIDTH = 20  # digits: a generation number never outgrows it
+# A temporary file untouched for this long belongs to a write that died with its process
+# (a live write touches it every few milliseconds; a stalled upload is cut off in seconds).
+STALE_TEMP_S = 3600.0
+
+
+def remove_stale_files(directory: Path, older_than_s: float = STALE_TEMP_S) -> int:
+    """Delete the files in `directory` not modified for `older_than_s` (leftovers of a
+    crash; another process sharing the directory may still be writing fresh ones)."""
+    cutoff = time.time() - older_than_s
+    removed = 0
+    for entry in os.scandir(directory):
+        with contextlib.suppress(FileNotFoundError):
+            if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < cutoff:
+                os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
+class LocalStore:
+    def __init__(self, root: Path, *, fsync: bool = True) -> None:
+        self.root = root
+        self.fsync = fsync
+        self._tmp = root / ".tmp"
+        self._locks = root / ".locks"
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        self._locks.mkdir(parents=True, exist_ok=True)
+        remove_stale_files(self._tmp)
+        self._syncers: ThreadPoolExecutor | None = None
+
+    def _path(self, key: str) -> Path:
+        parts = key.split("/")
+        if not key or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+            raise ValueError(f"bad object key {key!r}")
+        return self.root.joinpath(*parts)
+
+    def _write_temp(self, data: bytes, *, sync: bool = True) -> Path:
+        fd, name = tempfile.mkstemp(dir=self._tmp)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if self.fsync and sync:
+                f.flush()
+                os.fsync(f.fileno())
+        return Path(name)
+
+    @staticmethod
+    def _sync_file(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _sync_dir(self, directory: Path) -> None:
+        """Make a rename or link in `directory` durable: without it a crash can lose the new
+        name even though the file's bytes were synced (POSIX keeps the two apart)."""
+        if self.fsync:
+            self._sync_file(directory)
+
+    def _sync_all(self, paths: list[Path]) -> None:
+        """fsync the files concurrently: their flushes share journal commits instead of
+        queueing one behind the other (the tail of a commit is two fsyncs otherwise)."""
+        if self._syncers is None:
+            self._syncers = ThreadPoolExecutor(2, thread_name_prefix="deltaboard-fsync")
+        pending = [self._syncers.submit(self._sync_file, p) for p in paths[1:]]
+        self._sync_file(paths[0])
+        for future in pending:
+            future.result()
+
+    @contextlib.contextmanager
+    def _record(self, key: str, exclusive: bool) -> Iterator[BinaryIO]:
+        """The record's lock file, locked: it also holds the record's generation number."""
+        lock = self._locks / hashlib.sha1(key.encode()).hexdigest()
+        # Not O_APPEND: the generation is rewritten in place with pwrite.
+        with os.fdopen(os.open(lock, os.O_RDWR | os.O_CREAT, 0o644), "r+b") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                yield f
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    @staticmethod
+    def _generation(lock: BinaryIO) -> int:
+        text = lock.read().strip()
+        return int(text) if text.isdigit() else 0
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectNotFound(key) from None
+
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._write_temp(data)
+        try:
+            if if_none_match:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise PreconditionFailed(key) from None
+            else:
+                os.replace(tmp, path)
+            self._sync_dir(path.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def read_record(self, key: str) -> tuple[bytes, str] | None:
+        with self._record(key, exclusive=False) as lock:
+            try:
+                data = self.get(key)
+            except ObjectNotFound:
+                return None
+            return data, str(self._generation(lock))
+
+    def write_record(self, key: str, data: bytes, expected: str | None) -> str:
+        tmp = self._write_temp(data)
+        try:
+            return self._set_record(key, tmp, expected)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def write_records(self, writes: Sequence[tuple[str, bytes, str | None]]) -> int:
+        """Every record's bytes are made durable first (concurrently), then the records are
+        set in order: a later one (the head) never points at bytes that could be lost."""
+        temps: list[Path] = []
+        try:
+            for _, data, _ in writes:
+                temps.append(self._write_temp(data, sync=False))
+            if self.fsync and temps:
+                self._sync_all(temps)
+            for written, ((key, _, expected), tmp) in enumerate(zip(writes, temps, strict=True)):
+                try:
+                    self._set_record(key, tmp, expected)
+                except PreconditionFailed:
+                    return written
+            return len(writes)
+        finally:
+            for tmp in temps:
+                tmp.unlink(missing_ok=True)
+
+    def _set_record(self, key: str, tmp: Path, expected: str | None) -> str:
+        """Compare-and-set: rename the finished temporary file onto the record."""
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._record(key, exclusive=True) as lock:
+            generation = self._generation(lock)
+            exists = path.exists()
+            if (expected is None and exists) or (
+                expected is not None and (not exists or expected != str(generation))
+            ):
+                raise PreconditionFailed(key)
+            os.replace(tmp, path)
+            self._sync_dir(path.parent)
+            # A new number even for the same bytes: a tag never comes back (no ABA).
+            os.pwrite(lock.fileno(), str(generation + 1).zfill(GENERATION_WIDTH).encode(), 0)
+        return str(generation + 1)
+
+    def delete_record(self, key: str) -> None:
+        with self._record(key, exclusive=True):
+            self.delete(key)
+
+    def put_file(self, key: str, path: Path) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+        self._sync_dir(target.parent)
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            st = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return ObjectInfo(key=key, size=st.st_size, modified=st.st_mtime)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        base = self.root / prefix.rstrip("/") if prefix.rstrip("/") else self.root
+        start = base if base.is_dir() else base.parent
+        keys = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                key = (Path(dirpath) / name).relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    keys.append(key)
+        for key in sorted(keys):  # lexicographic, like S3
+            info = self.stat(key)
+            if info is not None:
+                yield info
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def local_path(self, key: str) -> Path | None:
+        return self._path(key)
+
+    def presign_download(self, key: str, expires_s: int) -> str | None:
+        return None
+
+    def presign_upload(self, key: str, sha256: str, expires_s: int) -> tuple[str, dict[str, str]] | None:
+        return None

@@ -1,0 +1,71 @@
+"""deltaboard: lossless weight synchronisation for RL post-training.
+
+The public face of the project. Users import from here (`from deltaboard import
+Publisher`); the role packages below it (`deltaboard.board`, `deltaboard.publisher`,
+`deltaboard.clients`, `deltaboard.services`) hold the implementation.
+
+Names are resolved on first use (PEP 562) so that importing one role never drags in
+another's dependencies: the board server runs without torch, and `import deltaboard`
+alone costs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deltaboard.board.codec import PatchError
+    from deltaboard.board.contract.errors import BoardError
+    from deltaboard.board.contract.schemas import ViewSpec
+    from deltaboard.clients.board_client import BoardClient
+    from deltaboard.clients.follower import DirectoryError, Follower, FollowerError, IntegrityError
+    from deltaboard.publisher.hf_callback import DeltaboardCallback
+    from deltaboard.publisher.publisher import Publisher
+
+try:
+    __version__ = version("deltaboard")
+except PackageNotFoundError:  # a checkout used without installing it
+    __version__ = "0+unknown"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "BoardClient": "deltaboard.clients.board_client",
+    "BoardError": "deltaboard.board.contract.errors",
+    "DeltaboardCallback": "deltaboard.publisher.hf_callback",
+    "DirectoryError": "deltaboard.clients.follower",
+    "Follower": "deltaboard.clients.follower",
+    "FollowerError": "deltaboard.clients.follower",
+    "IntegrityError": "deltaboard.clients.follower",
+    "PatchError": "deltaboard.board.codec",
+    "Publisher": "deltaboard.publisher.publisher",
+    "ViewSpec": "deltaboard.board.contract.schemas",
+}
+
+__all__ = [
+    "BoardClient",
+    "BoardError",
+    "DeltaboardCallback",
+    "DirectoryError",
+    "Follower",
+    "FollowerError",
+    "IntegrityError",
+    "PatchError",
+    "Publisher",
+    "ViewSpec",
+    "__version__",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deltaboard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -9,9 +9,10 @@ patterns are compared as integers, so -0/+0 differ and an unchanged NaN is uncha
 For tensors off the host (CUDA) the diff also computes each changed tensor's
 `board.codec.ContextHint` there (`context_hints`): the codec's context encoding needs the
 class of every element of the old tensor, which would otherwise mean copying the old
-tensor to the host. The device mirrors `deltaboard.board.codec.context` exactly (same sampled
-exponent histogram, same thresholds chosen on the host from it, same comparisons on the
-sign-less bit patterns) and only a histogram and one rank per changed element cross.
+tensor to the host. The device follows the codec's public planning contract
+(`codec.plan_thresholds` states it: the same sampled exponent counts, the thresholds
+chosen from them on the host, the same comparisons on the sign-less bit patterns) and
+only the counts and one rank per changed element cross.
 On the CPU the publisher hands the codec the old bytes themselves (no copy).
 
 The view is diffed in batches of consecutive tensors (`batches`); within a batch the
@@ -29,9 +30,6 @@ import numpy as np
 import torch
 
 from deltaboard.board import codec
-from deltaboard.board.codec import Changes, ContextHint
-from deltaboard.board.codec.context import EXPONENT_FIELDS, plan_from_counts, sample_stride, scaled_histogram
-from deltaboard.board.codec.dtypes import uint_dtype
 from deltaboard.publisher.snapshot import Slot, ViewBuffer, ViewLayout, word_aligned
 
 CHUNK_ELEMENTS = 1 << 27
@@ -44,8 +42,8 @@ CUDA_BATCH_BYTES = 1 << 30
 class ViewDiff:
     """Per changed tensor, its `Changes`; and how many bytes crossed to the host."""
 
-    changes: dict[str, Changes] = field(default_factory=dict)
-    hints: dict[str, ContextHint] = field(default_factory=dict)
+    changes: dict[str, codec.Changes] = field(default_factory=dict)
+    hints: dict[str, codec.ContextHint] = field(default_factory=dict)
     host_bytes: int = 0
     hint_bytes: int = 0  # the part of host_bytes that carried context hints
 
@@ -130,9 +128,10 @@ def _sign_less_max(bits: torch.Tensor) -> int:
 
 
 def _exponent_keys(bits: torch.Tensor, dtype: str, offset: int) -> torch.Tensor:
-    """Each element's exponent (`deltaboard.board.codec.context.exponent_of`: the arithmetic shift of
-    the signed view then the mask gives the unsigned field) plus `offset`, as int32."""
-    shift, mask = EXPONENT_FIELDS[dtype]
+    """Each element's exponent (step 1 of the contract in `codec.plan_thresholds`: the
+    arithmetic shift of the signed view then the mask gives the unsigned field) plus
+    `offset`, as int32."""
+    shift, mask = codec.EXPONENT_FIELDS[dtype]
     return ((bits >> shift) & mask).to(torch.int32).add_(offset)
 
 
@@ -149,7 +148,8 @@ def _class_ranks(
     limits: tuple[int, int],
     rank_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Rank of each changed position within its class (`deltaboard.board.codec.classes.class_ranks`).
+    """Rank of each changed position within its class (step 4 of the contract in
+    `codec.plan_thresholds`).
 
     A class test `magnitude < limit` is written `magnitude <= limit - 1` clamped to the
     largest sign-less pattern, so that the limit fits the signed element type. Members up
@@ -210,8 +210,8 @@ def diff_slots(
     ranges: dict[str, tuple[int, int]] = {}
     for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):
         if hi > lo:
-            unsigned = uint_dtype(slot.dtype)
-            result.changes[slot.name] = Changes(
+            unsigned = codec.uint_dtype(slot.dtype)
+            result.changes[slot.name] = codec.Changes(
                 slot.dtype,
                 slot.numel,
                 local[lo:hi],
@@ -253,36 +253,35 @@ def context_hints(
     slot), from which the host picks the thresholds exactly as the codec does, then the
     ranks of the slots whose classes pay off.
     """
-    floating = [(slot, pos, bits) for slot, pos, bits in changed if slot.dtype in EXPONENT_FIELDS]
+    floating = [(slot, pos, bits) for slot, pos, bits in changed if slot.dtype in codec.EXPONENT_FIELDS]
     if not floating:
         return
-    # per slot: the sampled histogram of `deltaboard.board.codec.context.exponent_histogram` (before
-    # scaling) and the changed elements' exponent counts, each in its own range of keys
+    # per slot: the exponent counts of the sampled old tensor and of the changed elements
+    # (step 2 of the contract in `codec.plan_thresholds`), each in its own range of keys
     keys: list[torch.Tensor] = []
     edges = [0]
     for slot, _, changed_old in floating:
-        for b in (old.bits(slot)[:: sample_stride(slot.numel)], changed_old):
+        for b in (old.bits(slot)[:: codec.sample_stride(slot.numel)], changed_old):
             keys.append(_exponent_keys(b, slot.dtype, edges[-1]))
-            edges.append(edges[-1] + EXPONENT_FIELDS[slot.dtype][1] + 1)
+            edges.append(edges[-1] + codec.EXPONENT_FIELDS[slot.dtype][1] + 1)
     (counts,) = to_host(torch.bincount(torch.cat(keys), minlength=edges[-1]))
     planned: list[tuple[Slot, tuple[int, int]]] = []
     ranks: list[torch.Tensor] = []
     rank_dtype = _rank_dtype(slot for slot, _, _ in floating)
     for i, (slot, pos, bits) in enumerate(floating):
         sampled, changed_counts = (counts[edges[j] : edges[j + 1]] for j in (2 * i, 2 * i + 1))
-        plan = plan_from_counts(scaled_histogram(sampled, slot.numel), changed_counts)
+        plan = codec.plan_thresholds(sampled, changed_counts, slot.numel)
         if plan is not None:
-            shift = EXPONENT_FIELDS[slot.dtype][0]
             planned.append((slot, plan))
             ranks.append(
-                _class_ranks(old.bits(slot), pos, bits, (plan[0] << shift, plan[1] << shift), rank_dtype)
+                _class_ranks(old.bits(slot), pos, bits, codec.class_limits(slot.dtype, *plan), rank_dtype)
             )
     result.hint_bytes += counts.nbytes
     if planned:
         host_ranks = to_host(*ranks)
         result.hint_bytes += sum(r.nbytes for r in host_ranks)
         for (slot, (t_low, t_top)), r in zip(planned, host_ranks, strict=True):
-            result.hints[slot.name] = ContextHint(t_low, t_top, r)
+            result.hints[slot.name] = codec.ContextHint(t_low, t_top, r)
     result.host_bytes += result.hint_bytes
 
 

@@ -5,9 +5,9 @@ whole tensors to the host). A delta encodes only what `device_diff` found, and t
 tensor's digest follows from the committed base's digest in O(changed elements)
 (`digest_update`), so a delta never touches unchanged bytes on the host.
 
-A delta gets the codec's `context` encoding (a fifth to a half smaller) from what the
-codec needs of the old tensor: on the CPU the base buffer's own bytes (a view, no copy);
-on CUDA the `ContextHint` the device diff computed where the tensor lives.
+A delta gets the codec's `context` encoding (smaller patches) from what the codec needs
+of the old tensor: on the CPU the base buffer's own bytes (a view, no copy); on CUDA the
+`ContextHint` the device diff computed where the tensor lives.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from functools import partial
 import numpy as np
 
 from deltaboard.board import codec
-from deltaboard.board.codec import Changes, ContextHint
 from deltaboard.publisher.device_diff import iter_diffs
 from deltaboard.publisher.packer import BlobPacker, TensorPart
 from deltaboard.publisher.snapshot import Slot, ViewBuffer
@@ -49,7 +48,7 @@ def _keyframe(buffer: ViewBuffer, slot: Slot) -> tuple[bytes, str]:
 
 
 def _delta(
-    changes: Changes, base_digest: str, old: np.ndarray | None, hint: ContextHint | None
+    changes: codec.Changes, base_digest: str, old: np.ndarray | None, hint: codec.ContextHint | None
 ) -> tuple[bytes, str]:
     patch = codec.encode_changes(changes, old, changes.dtype, old_digest=base_digest, hint=hint)
     return patch, codec.read_header(patch).result_digest  # digest_update, done by the encoder
@@ -112,8 +111,8 @@ def encode_rank(
 
 
 def _context(
-    base: ViewBuffer, slot: Slot, hints: Mapping[str, ContextHint], context: bool | None
-) -> tuple[np.ndarray | None, ContextHint | None]:
+    base: ViewBuffer, slot: Slot, hints: Mapping[str, codec.ContextHint], context: bool | None
+) -> tuple[np.ndarray | None, codec.ContextHint | None]:
     """What the codec's context encoding reads: host bytes in place, else the device's hint
     if one was computed (neither: the codec falls back to its context-free encodings)."""
     if context is False:

@@ -3,10 +3,23 @@
 Pure numpy, no I/O, no torch. See docs/contract.md §1, `api` for the choice of encodings,
 `header` for the patch layout, `values` and `classes` for the context coding, and `digest`
 for the additive digest.
+
+Two APIs: the operations (`diff`, `encode_changes`, `apply`, ...) and the planning rules
+of the `context` encoding (`EXPONENT_FIELDS`, `sample_stride`, `exponent_counts`,
+`plan_thresholds`, `class_limits`), which a second implementation of `context_hint` (the
+publisher's device diff) follows to produce the same `ContextHint`; the docstring of
+`plan_thresholds` states that contract step by step.
 """
 
 from deltaboard.board.codec.api import apply, decode, encode, encode_changes, keyframe, read_header
 from deltaboard.board.codec.changes import Changes, diff, empty_changes
+from deltaboard.board.codec.context import (
+    EXPONENT_FIELDS,
+    class_limits,
+    exponent_counts,
+    plan_thresholds,
+    sample_stride,
+)
 from deltaboard.board.codec.digest import digest, digest_bits, digest_update, state_digest
 from deltaboard.board.codec.dtypes import WIDTHS, uint_dtype, width
 from deltaboard.board.codec.errors import PatchError
@@ -15,12 +28,14 @@ from deltaboard.board.codec.ranked import ContextHint, context_hint
 
 __all__ = [
     "ENCODINGS",
+    "EXPONENT_FIELDS",
     "WIDTHS",
     "Changes",
     "ContextHint",
     "PatchError",
     "PatchHeader",
     "apply",
+    "class_limits",
     "context_hint",
     "decode",
     "diff",
@@ -30,8 +45,11 @@ __all__ = [
     "empty_changes",
     "encode",
     "encode_changes",
+    "exponent_counts",
     "keyframe",
+    "plan_thresholds",
     "read_header",
+    "sample_stride",
     "state_digest",
     "uint_dtype",
     "width",

@@ -75,9 +75,9 @@ def encode_changes(
     """A patch from `changes` against `old` (whose digest may be given to save a full pass).
 
     `context=False` skips the `context` encoding: both sides then avoid its pass over the
-    old tensor, for about two more bits per changed element on training data. `hint`
-    (`ranked.ContextHint`, computed where the old tensor lives) stands in for that pass,
-    so `old` may then be None; it is used as given (`context` is then ignored).
+    old tensor, for larger patches on training data. `hint` (`ranked.ContextHint`,
+    computed where the old tensor lives) stands in for that pass, so `old` may then be
+    None; it is used as given (`context` is then ignored).
     """
     if changes.dtype != dtype:
         raise PatchError(f"changes are {changes.dtype}, patch asked for {dtype}")

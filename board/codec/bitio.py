@@ -5,8 +5,8 @@ every bound so that truncated or corrupted input raises PatchError, never IndexE
 
 Rice coding with parameter k writes `v >> k` in unary and the low k bits verbatim. For the
 geometric-like gaps between changed positions it is within a few hundredths of a bit of
-the entropy when k is chosen from the mean, and it is simple enough to run at a few ns per
-value in compiled loops (`deltaboard.board.codec.jit`): the unary parts of all groups go to one bit
+the entropy when k is chosen from the mean, and it is simple enough for tight compiled
+loops (`deltaboard.board.codec.jit`): the unary parts of all groups go to one bit
 stream (q zeros then a one) and each group's remainders to a fixed-width section, so
 decoding needs no per-value branching on the parameter.
 """

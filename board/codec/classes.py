@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deltaboard.board.codec.context import EXPONENT_FIELDS
+from deltaboard.board.codec.context import class_limits
 from deltaboard.board.codec.errors import PatchError
 from deltaboard.board.codec.jit import below_mask, kernel, popcount, trailing_zeros
 
@@ -31,9 +31,9 @@ def _limits(
     old_bits: np.ndarray, dtype: str, t_low: int, t_top: int
 ) -> tuple[np.generic, np.generic, np.generic]:
     """(sign mask, low limit, top limit) in the element's own unsigned type."""
-    shift, _ = EXPONENT_FIELDS[dtype]
+    low, top = class_limits(dtype, t_low, t_top)
     t = old_bits.dtype.type
-    return t((1 << (8 * old_bits.dtype.itemsize - 1)) - 1), t(t_low << shift), t(t_top << shift)
+    return t((1 << (8 * old_bits.dtype.itemsize - 1)) - 1), t(low), t(top)
 
 
 @kernel

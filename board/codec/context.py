@@ -1,9 +1,17 @@
 """What both sides know about a changed element before its new value: its old exponent.
 
 A weight's step in ULPs is about (update size) / ULP(old), and ULP(old) is fixed by the old
-exponent, so the exponent predicts how far a changed element moved (`deltaboard.board.codec.values`
-uses it for elements whose position is already decoded, on `Changes.old_bits`), and small
-weights change far more rarely than large ones (the position classes below).
+exponent, so the exponent predicts how far a changed element moved (`values` uses it for
+elements whose position is already decoded, on `Changes.old_bits`), and small weights change
+far more rarely than large ones: the `context` encoding (`ranked`) codes a changed position
+as its rank within one of three classes of the old tensor, `low` (exponent < t_low), `mid`
+(t_low <= exponent < t_top) and `top` (the rest). Small weights have small ULPs, so the
+classes have very different change rates and coding each one's ranks separately costs
+sum_c n_c H(p_c) bits instead of n H(p). Three classes catch most of what a context per
+exponent would (measured on the benchmark trajectories).
+
+The thresholds and ranks follow a planning contract that a second implementation of
+`context_hint` (the publisher's device diff) reproduces: see `plan_thresholds`.
 """
 
 from __future__ import annotations
@@ -21,6 +29,10 @@ EXPONENT_FIELDS: dict[str, tuple[int, int]] = {
 }
 CONTEXTS = 16
 
+SAMPLE_STRIDE = 32
+SAMPLE_FROM = 1 << 16  # tensors this large are sampled every SAMPLE_STRIDE-th element
+CONTEXT_GAIN = 0.9  # use context classes when they estimate <= 90% of the position bits
+
 
 def exponent_of(bits: np.ndarray, dtype: str) -> np.ndarray:
     """The biased exponent of each element (int64); 0 for integer dtypes (one context)."""
@@ -32,39 +44,21 @@ def exponent_of(bits: np.ndarray, dtype: str) -> np.ndarray:
     return e
 
 
-# ---- positions: classes of the old exponent ------------------------------------------
-#
-# A changed position is coded as its rank within one of three classes of the old tensor:
-# `low` (exponent < t_low), `mid` (t_low <= exponent < t_top) and `top` (the rest). Small
-# weights have small ULPs, so the classes have very different change rates and coding each
-# one's ranks separately costs sum_c n_c H(p_c) bits instead of n H(p). Three classes catch
-# most of what a context per exponent would (measured on the benchmark trajectories).
-# Both sides compute the classes from the old bits (`deltaboard.board.codec.classes`); the device
-# mirror (`deltaboard.publisher.device_diff`) makes the same two `(old & ~sign) < t << shift`
-# comparisons and cumulative counts where the tensor lives, from the same sampled histogram.
-
-SAMPLE_STRIDE = 32
-SAMPLE_FROM = 1 << 16  # tensors this large are sampled every SAMPLE_STRIDE-th element
-CONTEXT_GAIN = 0.9  # use context classes when they estimate <= 90% of the position bits
+def exponent_counts(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """How many of `bits` have each exponent 0..mask of a floating dtype (int64)."""
+    counts: np.ndarray = np.bincount(exponent_of(bits, dtype), minlength=EXPONENT_FIELDS[dtype][1] + 1)
+    return counts
 
 
 def sample_stride(numel: int) -> int:
-    """The stride of the elements `exponent_histogram` counts."""
+    """The stride of the old elements whose exponents `plan_thresholds` is given."""
     return SAMPLE_STRIDE if numel >= SAMPLE_FROM else 1
 
 
-def scaled_histogram(counts: np.ndarray, numel: int) -> np.ndarray:
-    """Sampled exponent counts scaled to the whole tensor (one definition for every path)."""
-    sampled = -(-numel // sample_stride(numel))
-    scaled: np.ndarray = counts.astype(np.float64) * (numel / max(1, sampled))
-    return scaled
-
-
-def exponent_histogram(bits: np.ndarray, dtype: str) -> np.ndarray:
-    """Counts of each exponent over the tensor (every `sample_stride`-th element, scaled)."""
-    mask = EXPONENT_FIELDS[dtype][1]
-    sample = bits[:: sample_stride(bits.size)]
-    return scaled_histogram(np.bincount(exponent_of(sample, dtype), minlength=mask + 1), bits.size)
+def class_limits(dtype: str, t_low: int, t_top: int) -> tuple[int, int]:
+    """(low, top): the sign-less bit patterns below which an element is in class 0, 1."""
+    shift = EXPONENT_FIELDS[dtype][0]
+    return t_low << shift, t_top << shift
 
 
 def _h(p: np.ndarray) -> np.ndarray:
@@ -97,13 +91,30 @@ def choose_thresholds(all_hist: np.ndarray, changed_hist: np.ndarray) -> tuple[i
     return int(cand[i]), int(cand[j]), float(costs[i, j]), plain
 
 
-def plan_classes(histogram: np.ndarray, changed_old_bits: np.ndarray, dtype: str) -> tuple[int, int] | None:
-    """The class thresholds (t_low, t_top) when classes pay off, else None (code gaps)."""
-    changed = np.bincount(exponent_of(changed_old_bits, dtype), minlength=EXPONENT_FIELDS[dtype][1] + 1)
-    return plan_from_counts(histogram, changed)
+def plan_thresholds(sampled: np.ndarray, changed: np.ndarray, numel: int) -> tuple[int, int] | None:
+    """The class thresholds (t_low, t_top) when the classes pay off, else None (code gaps),
+    from the exponent counts of the sampled old tensor and of the changed elements' old bits.
 
+    The planning contract (public: `deltaboard.board.codec` exports `EXPONENT_FIELDS`,
+    `sample_stride`, `exponent_counts`, `plan_thresholds` and `class_limits`). A second
+    implementation of `context_hint` (the publisher's device diff) produces the same
+    `ContextHint`, hence the same patch bytes, when it computes, for a tensor of `numel`
+    elements of a floating dtype (a key of `EXPONENT_FIELDS`; other dtypes get no hint)
+    whose old element bit patterns `old` are unsigned integers of w bits:
 
-def plan_from_counts(histogram: np.ndarray, changed_counts: np.ndarray) -> tuple[int, int] | None:
-    """`plan_classes` from the changed elements' exponent counts (a device counts them)."""
-    t_low, t_top, with_classes, plain = choose_thresholds(histogram, changed_counts)
+    1. each element's exponent `(old >> shift) & mask`, `(shift, mask) = EXPONENT_FIELDS[dtype]`;
+    2. `sampled`: the count of each exponent 0..mask over `old[::sample_stride(numel)]`, and
+       `changed`: the count of each exponent over the old bits of the changed elements
+       (integer arrays of mask + 1 entries, as `exponent_counts` gives);
+    3. `plan_thresholds(sampled, changed, numel)`: (t_low, t_top), or None for no hint. It is
+       floating-point arithmetic: call this function on the counts, do not reimplement it;
+    4. with `(low, top) = class_limits(dtype, t_low, t_top)`, the class of each changed
+       position p: 0 if `old[p] & (2**(w - 1) - 1) < low`, else 1 if it is `< top`, else 2
+       (the sign-less bit pattern is monotone in |value|); and its rank: how many elements
+       of the old tensor before p are in the same class;
+    5. `ContextHint(t_low, t_top, ranks)`, the ranks in the order of the changed positions.
+    """
+    sampled_numel = -(-numel // sample_stride(numel))
+    histogram = sampled.astype(np.float64) * (numel / max(1, sampled_numel))  # the whole tensor's
+    t_low, t_top, with_classes, plain = choose_thresholds(histogram, changed)
     return (t_low, t_top) if with_classes <= CONTEXT_GAIN * plain else None

@@ -3,13 +3,10 @@
 Why compiled: per changed element the codec does a handful of integer operations with
 data-dependent control (bit streams, rank and select within classes). As numpy passes each
 step streams a fresh temporary through memory and pays a call per array; one compiled loop
-does the same work in registers, several times faster, which is what the throughput
-targets (GB of view per second on two cores) need.
+does the same work in registers, which is what the throughput targets need.
 
 Besides `kernel`, this module holds the few LLVM intrinsics the kernels need (popcount,
-64-lane compares straight into bit masks) and `stream_copy`, a copy with non-temporal
-stores that the publisher's snapshot uses for the same reason: memory-bound passes at
-memory speed.
+64-lane compares straight into bit masks).
 
 `kernel` compiles with `nogil`, so the codec's thread pools (`deltaboard.board.codec.parallel`, and
 callers that code several tensors at once) run kernels on every core. numba does not check
@@ -70,8 +67,8 @@ def _below_mask(typingctx: Any, array: Any, start: Any, limit: Any) -> Any:
 
     One vector compare whose lane mask is the result: LLVM lowers it to a few AVX-512
     compares straight into a mask register (or their SSE/AVX2 equivalents), which keeps
-    the passes over the old tensor at memory speed; a scalar loop building the same mask
-    bit by bit costs about ten times more.
+    the passes over the old tensor at memory speed, where a scalar loop builds the same
+    mask bit by bit.
     """
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -103,51 +100,6 @@ def _differ_mask(typingctx: Any, a: Any, b: Any, start: Any) -> Any:
     return types.uint64(a, b, start), codegen
 
 
-@intrinsic
-def _stream_line(typingctx: Any, dst: Any, src: Any, start: Any) -> Any:
-    """Copy the 64 bytes at `start` with a non-temporal store: the destination line is
-    written without being read into the cache first (the caller aligns `dst + start` to
-    64 bytes and calls `_store_fence` after the last one)."""
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        line = ir.VectorType(ir.IntType(64), 8)
-        pointers = [
-            builder.bitcast(
-                builder.gep(context.make_array(t)(context, builder, a).data, [args[2]]), line.as_pointer()
-            )
-            for t, a in zip(signature.args[:2], args[:2], strict=True)
-        ]
-        store = builder.store(builder.load(pointers[1], align=1), pointers[0], align=64)
-        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
-        return context.get_dummy_value()
-
-    if not (_contiguous(dst) and _contiguous(src) and dst.dtype == src.dtype == types.uint8):
-        return None
-    return types.none(dst, src, start), codegen
-
-
-@intrinsic
-def _store_fence(typingctx: Any) -> Any:
-    """Order the non-temporal stores before everything after (they are weakly ordered)."""
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        builder.fence("seq_cst")
-        return context.get_dummy_value()
-
-    return types.none(), codegen
-
-
-@intrinsic
-def _address(typingctx: Any, array: Any) -> Any:
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        return builder.ptrtoint(data, ir.IntType(64))
-
-    if not _contiguous(array):
-        return None
-    return types.uint64(array), codegen
-
-
 # The intrinsics as plain functions for the type checker (numba sees the same objects).
 Word = np.uint64
 popcount = cast(Callable[[Word], Word], _popcount)
@@ -155,30 +107,3 @@ leading_zeros = cast(Callable[[Word], Word], _leading_zeros)
 trailing_zeros = cast(Callable[[Word], Word], _trailing_zeros)
 below_mask = cast(Callable[[np.ndarray, int, np.generic], Word], _below_mask)
 differ_mask = cast(Callable[[np.ndarray, np.ndarray, int], Word], _differ_mask)
-address = cast(Callable[[np.ndarray], Word], _address)
-stream_line = cast(Callable[[np.ndarray, np.ndarray, int], None], _stream_line)
-store_fence = cast(Callable[[], None], _store_fence)
-
-
-@kernel
-def _stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
-    n = dst.size
-    head = min(n, int((np.uint64(64) - (address(dst) & np.uint64(63))) & np.uint64(63)))
-    body = head + (n - head) // 64 * 64
-    for i in range(head):
-        dst[i] = src[i]
-    for i in range(head, body, 64):
-        stream_line(dst, src, i)
-    for i in range(body, n):
-        dst[i] = src[i]
-    store_fence()
-
-
-def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """`dst[:] = src` for large buffers (uint8, same size), writing `dst` around the
-    caches: a plain copy first reads every destination line in (write-allocate), a third
-    of the memory traffic of a copy that is memory-bound (measured 57 -> 46 ms for 1 GB
-    on two cores here). The GIL is released."""
-    if dst.shape != src.shape or dst.dtype != np.uint8 or src.dtype != np.uint8:
-        raise ValueError("stream_copy copies between uint8 arrays of one size")
-    _stream_copy(dst, src)

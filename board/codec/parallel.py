@@ -1,7 +1,7 @@
 """Split full-tensor passes over the machine's cores.
 
-numpy releases the GIL inside its loops, so two threads over disjoint ranges of a large
-tensor double the throughput of the passes that must touch every element (diff, digest).
+numpy releases the GIL inside its loops, so threads over disjoint ranges of a large
+tensor run the passes that must touch every element (diff, digest) on every core.
 Each range is further cut into cache-sized chunks by the callers so that intermediate
 arrays stay in L2 instead of streaming through memory several times.
 """

@@ -19,15 +19,16 @@ import numpy as np
 from deltaboard.board.codec.bitio import Reader, Writer, decode_index_sets, encode_index_sets
 from deltaboard.board.codec.changes import Changes
 from deltaboard.board.codec.classes import class_positions, class_ranks, split_ranks
-from deltaboard.board.codec.context import EXPONENT_FIELDS, exponent_histogram, plan_classes
+from deltaboard.board.codec.context import EXPONENT_FIELDS, exponent_counts, plan_thresholds, sample_stride
 from deltaboard.board.codec.errors import PatchError
 
 
 @dataclass(frozen=True)
 class ContextHint:
     """What the `context` encoding needs from the old tensor, for one `Changes`: the class
-    thresholds (`deltaboard.board.codec.context.plan_classes`) and, per changed element, its rank
-    within its class (int64, the number of class members before it in the old tensor)."""
+    thresholds (`deltaboard.board.codec.context.plan_thresholds`) and, per changed element, its
+    rank within its class (the number of class members before it in the old tensor).
+    `plan_thresholds` states how to compute it elsewhere."""
 
     t_low: int
     t_top: int
@@ -36,7 +37,8 @@ class ContextHint:
 
 def context_hint(changes: Changes, old_bits: np.ndarray) -> ContextHint | None:
     """The hint from the old bits on the host; None when the classes do not pay off."""
-    plan = plan_classes(exponent_histogram(old_bits, changes.dtype), changes.old_bits, changes.dtype)
+    sampled = exponent_counts(old_bits[:: sample_stride(old_bits.size)], changes.dtype)
+    plan = plan_thresholds(sampled, exponent_counts(changes.old_bits, changes.dtype), old_bits.size)
     if plan is None:
         return None
     return ContextHint(*plan, class_ranks(old_bits, changes.dtype, *plan, changes.positions))

@@ -129,15 +129,3 @@ def test_digest_matches_the_reference_mixes(pair: tuple[str, np.ndarray, np.ndar
         b ^= b >> 33
         sa, sb = (sa + a) & mask, (sb + b) & mask
     assert digest_bits(old) == f"{sa:016x}{sb:016x}"
-
-
-@SETTINGS
-@given(st.integers(0, 130), st.integers(0, 70), st.integers(0, 70))
-def test_stream_copy_copies_every_byte_and_nothing_else(size: int, dst_offset: int, src_offset: int) -> None:
-    from deltaboard.board.codec.jit import stream_copy
-
-    src = np.random.default_rng(size).integers(0, 256, size=src_offset + size + 64, dtype=np.uint8)
-    dst = np.zeros(dst_offset + size + 64, dtype=np.uint8)
-    stream_copy(dst[dst_offset : dst_offset + size], src[src_offset : src_offset + size])
-    assert np.array_equal(dst[dst_offset : dst_offset + size], src[src_offset : src_offset + size])
-    assert not dst[:dst_offset].any() and not dst[dst_offset + size :].any()

@@ -66,7 +66,17 @@ def test_the_wheel_installs_one_top_level_package(tmp_path: Path) -> None:
     from there outside the checkout: only `deltaboard` exists, with real files (the links
     in deltaboard/ are followed), and the role folders are not importable on their own."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path / "dist"), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
         check=True,
         capture_output=True,
     )

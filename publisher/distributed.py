@@ -1,4 +1,9 @@
-"""Several ranks, one version (docs/contract.md section 5).
+"""Several ranks, one version (docs/contract.md section 5): the rank-coordination port
+(`ranks.RankCoordinator`) over torch.distributed.
+
+    ranks = TorchDistributedRanks(partition=partition_by_name)  # after init_process_group
+    pub = Publisher(board, run, ranks=ranks)                     # on every rank
+    pub.publish(model, step=step)                                # on every rank
 
 Every rank snapshots, diffs, encodes and uploads the tensors it owns, in its own
 background worker. Their parts (or the reason they failed) are gathered to rank 0 over a
@@ -14,17 +19,18 @@ process group, so publishing never interleaves with the trainer's own collective
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from deltaboard.publisher.encode import RankVersion
-from deltaboard.publisher.lease import FencedError, LeaseKeeper
-from deltaboard.publisher.manifest import Proposal
-from deltaboard.publisher.publisher import Publisher, PublishError
+from deltaboard.publisher.publisher import PublishError
+from deltaboard.publisher.ranks import Decide, RankReport, Verdict, report
+
+Partition = Callable[[Mapping[str, torch.Tensor], int, int], Mapping[str, torch.Tensor]]
+"""`(state, rank, world_size) -> the part of state that rank publishes`."""
 
 
 def partition_by_name(
@@ -41,97 +47,48 @@ def partition_by_name(
     return mine
 
 
-@dataclass(frozen=True)
-class _Verdict:
-    status: Literal["ok", "failed", "fenced"]
-    message: str
-    next_version: int
-    forget_base: bool
+class TorchDistributedRanks:
+    """The ranks of a torch.distributed world, coordinated over a gloo group of their own.
 
+    `partition` picks each rank's part of the state passed to `publish`; without it every
+    rank passes only the tensors it owns (as under sharded training).
+    """
 
-class DistributedPublisher(Publisher):
-    """A `Publisher` per rank; `publish(owned_state)` on every rank makes one version."""
-
-    def __init__(
-        self, board: Any, run: str, *, group: dist.ProcessGroup | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, partition: Partition | None = None) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("DistributedPublisher needs torch.distributed to be initialized")
+            raise RuntimeError("TorchDistributedRanks needs torch.distributed to be initialized")
         self._group = group if group is not None else dist.new_group(backend="gloo")
         self.rank = dist.get_rank(self._group)
         self.world_size = dist.get_world_size(self._group)
-        self._open_error: BaseException | None = None
-        self._fenced: FencedError | None = None
-        super().__init__(board, run, **kwargs)
+        self._partition = partition
 
-    def _open_run(self, holder: str, ttl_s: float, steal: bool) -> LeaseKeeper | None:
-        if self.rank != 0:
-            return None
-        try:
-            return super()._open_run(holder, ttl_s, steal)
-        except Exception as exc:  # every rank must hear of it, or they would wait forever
-            self._open_error = exc
-            return None
+    def local_state(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        if self._partition is None:
+            return state
+        return self._partition(state, self.rank, self.world_size)
 
-    def _initial_version(self) -> int:
-        """Rank 0 reads the head (after taking the lease) and tells the others."""
+    def open_run(self, lead: Callable[[], int]) -> int:
+        """Rank 0 opens the run and reads the head (after taking the lease) and tells the others."""
         message: list[Any] = [None]
+        failure: Exception | None = None
         if self.rank == 0:
-            message[0] = repr(self._open_error) if self._open_error else self._board_next_version()
+            try:
+                message[0] = lead()
+            except Exception as exc:  # every rank must hear of it, or they would wait forever
+                failure = exc
+                message[0] = repr(exc)
         dist.broadcast_object_list(message, src=0, group=self._group)
-        if self._open_error is not None:
-            raise self._open_error
+        if failure is not None:
+            raise failure
         if isinstance(message[0], str):
-            raise PublishError(f"rank 0 could not open run {self.run!r}: {message[0]}")
+            raise PublishError(f"rank 0 could not open the run: {message[0]}")
         return int(message[0])
 
-    def _check_open(self) -> None:
-        """Every rank learns of fencing from the same verdict, so every rank stops together
-        (rank 0 refusing alone would leave the others waiting in the gather)."""
-        if self._fenced is not None:
-            raise self._fenced
-
-    def _agree(self, proposal: Proposal, outcome: RankVersion | BaseException) -> int:
-        payload: RankVersion | str = (
-            outcome if isinstance(outcome, RankVersion) else f"rank {self.rank}: {outcome!r}"
-        )
-        gathered: list[RankVersion | str] | None = [""] * self.world_size if self.rank == 0 else None
-        dist.gather_object(payload, gathered, dst=0, group=self._group)
-        verdict = [self._decide(proposal, gathered)] if gathered is not None else [None]
+    def settle_version(self, outcome: RankVersion | BaseException, decide: Decide) -> Verdict:
+        gathered: list[RankReport] | None = [""] * self.world_size if self.rank == 0 else None
+        dist.gather_object(report(self.rank, outcome), gathered, dst=0, group=self._group)
+        verdict = [decide(gathered)] if gathered is not None else [None]
         dist.broadcast_object_list(verdict, src=0, group=self._group)
         decided = verdict[0]
-        assert decided is not None
-        if decided.forget_base and self.rank != 0:
-            self._pipeline.forget_base()
-        self.next_version = decided.next_version
-        if decided.status == "ok":
-            return proposal.version
-        if decided.status == "fenced":
-            self._fenced = FencedError(decided.message)
-        if isinstance(outcome, BaseException):
-            raise outcome
-        raise self._fenced or PublishError(decided.message)
-
-    def _decide(self, proposal: Proposal, gathered: list[RankVersion | str]) -> _Verdict:
-        assert self._lease is not None
-        try:
-            self._lease.check()
-        except FencedError as exc:
-            return _Verdict("fenced", str(exc), proposal.version, False)
-        failures = [g for g in gathered if isinstance(g, str)]
-        if failures:
-            return _Verdict(
-                "failed",
-                f"version {proposal.version} not committed: {'; '.join(failures)}",
-                proposal.version,
-                False,
-            )
-        ranks = [g for g in gathered if isinstance(g, RankVersion)]
-        try:
-            self._commit(proposal, ranks)
-        except FencedError as exc:
-            return _Verdict("fenced", str(exc), proposal.version, False)
-        except Exception as exc:
-            resynced = self.next_version != proposal.version
-            return _Verdict("failed", str(exc), self.next_version, resynced)
-        return _Verdict("ok", "", proposal.version + 1, False)
+        assert isinstance(decided, Verdict)
+        return decided

@@ -4,7 +4,7 @@
 weights a rollout engine should serve have just changed; the callback snapshots them
 and returns to the Trainer while the version travels in the background. Only the world's
 process zero publishes (under DDP every rank holds the same weights); for sharded
-training use `publisher.distributed.DistributedPublisher` from a plain loop instead.
+training use `Publisher(..., ranks=distributed.TorchDistributedRanks())` from a plain loop instead.
 Failures are logged as they happen and `on_train_end` waits for the last version, so a
 run's final policy is on the board when `trainer.train()` returns.
 """

@@ -38,7 +38,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +56,7 @@ from deltaboard.publisher.lease import FencedError, LeaseKeeper
 from deltaboard.publisher.manifest import Proposal, build_manifest
 from deltaboard.publisher.packer import BlobPacker
 from deltaboard.publisher.pipeline import Job, SnapshotPipeline
+from deltaboard.publisher.ranks import RankCoordinator, RankReport, SingleRank, Verdict
 from deltaboard.publisher.snapshot import ViewBuffer
 
 MiB = 1 << 20
@@ -94,7 +95,11 @@ def default_holder() -> str:
 
 
 class Publisher:
-    """Publishes successive versions of one run's rollout view (single rank; see `distributed`)."""
+    """Publishes successive versions of one run's rollout view.
+
+    From one process by default; with `ranks` (see `ranks` and `distributed`), one
+    `Publisher` per rank, each publishing its part of every version.
+    """
 
     def __init__(
         self,
@@ -115,6 +120,7 @@ class Publisher:
         steal_lease: bool = False,
         on_uploaded: Progress | None = None,
         context: bool | None = None,
+        ranks: RankCoordinator | None = None,
     ) -> None:
         if keyframe_every < 1:
             raise ValueError("keyframe_every must be at least 1")
@@ -134,9 +140,13 @@ class Publisher:
             self._encode_workers, thread_name_prefix=f"deltaboard-encode-{run}"
         )
         self._digests: dict[str, str] = {}
-        self._lease = self._open_run(holder or default_holder(), lease_ttl_s, steal_lease)
+        self._ranks = ranks or SingleRank()
+        self._lease: LeaseKeeper | None = None  # the leader's only
+        self._fenced: FencedError | None = None  # a verdict said so
         try:
-            self.next_version = self._initial_version()
+            self.next_version = self._ranks.open_run(
+                lambda: self._open_run(holder or default_holder(), lease_ttl_s, steal_lease)
+            )
         except BaseException:
             if self._lease is not None:
                 self._lease.release()
@@ -146,25 +156,68 @@ class Publisher:
         )
         self._closed = False
 
-    # ---- the rank-specific parts (overridden by `distributed.DistributedPublisher`) ----
+    # ---- the ranks' agreement (`ranks.RankCoordinator` carries the messages) ----
 
-    def _open_run(self, holder: str, ttl_s: float, steal: bool) -> LeaseKeeper | None:
+    def _open_run(self, holder: str, ttl_s: float, steal: bool) -> int:
+        """The leader's opening: create the run, take the writer lease, read the head."""
         self.client.create_run(self.run)
-        return LeaseKeeper(self.client, self.run, holder, ttl_s, steal=steal)
-
-    def _initial_version(self) -> int:
+        self._lease = LeaseKeeper(self.client, self.run, holder, ttl_s, steal=steal)
         return self._board_next_version()
 
     def _check_open(self) -> None:
-        """Raise at once in `publish` when this publisher can no longer commit."""
-        if self._lease is not None:
+        """Raise at once in `publish` when this publisher can no longer commit. A lone rank
+        checks its lease; among several, every rank learns of fencing from the same verdict,
+        so all stop together (the leader refusing alone would leave the others waiting)."""
+        if self._ranks.world_size == 1 and self._lease is not None:
             self._lease.check()
+        if self._fenced is not None:
+            raise self._fenced
 
-    def _agree(self, proposal: Proposal, outcome: RankVersion | BaseException) -> int:
-        """Commit the version from this rank's outcome; return it or raise."""
+    def _settle(self, proposal: Proposal, outcome: RankVersion | BaseException) -> None:
+        """Commit the version if every rank's part is uploaded; raise on every rank if not.
+
+        The rank that failed raises its own error, the leader the error of its commit;
+        the others raise the verdict (`FencedError`, or `PublishError` saying why).
+        """
+        errors: list[BaseException] = []  # the leader's own, raised there as they are
+        verdict = self._ranks.settle_version(outcome, lambda reports: self._decide(proposal, reports, errors))
+        if verdict.resynced and self._ranks.rank != 0:
+            self._pipeline.forget_base()
+        self.next_version = verdict.next_version
+        if verdict.status == "ok":
+            return
+        if verdict.status == "fenced":
+            self._fenced = FencedError(verdict.message)
         if isinstance(outcome, BaseException):
             raise outcome
-        return self._commit(proposal, [outcome])
+        if errors:
+            raise errors[0]
+        raise self._fenced or PublishError(verdict.message)
+
+    def _decide(
+        self, proposal: Proposal, reports: Sequence[RankReport], errors: list[BaseException]
+    ) -> Verdict:
+        """The leader's decision: commit only if it still holds the lease and no rank failed."""
+        assert self._lease is not None
+        try:
+            self._lease.check()
+        except FencedError as exc:
+            errors.append(exc)
+            return Verdict("fenced", str(exc), proposal.version, False)
+        failures = [r for r in reports if isinstance(r, str)]
+        if failures:
+            message = f"version {proposal.version} not committed: {'; '.join(failures)}"
+            return Verdict("failed", message, proposal.version, False)
+        try:
+            self._commit(proposal, [r for r in reports if isinstance(r, RankVersion)])
+        except FencedError as exc:
+            errors.append(exc)
+            return Verdict("fenced", str(exc), proposal.version, False)
+        except Exception as exc:
+            errors.append(exc)
+            resynced = self.next_version != proposal.version
+            return Verdict("failed", str(exc), self.next_version, resynced)
+        return Verdict("ok", "", proposal.version + 1, False)
 
     # ---- public API ----
 
@@ -209,7 +262,8 @@ class Publisher:
         if self._closed:
             raise RuntimeError("publish() after close()")
         self._check_open()
-        return self._pipeline.submit(state_of(model_or_state_dict), step, meta or {})
+        state = self._ranks.local_state(state_of(model_or_state_dict))
+        return self._pipeline.submit(state, step, meta or {})
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every published version is committed or failed."""
@@ -258,7 +312,7 @@ class Publisher:
         except Exception as exc:
             outcome = exc
         encoded = time.perf_counter()
-        self._agree(proposal, outcome)
+        self._settle(proposal, outcome)
         assert isinstance(outcome, RankVersion)
         committed = time.perf_counter()
         self._digests = dict(outcome.digests)
@@ -292,7 +346,7 @@ class Publisher:
         self.client.upload_blob(self.run, data, sha)
 
     def _commit(self, proposal: Proposal, ranks: list[RankVersion]) -> int:
-        """Upload the assets if still due, then commit the manifest (rank 0's job)."""
+        """Upload the assets if still due, then commit the manifest (the leader's job)."""
         assert self._lease is not None
         self._lease.check()
         for name, data in list(self._assets.items()):
@@ -315,7 +369,7 @@ class Publisher:
 
     def _resync(self) -> None:
         """The head moved under us: continue after it, from a keyframe (no collective here:
-        in a multi-rank publisher only rank 0 runs this, inside its verdict)."""
+        among several ranks only the leader runs this, inside its verdict)."""
         self.next_version = self._board_next_version()
         self._pipeline.forget_base()
 

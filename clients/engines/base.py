@@ -1,10 +1,12 @@
 """The engine adapter port and the HTTP plumbing every adapter shares.
 
 A version swap, as the sidecar drives it, is `pause(mode)`, then the follower's swap on
-disk, then `reload(model_dir, version)`, then `resume(mode)`. In `quiesce` mode the
-sidecar has already drained its requests, so adapters need not pause the engine; in
-`in_place` mode requests are still running and the engine must hold them between two
-steps while the weights change under them.
+disk, then `reload(model_dir, version, mode)`, then `resume(mode)`. Each call is told the
+swap's mode; an adapter remembers nothing between them. In `quiesce` mode the sidecar has
+already drained its requests, so adapters need not pause the engine, and they drop the
+prefix cache after the reload (its KV was computed with the old weights); in `in_place`
+mode requests are still running and the engine must hold them between two steps while
+the weights change under them, keeping their cache.
 
 Adapters are synchronous (httpx.Client): they run on the follower's thread, never on
 the proxy's event loop.
@@ -30,8 +32,6 @@ class EngineAdapter:
     def __init__(self, url: str, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=5.0))
-        # The mode of the swap under way: engines flush their caches only after a drained swap.
-        self.mode: CommitMode = "quiesce"
 
     def close(self) -> None:
         self._http.close()
@@ -66,11 +66,11 @@ class EngineAdapter:
 
     def pause(self, mode: CommitMode) -> None:
         """Hold generation for an in-place swap (a drained engine needs nothing)."""
-        self.mode = mode
         if mode == "in_place":
             self._hold()
 
-    def reload(self, model_dir: Path, version: int) -> None:
+    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> None:
+        """Load `version` from `model_dir`; after a `quiesce` swap, also drop stale caches."""
         raise NotImplementedError
 
     def resume(self, mode: CommitMode) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from deltaboard.clients.engines.base import EngineAdapter
+from deltaboard.clients.engines.base import CommitMode, EngineAdapter
 
 
 class ReferenceAdapter(EngineAdapter):
@@ -19,7 +19,8 @@ class ReferenceAdapter(EngineAdapter):
     def _hold(self) -> None:
         self._call("POST", "/pause")
 
-    def reload(self, model_dir: Path, version: int) -> None:
+    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> None:
+        # The reference engine holds no KV cache: both modes reload the same way.
         self._call("POST", "/reload", json={"model": str(model_dir), "weight_version": version})
 
     def holds(self, version: int) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deltaboard.clients.engines.base import EngineAdapter, EngineAdapterError
+from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError
 
 
 class SGLangAdapter(EngineAdapter):
@@ -28,17 +28,17 @@ class SGLangAdapter(EngineAdapter):
     def _hold(self) -> None:
         self._call("POST", "/pause_generation", json={"mode": "in_place"})
 
-    def reload(self, model_dir: Path, version: int) -> None:
+    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> None:
         body = {
             "model_path": str(model_dir),
             "weight_version": str(version),
             "abort_all_requests": False,
-            "flush_cache": self.mode == "quiesce",
+            "flush_cache": mode == "quiesce",
         }
         answer = self._call("POST", "/update_weights_from_disk", json=body).json()
         if not answer.get("success", False):
             raise EngineAdapterError(f"sglang refused the update: {answer.get('message', answer)}")
-        if self.mode == "quiesce":
+        if mode == "quiesce":
             self._call("POST", "/flush_cache")
 
     def _release(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deltaboard.clients.engines.base import EngineAdapter, EngineAdapterError
+from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError
 
 
 class VLLMAdapter(EngineAdapter):
@@ -32,13 +32,13 @@ class VLLMAdapter(EngineAdapter):
     def _hold(self) -> None:
         self._call("POST", "/pause", params={"mode": "keep"})
 
-    def reload(self, model_dir: Path, version: int) -> None:
+    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> None:
         # `model_dir` is not sent: vLLM re-reads the path it was started with (the follower's model_dir).
         answer = self._call("POST", "/collective_rpc", json={"method": "reload_weights"})
         if answer.content and "results" not in answer.json():
             raise EngineAdapterError(f"vllm collective_rpc answered {answer.text[:200]}")
         self._call("POST", "/update_weight_version", json={"new_version": str(version)})
-        if self.mode == "quiesce":
+        if mode == "quiesce":
             self._call("POST", "/reset_prefix_cache")
 
     def _release(self) -> None:

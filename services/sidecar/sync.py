@@ -75,15 +75,16 @@ class VersionSync:
         started = time.monotonic()
         self.gate.begin_swap(version)
         served, healthy = self.gate.served, self.gate.healthy
+        mode = self.gate.mode  # every call of this swap is told the same mode
         try:
-            self.adapter.pause(self.gate.mode)
+            self.adapter.pause(mode)
             try:
                 swap()
                 served = version
-                self.adapter.reload(self.follower.model_dir, version)
+                self.adapter.reload(self.follower.model_dir, version, mode)
                 healthy = True
             finally:
-                self.adapter.resume(self.gate.mode)
+                self.adapter.resume(mode)
         except EngineAdapterError as exc:
             healthy = False
             self.last_error = str(exc)

@@ -1,7 +1,9 @@
 """Several ranks, one version: torch.distributed (gloo, CPU) with 2 and 4 processes.
 
-Each rank publishes its partition of the same state; rank 0 commits only when every
-rank's part is uploaded. In the failure case, one rank's uploads are refused while it
+Each rank's `Publisher` (handed `TorchDistributedRanks`) publishes its partition of the
+same state; rank 0 commits only when every rank's part is uploaded. With 2 ranks the
+publisher picks each rank's part of the whole state, with 4 each rank passes only its own
+(as under sharded training). In the failure case, one rank's uploads are refused while it
 publishes a version: no rank commits it, the head stays, and the next version is a delta
 against the last committed view that rebuilds exactly.
 """
@@ -42,14 +44,16 @@ def _rank_main(
     import torch.distributed as dist
 
     from deltaboard.clients.board_client import BoardClient
-    from deltaboard.publisher.distributed import DistributedPublisher, partition_by_name
+    from deltaboard.publisher.distributed import TorchDistributedRanks, partition_by_name
+    from deltaboard.publisher.publisher import Publisher
     from tests.publisher.pub_support import FaultyTransport, error, is_blob_put
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     transport = FaultyTransport()
     client = BoardClient(url, token, transport=transport, retries=1, backoff_s=0.01)
     outcomes: list[dict[str, Any]] = []
-    with DistributedPublisher(client, run, keyframe_every=100) as pub:
+    ranks = TorchDistributedRanks(partition=partition_by_name if world == 2 else None)
+    with Publisher(client, run, keyframe_every=100, ranks=ranks) as pub:
         for i in range(VERSIONS):
             failing = rank == fail_rank and i == FAIL_AT
             transport.rule = (
@@ -57,7 +61,7 @@ def _rank_main(
             )
             mine = partition_by_name(_state(i), rank, world)
             try:
-                r = pub.publish(mine, step=i).result()
+                r = pub.publish(_state(i) if world == 2 else mine, step=i).result()
                 outcomes.append({"version": r.version, "kind": r.kind, "tensors": sorted(mine)})
             except Exception as exc:
                 outcomes.append({"error": type(exc).__name__, "message": str(exc)})

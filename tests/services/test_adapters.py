@@ -18,7 +18,7 @@ from tests.services.fakes.tiny_model import save_tiny_model
 
 def swap(adapter: EngineAdapter, mode: CommitMode, directory: Path, version: int) -> None:
     adapter.pause(mode)
-    adapter.reload(directory, version)
+    adapter.reload(directory, version, mode)
     adapter.resume(mode)
 
 
@@ -64,7 +64,7 @@ def test_sglang_quiesce_updates_then_flushes_the_cache(sglang, tmp_path):
 def test_sglang_refusal_is_an_adapter_error(sglang, tmp_path):
     adapter, _ = sglang
     with pytest.raises(EngineAdapterError, match="no such checkpoint"):
-        adapter.reload(tmp_path / "missing", 1)
+        adapter.reload(tmp_path / "missing", 1, "in_place")
 
 
 def test_vllm_in_place_keeps_requests_reloads_and_resumes(vllm, tmp_path):
@@ -113,5 +113,14 @@ def test_reference_adapter_drives_the_real_engine(tmp_path):
         swap(adapter, "quiesce", directory, 3)
         assert httpx.get(f"{server.url}/health").json()["weight_version"] == 3
         with pytest.raises(EngineAdapterError, match="400"):
-            adapter.reload(tmp_path / "missing", 4)
+            adapter.reload(tmp_path / "missing", 4, "quiesce")
         adapter.close()
+
+
+def test_each_call_is_told_its_mode_none_is_remembered(sglang, tmp_path):
+    adapter, calls = sglang
+    swap(adapter, "in_place", tmp_path, 4)
+    del calls[:]
+    adapter.reload(tmp_path, 5, "quiesce")  # a reload after an in-place swap, as on restart
+    assert [name for name, _ in calls] == ["update_weights_from_disk", "flush_cache"]
+    assert calls[0][1]["flush_cache"] is True

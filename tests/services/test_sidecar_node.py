@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from deltaboard.clients.engines import EngineAdapter, EngineAdapterError
+from deltaboard.clients.engines import CommitMode, EngineAdapter, EngineAdapterError
 from deltaboard.clients.engines.reference import ReferenceAdapter
 from deltaboard.publisher.publisher import Publisher
 from deltaboard.services.engine.app import EngineState, create_app
@@ -29,10 +29,10 @@ class FlakyAdapter(ReferenceAdapter):
         super().__init__(url)
         self.healed = threading.Event()
 
-    def reload(self, model_dir: Path, version: int) -> None:
+    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> None:
         if not self.healed.is_set():
             raise EngineAdapterError("injected: the engine could not load the weights")
-        super().reload(model_dir, version)
+        super().reload(model_dir, version, mode)
 
 
 def complete(url: str, **weight_version: float) -> httpx.Response:

@@ -22,13 +22,13 @@ class RecordingAdapter(EngineAdapter):
 
     def __init__(self) -> None:
         super().__init__("http://127.0.0.1:9")
-        self.calls: list[tuple[str, object]] = []
+        self.calls: list[tuple[object, ...]] = []
 
     def pause(self, mode: CommitMode) -> None:
         self.calls.append(("pause", mode))
 
-    def reload(self, model_dir: Path, version: int) -> None:
-        self.calls.append(("reload", version))
+    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> None:
+        self.calls.append(("reload", version, mode))
 
     def resume(self, mode: CommitMode) -> None:
         self.calls.append(("resume", mode))
@@ -105,7 +105,7 @@ def test_the_node_stops_at_a_pinned_version_then_goes_on_to_the_head(loop):
     waiting = pin(loop, gate, exact=2)
     sync._step(follower, threading.Event())
     assert follower.synced == [2] and isinstance(waiting.result(5), Admitted)
-    assert adapter.calls == [("pause", "in_place"), ("reload", 2), ("resume", "in_place")]
+    assert adapter.calls == [("pause", "in_place"), ("reload", 2, "in_place"), ("resume", "in_place")]
     asyncio.run_coroutine_threadsafe(gate.release(2), loop).result()
     sync._step(follower, threading.Event())
     assert follower.synced == [2, 5] and gate.served == 5

@@ -2,8 +2,9 @@
 
 It wraps every route of docs/contract.md section 4 with a synchronous API, retries
 connection errors and 5xx answers with exponential backoff, turns error bodies back into
-`board.errors.BoardError` (branch on `.code`), and streams blob downloads to disk with
-Range resume and sha256 verification.
+the contract's typed errors (`board.contract.errors`: `except NotHead:`; a 5xx that outlasts
+the retries is `BoardUnavailable`), and streams blob downloads to disk with Range resume
+and sha256 verification (`BlobIntegrityError` when the bytes do not match).
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from typing import IO, Any, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
-from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.errors import (
+    BoardError,
+    BoardUnavailable,
+    ErrorCode,
+    Forbidden,
+    NotFound,
+    NotHead,
+    Unauthorized,
+    error_class,
+)
 from deltaboard.board.contract.schemas import (
     BlobUploadTarget,
     CommitRequest,
@@ -61,13 +71,43 @@ def sha256_of(source: bytes | Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
+class BlobIntegrityError(Exception):
+    """A downloaded blob does not hash to the sha256 it was asked for (the partial file is
+    discarded). The board is not known to be at fault: the bytes may have been altered on
+    the way; fetch it again once, then give up (`clients.follower.IntegrityError`)."""
+
+    def __init__(self, sha256: str, got: str) -> None:
+        super().__init__(f"downloaded blob hashes to {got}, not {sha256}")
+        self.sha256 = sha256
+        self.got = got
+
+
+# An answer without the board's JSON body (code `HTTPError`: a HEAD, a proxy's page) is
+# classed by the status alone where that says enough.
+_BY_STATUS: dict[int, type[BoardError]] = {401: Unauthorized, 403: Forbidden, 404: NotFound}
+
+
+def error_from(status: int, code: str, message: str, /, **extra: Any) -> BoardError:
+    """The typed error for an error answer: the class of its code (`error_class`), or
+    `BoardUnavailable` for any 5xx, which callers retry; `http_status` is `status`."""
+    cls: type[BoardError]
+    if status >= 500:
+        cls = BoardUnavailable
+    elif code == ErrorCode.HTTP_ERROR:
+        cls = _BY_STATUS.get(status, BoardError)
+    else:
+        cls = error_class(code)
+    return cls(message, code=code, http_status=status, **extra)
+
+
 def _error_from(response: httpx.Response) -> BoardError:
     try:
         detail = response.json()["error"]
         extra = {k: v for k, v in detail.items() if k not in ("code", "message")}
-        return BoardError(response.status_code, str(detail["code"]), str(detail["message"]), **extra)
+        code, message = str(detail["code"]), str(detail["message"])
     except (ValueError, KeyError, TypeError):
-        return BoardError(response.status_code, "HTTPError", response.text[:500] or response.reason_phrase)
+        code, message, extra = "HTTPError", response.text[:500] or response.reason_phrase, {}
+    return error_from(response.status_code, code, message, **extra)
 
 
 class _Partial:
@@ -125,7 +165,8 @@ class BoardClient:
         time.sleep(min(self.backoff_s * 2**attempt, 5.0))
 
     def _retrying(self, send: Callable[[], httpx.Response]) -> httpx.Response:
-        """Send, retrying transport errors and 5xx; raise `BoardError` for any other failure."""
+        """Send, retrying transport errors and 5xx; raise the typed `BoardError` of any other
+        failure (`BoardUnavailable` for a 5xx that outlasts the retries)."""
         for attempt in range(self.retries + 1):
             try:
                 response = send()
@@ -227,10 +268,8 @@ class BoardClient:
         """The stored size, None when the blob is absent."""
         try:
             response = self._request("HEAD", f"/v1/runs/{run}/blobs/{sha256}", follow_redirects=True)
-        except BoardError as e:
-            if e.status == 404:
-                return None
-            raise
+        except NotFound:
+            return None
         return int(response.headers["content-length"])
 
     def get_blob(self, run: str, sha256: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -247,7 +286,8 @@ class BoardClient:
     ) -> Path:
         """Stream a blob to `dest`, resuming from `dest.part` with Range after interruptions
         (in this call or a previous process), and verify its sha256 before renaming it into
-        place. `progress(n)` is called with each chunk's size."""
+        place (`BlobIntegrityError` when it does not match). `progress(n)` is called with
+        each chunk's size."""
         part = dest.with_name(dest.name + ".part")
         state = _Partial()
         if part.exists():
@@ -265,7 +305,7 @@ class BoardClient:
         if state.digest.hexdigest() != sha256:
             part.unlink(missing_ok=True)
             got = state.digest.hexdigest()
-            raise BoardError(502, "DigestMismatch", f"downloaded blob hashes to {got}, not {sha256}")
+            raise BlobIntegrityError(sha256, got)
         os.replace(part, dest)
         return dest
 
@@ -300,9 +340,7 @@ class BoardClient:
         try:
             body = self._body(CommitRequest(manifest=manifest))
             return self._json("POST", f"/v1/runs/{run}/commit", Head, **body)
-        except BoardError as e:
-            if e.code != "NotHead":
-                raise
+        except NotHead:
             head = self.head(run)
             if head.version is None or head.version < manifest.version:
                 raise

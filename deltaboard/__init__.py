@@ -17,9 +17,23 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from deltaboard.board.codec import PatchError
-    from deltaboard.board.contract.errors import BoardError
+    from deltaboard.board.contract.errors import (
+        BoardError,
+        BoardUnavailable,
+        Conflict,
+        Forbidden,
+        InvalidRequest,
+        LeaseHeld,
+        NotFound,
+        NotHead,
+        StaleEpoch,
+        Unauthorized,
+        UnknownBase,
+        UnknownRun,
+        UnknownVersion,
+    )
     from deltaboard.board.contract.schemas import ViewSpec
-    from deltaboard.clients.board_client import BoardClient
+    from deltaboard.clients.board_client import BlobIntegrityError, BoardClient
     from deltaboard.clients.follower import DirectoryError, Follower, FollowerError, IntegrityError
     from deltaboard.publisher.hf_callback import DeltaboardCallback
     from deltaboard.publisher.publisher import Publisher
@@ -31,28 +45,54 @@ except PackageNotFoundError:  # a checkout used without installing it
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
+    "BlobIntegrityError": "deltaboard.clients.board_client",
     "BoardClient": "deltaboard.clients.board_client",
     "BoardError": "deltaboard.board.contract.errors",
+    "BoardUnavailable": "deltaboard.board.contract.errors",
+    "Conflict": "deltaboard.board.contract.errors",
     "DeltaboardCallback": "deltaboard.publisher.hf_callback",
     "DirectoryError": "deltaboard.clients.follower",
     "Follower": "deltaboard.clients.follower",
     "FollowerError": "deltaboard.clients.follower",
+    "Forbidden": "deltaboard.board.contract.errors",
     "IntegrityError": "deltaboard.clients.follower",
+    "InvalidRequest": "deltaboard.board.contract.errors",
+    "LeaseHeld": "deltaboard.board.contract.errors",
+    "NotFound": "deltaboard.board.contract.errors",
+    "NotHead": "deltaboard.board.contract.errors",
     "PatchError": "deltaboard.board.codec",
     "Publisher": "deltaboard.publisher.publisher",
+    "StaleEpoch": "deltaboard.board.contract.errors",
+    "Unauthorized": "deltaboard.board.contract.errors",
+    "UnknownBase": "deltaboard.board.contract.errors",
+    "UnknownRun": "deltaboard.board.contract.errors",
+    "UnknownVersion": "deltaboard.board.contract.errors",
     "ViewSpec": "deltaboard.board.contract.schemas",
 }
 
 __all__ = [
+    "BlobIntegrityError",
     "BoardClient",
     "BoardError",
+    "BoardUnavailable",
+    "Conflict",
     "DeltaboardCallback",
     "DirectoryError",
     "Follower",
     "FollowerError",
+    "Forbidden",
     "IntegrityError",
+    "InvalidRequest",
+    "LeaseHeld",
+    "NotFound",
+    "NotHead",
     "PatchError",
     "Publisher",
+    "StaleEpoch",
+    "Unauthorized",
+    "UnknownBase",
+    "UnknownRun",
+    "UnknownVersion",
     "ViewSpec",
     "__version__",
 ]

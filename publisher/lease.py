@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Protocol
 
-from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.errors import BoardError, BoardUnavailable
 from deltaboard.board.contract.schemas import Lease
 
 
@@ -72,8 +72,9 @@ class LeaseKeeper:
                 self._expires_at = time.monotonic() + self._ttl_s
                 interval = self._ttl_s / 3
             except Exception as exc:
-                # The client already retried transport errors and 5xx; a 4xx is the board's answer.
-                if isinstance(exc, BoardError) and exc.status < 500:
+                # The client already retried transport errors and 5xx; any other refusal is
+                # the board's answer.
+                if isinstance(exc, BoardError) and not isinstance(exc, BoardUnavailable):
                     self.fence(f"the board refused to renew the lease ({exc.code}: {exc.message})")
                     return
                 if time.monotonic() >= self._expires_at:

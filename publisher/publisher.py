@@ -47,7 +47,7 @@ from typing import Any, Literal
 import torch
 
 from deltaboard.board import codec
-from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.errors import BoardError, NotHead, StaleEpoch
 from deltaboard.board.contract.schemas import ViewSpec
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.publisher.assets import read_assets
@@ -355,11 +355,12 @@ class Publisher:
         manifest = build_manifest(self.run, proposal, self.spec, self._lease.epoch, ranks)
         try:
             self.client.commit(self.run, manifest)
+        except StaleEpoch as exc:
+            raise self._lease.fence(f"the board refused version {proposal.version}") from exc
+        except NotHead as exc:
+            self._resync()
+            raise PublishError(f"version {proposal.version} was not committed: {exc}") from exc
         except BoardError as exc:
-            if exc.code == "StaleEpoch":
-                raise self._lease.fence(f"the board refused version {proposal.version}") from exc
-            if exc.code == "NotHead":
-                self._resync()
             raise PublishError(f"version {proposal.version} was not committed: {exc}") from exc
         return proposal.version
 

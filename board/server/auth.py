@@ -18,7 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.errors import Forbidden, Unauthorized
 
 Scope = Literal["read", "publish", "admin"]
 SCOPE_RANK: dict[str, int] = {"read": 0, "publish": 1, "admin": 2}
@@ -77,7 +77,8 @@ class Authorizer:
         return matches
 
     def check(self, authorization: str | None, scope: Scope, run: str | None) -> None:
-        """Raise 401/403 unless the request may act with `scope` on `run` (None: any run)."""
+        """Raise `Unauthorized` (no valid token) or `Forbidden` (not enough scope) unless the
+        request may act with `scope` on `run` (None: any run)."""
         target = run or ""
         if authorization is None:
             anonymous = self.config.anonymous_read
@@ -89,16 +90,16 @@ class Authorizer:
                 and (run is None or any(fnmatch.fnmatchcase(target, p) for p in anonymous))
             ):
                 return
-            raise BoardError(401, "Unauthorized", "a bearer token is required")
+            raise Unauthorized("a bearer token is required")
         kind, _, token = authorization.partition(" ")
         if kind.lower() != "bearer" or not token:
-            raise BoardError(401, "Unauthorized", "expected 'Authorization: Bearer <token>'")
+            raise Unauthorized("expected 'Authorization: Bearer <token>'")
         grants = self._grants(token.strip())
         if not grants:
-            raise BoardError(401, "Unauthorized", "unknown token")
+            raise Unauthorized("unknown token")
         for grant in grants:
             if SCOPE_RANK[grant.scope] >= SCOPE_RANK[scope] and (
                 run is None or any(fnmatch.fnmatchcase(target, p) for p in grant.runs)
             ):
                 return
-        raise BoardError(403, "Forbidden", f"token lacks scope {scope!r} on run {run!r}")
+        raise Forbidden(f"token lacks scope {scope!r} on run {run!r}")

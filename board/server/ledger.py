@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from deltaboard.board.contract.errors import conflict, not_found
+from deltaboard.board.contract.errors import Contended, LeaseHeld, NotHead, StaleEpoch, UnknownRun
 from deltaboard.board.contract.schemas import (
     Lease,
     LeaseRenew,
@@ -27,6 +26,7 @@ from deltaboard.board.contract.schemas import (
     RunCreate,
 )
 from deltaboard.board.server import rules
+from deltaboard.board.server.clock import Clock, SystemClock
 from deltaboard.board.server.records import HeadRecord, LeaseRecord, RunRecord, VersionRecord
 from deltaboard.board.server.retention import VersionSelection, apply_retention
 from deltaboard.board.server.storage import (
@@ -52,9 +52,9 @@ def encode(model: BaseModel) -> bytes:
 
 
 class Ledger:
-    def __init__(self, store: ObjectStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: ObjectStore, clock: Clock | None = None) -> None:
         self.store = store
-        self.clock = clock
+        self.clock: Clock = clock or SystemClock()
         self._run_locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -84,7 +84,7 @@ class Ledger:
     def head(self, run: str) -> tuple[HeadRecord, str]:
         found = self._read(head_key(run), HeadRecord)
         if found is None:
-            raise not_found("UnknownRun", f"run {run!r} does not exist")
+            raise UnknownRun(f"run {run!r} does not exist")
         return found
 
     def lease(self, run: str) -> tuple[LeaseRecord, str] | None:
@@ -102,7 +102,7 @@ class Ledger:
 
     def create_run(self, req: RunCreate) -> tuple[RunRecord, bool]:
         """Create the run (idempotent). Returns the record and whether it is new."""
-        record = RunRecord(name=req.name, created_at=self.clock(), meta=req.meta)
+        record = RunRecord(name=req.name, created_at=self.clock.now(), meta=req.meta)
         try:
             self.store.put(run_key(req.name), encode(record), if_none_match=True)
         except PreconditionFailed:
@@ -123,7 +123,7 @@ class Ledger:
         the lease and the head record carrying the raised epoch."""
         self.head(run)
         for _ in range(CAS_ATTEMPTS):
-            now = self.clock()
+            now = self.clock.now()
             found = self.lease(run)
             current, tag = found if found is not None else (None, None)
             if (
@@ -132,8 +132,7 @@ class Ledger:
                 and current.holder != req.holder
                 and not req.steal
             ):
-                raise conflict(
-                    "LeaseHeld",
+                raise LeaseHeld(
                     f"lease held by {current.holder!r} until {current.expires_at:.0f}",
                     holder=current.holder,
                     expires_at=current.expires_at,
@@ -147,7 +146,7 @@ class Ledger:
                 continue
             lease = Lease(run=run, holder=record.holder, epoch=record.epoch, expires_at=record.expires_at)
             return lease, self._raise_head_epoch(run, epoch)
-        raise conflict("Contended", "lease record kept changing; retry")
+        raise Contended("lease record kept changing; retry")
 
     def _raise_head_epoch(self, run: str, epoch: int) -> HeadRecord:
         for _ in range(CAS_ATTEMPTS):
@@ -160,26 +159,24 @@ class Ledger:
                 return raised
             except PreconditionFailed:
                 continue
-        raise conflict("Contended", "head record kept changing; retry")
+        raise Contended("head record kept changing; retry")
 
     def _own_lease(self, run: str, holder: str, epoch: int) -> tuple[LeaseRecord, str]:
         found = self.lease(run)
         if found is None or found[0].holder != holder or found[0].epoch != epoch:
             current = None if found is None else found[0].epoch
-            raise conflict(
-                "StaleEpoch", f"epoch {epoch} of {holder!r} is not the current lease", current_epoch=current
-            )
+            raise StaleEpoch(f"epoch {epoch} of {holder!r} is not the current lease", current_epoch=current)
         return found
 
     def renew_lease(self, run: str, req: LeaseRenew) -> Lease:
         self.head(run)
         holder, epoch = req.holder, req.epoch
         record, tag = self._own_lease(run, holder, epoch)
-        renewed = record.model_copy(update={"expires_at": self.clock() + req.ttl_s})
+        renewed = record.model_copy(update={"expires_at": self.clock.now() + req.ttl_s})
         try:
             self.store.write_record(lease_key(run), encode(renewed), tag)
         except PreconditionFailed:
-            raise conflict("StaleEpoch", "the lease changed while renewing") from None
+            raise StaleEpoch("the lease changed while renewing") from None
         return Lease(run=run, holder=holder, epoch=epoch, expires_at=renewed.expires_at)
 
     def release_lease(self, run: str, holder: str, epoch: int) -> None:
@@ -190,7 +187,7 @@ class Ledger:
             released = record.model_copy(update={"expires_at": 0.0})
             self.store.write_record(lease_key(run), encode(released), tag)
         except PreconditionFailed:
-            raise conflict("StaleEpoch", "the lease changed while releasing") from None
+            raise StaleEpoch("the lease changed while releasing") from None
 
     # ---- commit ------------------------------------------------------------------------
 
@@ -209,7 +206,8 @@ class Ledger:
     ) -> RetentionReport:
         """Apply retention (`retention`) to the store, never in the middle of a commit."""
         with self._exclusive(run):
-            return apply_retention(self.store, run, versions, head, selection, grace_s, touches, self.clock())
+            now = self.clock.now()
+            return apply_retention(self.store, run, versions, head, selection, grace_s, touches, now)
 
     def _commit(self, run: str, manifest: Manifest) -> tuple[HeadRecord, VersionRecord]:
         head, head_tag = self.head(run)
@@ -228,12 +226,8 @@ class Ledger:
         if written < 2:
             now, _ = self.head(run)
             if now.epoch > manifest.epoch:
-                raise conflict(
-                    "StaleEpoch", f"epoch {manifest.epoch} was fenced off", current_epoch=now.epoch
-                )
-            raise conflict(
-                "NotHead", f"version {manifest.version} was committed concurrently", head=now.version
-            )
+                raise StaleEpoch(f"epoch {manifest.epoch} was fenced off", current_epoch=now.epoch)
+            raise NotHead(f"version {manifest.version} was committed concurrently", head=now.version)
         return new_head, VersionRecord.of(manifest, {k: v for k, v in sizes.items() if v is not None})
 
     def _take_manifest_slot(self, run: str, manifest: Manifest, data: bytes, head: HeadRecord) -> None:
@@ -243,7 +237,7 @@ class Ledger:
         key = manifest_key(run, manifest.version)
         found = self.store.read_record(key)
         if found is None:
-            raise conflict("NotHead", "manifest slot changed concurrently; retry")
+            raise NotHead("manifest slot changed concurrently; retry")
         existing, tag = found
         if existing == data:
             return
@@ -257,9 +251,7 @@ class Ledger:
                 return
             except PreconditionFailed:
                 pass
-        raise conflict(
-            "NotHead", f"version {manifest.version} is being committed by another writer", head=head.version
-        )
+        raise NotHead(f"version {manifest.version} is being committed by another writer", head=head.version)
 
     # ---- rebuilding the index -----------------------------------------------------------
 

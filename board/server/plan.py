@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from deltaboard.board.contract.errors import not_found
+from deltaboard.board.contract.errors import NoChain, NoVersions, UnknownBase, UnknownVersion
 from deltaboard.board.contract.schemas import BlobSize, Plan, PlanStep
 from deltaboard.board.server.records import VersionRecord
 
@@ -44,17 +44,16 @@ def plan(
 ) -> Plan:
     """The plan from `from_version` (None: bootstrap) to `to_version` (None: head)."""
     if head is None:
-        raise not_found("NoVersions", f"run {run!r} has no committed version yet")
+        raise NoVersions(f"run {run!r} has no committed version yet")
     to = head if to_version is None else to_version
     if to > head or to not in versions:
-        raise not_found("UnknownVersion", f"version {to} is not available (head {head})", head=head)
+        raise UnknownVersion(f"version {to} is not available (head {head})", head=head)
     if from_version == to:
         return Plan(
             run=run, from_version=from_version, to_version=to, steps=(), total_bytes=0, strategy="noop"
         )
     if from_version is not None and from_version not in versions:
-        raise not_found(
-            "UnknownBase",
+        raise UnknownBase(
             f"version {from_version} is unknown or pruned; bootstrap from a keyframe instead",
             bootstrap=_bootstrap_hint(run, to),
         )
@@ -70,7 +69,7 @@ def plan(
             if chain is not None:
                 candidates.append((_chain_bytes(chain), "keyframe+deltas", chain))
     if not candidates:
-        raise not_found("NoChain", f"no keyframe chain reaches version {to}")
+        raise NoChain(f"no keyframe chain reaches version {to}")
     # Fewest bytes; on a tie, fewer steps (less work to apply), then the plain delta chain.
     total, strategy, chain = min(candidates, key=lambda c: (c[0], len(c[2]), c[1] != "deltas"))
     steps = tuple(

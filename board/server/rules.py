@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from deltaboard.board.contract.errors import conflict, unprocessable
+from deltaboard.board.contract.errors import BadManifest, MissingBlobs, NoLease, NotHead, StaleEpoch
 from deltaboard.board.contract.schemas import Manifest
 from deltaboard.board.server.records import HeadRecord
 
@@ -17,19 +17,17 @@ from deltaboard.board.server.records import HeadRecord
 def check_manifest_shape(manifest: Manifest, run: str) -> None:
     """Rules a manifest must satisfy on its own, whatever the board holds."""
     if manifest.run != run:
-        raise unprocessable("BadManifest", f"manifest is for run {manifest.run!r}, posted to {run!r}")
+        raise BadManifest(f"manifest is for run {manifest.run!r}, posted to {run!r}")
     if manifest.version == 0:
         if manifest.kind != "full":
-            raise unprocessable("BadManifest", "version 0 must be a keyframe (kind 'full')")
+            raise BadManifest("version 0 must be a keyframe (kind 'full')")
         if manifest.parent is not None:
-            raise unprocessable("BadManifest", "version 0 has no parent")
+            raise BadManifest("version 0 has no parent")
     elif manifest.parent != manifest.version - 1:
-        raise unprocessable(
-            "BadManifest", f"version {manifest.version} must name parent {manifest.version - 1}"
-        )
+        raise BadManifest(f"version {manifest.version} must name parent {manifest.version - 1}")
     names = [t.name for t in manifest.tensors]
     if len(set(names)) != len(names):
-        raise unprocessable("BadManifest", "duplicate tensor names")
+        raise BadManifest("duplicate tensor names")
 
 
 def expected_version(head: HeadRecord) -> int:
@@ -39,25 +37,23 @@ def expected_version(head: HeadRecord) -> int:
 def check_fencing(manifest: Manifest, head: HeadRecord, lease_epoch: int | None) -> None:
     """The writer's epoch must be the current lease's: a lower one was fenced off."""
     if lease_epoch is None:
-        raise conflict("NoLease", "take a lease (POST .../lease) before committing", epoch=manifest.epoch)
+        raise NoLease("take a lease (POST .../lease) before committing", epoch=manifest.epoch)
     current = max(lease_epoch, head.epoch)
     if manifest.epoch < current:
-        raise conflict(
-            "StaleEpoch",
+        raise StaleEpoch(
             f"epoch {manifest.epoch} was fenced off by epoch {current}",
             epoch=manifest.epoch,
             current_epoch=current,
         )
     if manifest.epoch != lease_epoch:
-        raise conflict("StaleEpoch", f"epoch {manifest.epoch} was never granted", current_epoch=current)
+        raise StaleEpoch(f"epoch {manifest.epoch} was never granted", current_epoch=current)
 
 
 def check_succession(manifest: Manifest, head: HeadRecord) -> None:
     """Only head+1 may be committed: duplicates and gaps are refused."""
     want = expected_version(head)
     if manifest.version != want:
-        raise conflict(
-            "NotHead",
+        raise NotHead(
             f"version {manifest.version} does not follow head {head.version} (expected {want})",
             head=head.version,
         )
@@ -67,15 +63,12 @@ def check_blob_ranges(manifest: Manifest, sizes: Mapping[str, int | None]) -> No
     """Every referenced blob exists and covers each entry's offset + length."""
     missing = sorted(sha for sha in manifest.blob_shas() if sizes.get(sha) is None)
     if missing:
-        raise unprocessable(
-            "MissingBlobs", f"{len(missing)} referenced blobs are not stored", missing=missing
-        )
+        raise MissingBlobs(f"{len(missing)} referenced blobs are not stored", missing=missing)
     for entry in manifest.tensors:
         size = sizes[entry.blob.sha256]
         assert size is not None
         if entry.blob.offset + entry.blob.length > size:
-            raise unprocessable(
-                "BadManifest",
+            raise BadManifest(
                 f"tensor {entry.name!r}: range {entry.blob.offset}+{entry.blob.length} exceeds "
                 f"blob size {size}",
             )

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import httpx
 
-from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.errors import BoardError, BoardUnavailable
 from deltaboard.board.contract.schemas import BlobRef, BlobSize
-from deltaboard.clients.board_client import BoardClient
+from deltaboard.clients.board_client import BlobIntegrityError, BoardClient
 from deltaboard.clients.follower.errors import FollowerError, IntegrityError
 
 ByteProgress = Callable[[int], None]
@@ -128,16 +128,14 @@ class Fetcher:
             try:
                 self.board.download_blob(self.run, sha, self.cache.path(sha), progress=progress)
                 return
+            except BlobIntegrityError as exc:
+                mismatches += 1
+                if mismatches > 1:
+                    raise IntegrityError(f"blob {sha[:12]} hashed wrong twice: {exc}") from exc
+                continue
+            except (BoardUnavailable, httpx.TransportError) as exc:
+                last = exc
             except BoardError as exc:
-                if exc.code == "DigestMismatch":
-                    mismatches += 1
-                    if mismatches > 1:
-                        raise IntegrityError(f"blob {sha[:12]} hashed wrong twice: {exc.message}") from exc
-                    continue
-                if exc.status < 500:
-                    raise FollowerError(f"cannot fetch blob {sha[:12]}: {exc}") from exc
-                last = exc
-            except httpx.TransportError as exc:
-                last = exc
+                raise FollowerError(f"cannot fetch blob {sha[:12]}: {exc}") from exc
             time.sleep(self.backoff_s * 2**attempt)
         raise FollowerError(f"cannot fetch blob {sha[:12]} after {self.attempts} attempts: {last}")

@@ -47,7 +47,7 @@ from typing import Protocol
 
 import httpx
 
-from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.errors import BoardError, UnknownBase
 from deltaboard.board.contract.schemas import Heartbeat, Manifest, Plan
 from deltaboard.board.contract.view_spec import INDEX_FILE
 from deltaboard.clients.board_client import BoardClient
@@ -209,9 +209,7 @@ class Follower:
     def _plan(self, held: int | None, target: int) -> Plan:
         try:
             return self.board.plan(self.run, held, target)
-        except BoardError as exc:
-            if exc.code != "UnknownBase":
-                raise
+        except UnknownBase:
             log.info("version %s is pruned on the board: bootstrapping from a keyframe", held)
             return self.board.plan(self.run, None, target)
 

@@ -74,7 +74,9 @@ def _failures(console: Console) -> Iterator[None]:
     try:
         yield
     except (FollowerError, BoardError) as exc:
-        console.print(f"[red]{type(exc).__name__}: {exc}[/]")
+        # A board error names its code in the message: say only which family it is.
+        kind = "BoardError" if isinstance(exc, BoardError) else type(exc).__name__
+        console.print(f"[red]{kind}: {exc}[/]")
         raise typer.Exit(1) from exc
 
 

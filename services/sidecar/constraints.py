@@ -14,10 +14,13 @@ Outcomes, given the version the node serves and the board's head:
 
 - `Serve`: the served version lies in `[low, high]`.
 - `Wait`: the node is behind `low` (or holds nothing yet); a node only moves forward, so
-  it may get there: wait up to the request's bound, then `409 WeightVersionNotReady`.
+  it may get there: wait up to the request's bound, then `WeightVersionNotReady`.
 - `Gone`: the served version is already past `high`, or `max_lag` against the head
   leaves no version under `max`: no amount of waiting helps, the caller must re-pin
-  (`410 WeightVersionGone`, not retryable).
+  (`WeightVersionGone`, not retryable).
+
+The codes of the sidecar's refusals are `SidecarCode`; their HTTP statuses live in the
+proxy (`services.sidecar.proxy.HTTP_STATUS`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 FIELDS = ("exact", "min", "max", "max_lag")
@@ -32,8 +36,18 @@ HEADER_PREFIX = "x-weight-version-"
 BODY_KEY = "weight_version"
 
 
+class SidecarCode(StrEnum):
+    """Every `code` in the sidecar's own error bodies."""
+
+    WEIGHT_VERSION_NOT_READY = "WeightVersionNotReady"  # behind the request: retry later
+    WEIGHT_VERSION_GONE = "WeightVersionGone"  # past the request for good: re-pin
+    ENGINE_UNAVAILABLE = "EngineUnavailable"  # the engine failed to load or cannot be reached
+    BAD_WEIGHT_VERSION = "BadWeightVersion"  # a malformed constraint (`ConstraintError`)
+    BODY_TOO_LARGE = "BodyTooLarge"
+
+
 class ConstraintError(ValueError):
-    """The constraint itself is malformed or contradictory (a client mistake: 400)."""
+    """The constraint itself is malformed or contradictory (a client mistake)."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from deltaboard.clients.engines import CommitMode
 from deltaboard.services.sidecar.constraints import (
     Gone,
     Serve,
+    SidecarCode,
     VersionConstraint,
     Wait,
     decide,
@@ -42,8 +43,7 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Refused:
-    status: int
-    code: str
+    code: SidecarCode
     message: str
     required: dict[str, int | None]
     served: int | None
@@ -86,7 +86,8 @@ class VersionGate:
                 while True:
                     decision = decide(constraint, self.served, self.head)
                     if isinstance(decision, Gone):
-                        return self._refuse(410, "WeightVersionGone", decision.reason, constraint, None)
+                        gone = SidecarCode.WEIGHT_VERSION_GONE
+                        return self._refuse(gone, decision.reason, constraint, None)
                     if isinstance(decision, Serve) and not self.swapping and self.healthy:
                         high = constraint.high()
                         self.inflight += 1
@@ -106,16 +107,17 @@ class VersionGate:
     def _not_ready(self, constraint: VersionConstraint, low: int) -> Refused:
         retry = retry_after_s(low, self.served, self.head, self.sync_s, self.interval_s)
         if not self.healthy:
-            return self._refuse(503, "EngineUnavailable", "the engine failed to load", constraint, retry)
+            message = "the engine failed to load"
+            return self._refuse(SidecarCode.ENGINE_UNAVAILABLE, message, constraint, retry)
         needs = constraint.describe(self.head)
         message = f"this node serves {self.served}; the request needs {needs}"
-        return self._refuse(409, "WeightVersionNotReady", message, constraint, retry)
+        return self._refuse(SidecarCode.WEIGHT_VERSION_NOT_READY, message, constraint, retry)
 
     def _refuse(
-        self, status: int, code: str, message: str, constraint: VersionConstraint, retry: int | None
+        self, code: SidecarCode, message: str, constraint: VersionConstraint, retry: int | None
     ) -> Refused:
         required = constraint.describe(self.head)
-        return Refused(status, code, message, required, self.served, self.head, retry)
+        return Refused(code, message, required, self.served, self.head, retry)
 
     async def release(self, high: int | None) -> int | None:
         """A request (admitted with highest version `high`) finished: the version it ends with."""

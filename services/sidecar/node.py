@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.errors import UnknownRun
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.engines import CommitMode, EngineAdapter, make_adapter
 from deltaboard.services.sidecar.gate import VersionGate
@@ -61,9 +61,7 @@ class Sidecar:
     def _watch_head(self, after: int | None, wait_s: float) -> int | None:
         try:
             return self.board.head(self.config.run, after=-1 if after is None else after, wait=wait_s).version
-        except BoardError as exc:
-            if exc.code != "UnknownRun":
-                raise
+        except UnknownRun:
             self._stop.wait(min(wait_s, 1.0))  # the trainer has not created the run yet
             return None
 

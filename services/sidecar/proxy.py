@@ -28,7 +28,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from deltaboard.services.sidecar.background import unless_disconnected
-from deltaboard.services.sidecar.constraints import HEADER_PREFIX, ConstraintError, parse_constraint
+from deltaboard.services.sidecar.constraints import (
+    HEADER_PREFIX,
+    ConstraintError,
+    SidecarCode,
+    parse_constraint,
+)
 from deltaboard.services.sidecar.gate import Admitted, Refused, VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
 from deltaboard.services.sidecar.stamping import (
@@ -56,6 +61,20 @@ RESPONSE_DROP = HOP_BY_HOP | {"content-encoding"}
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 ENGINE_RETRY_AFTER_S = 2
 
+# The sidecar's one table from error code to HTTP status, and to the requests metric's label.
+HTTP_STATUS: dict[SidecarCode, int] = {
+    SidecarCode.BAD_WEIGHT_VERSION: 400,
+    SidecarCode.WEIGHT_VERSION_NOT_READY: 409,
+    SidecarCode.WEIGHT_VERSION_GONE: 410,
+    SidecarCode.BODY_TOO_LARGE: 413,
+    SidecarCode.ENGINE_UNAVAILABLE: 503,
+}
+OUTCOME: dict[SidecarCode, str] = {
+    SidecarCode.WEIGHT_VERSION_NOT_READY: "not_ready",
+    SidecarCode.WEIGHT_VERSION_GONE: "gone",
+    SidecarCode.ENGINE_UNAVAILABLE: "unavailable",
+}
+
 
 @dataclass(frozen=True)
 class ProxySettings:
@@ -66,24 +85,21 @@ class ProxySettings:
     max_body_bytes: int = 64 * 2**20  # prompts, not uploads: a bigger body is refused (413)
 
 
-def _error(
-    status: int, code: str, message: str, retry_after: int | None = None, **extra: Any
-) -> JSONResponse:
+def _error(code: SidecarCode, message: str, retry_after: int | None = None, **extra: Any) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    body = {"error": {"code": code, "message": message, **extra}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    body = {"error": {"code": str(code), "message": message, **extra}}
+    return JSONResponse(body, status_code=HTTP_STATUS[code], headers=headers)
 
 
 def _refusal(refused: Refused) -> JSONResponse:
     return _error(
-        refused.status,
         refused.code,
         refused.message,
         refused.retry_after_s,
         served=refused.served,
         required=refused.required,
         head=refused.head,
-        retryable=refused.status != 410,
+        retryable=refused.code != SidecarCode.WEIGHT_VERSION_GONE,
     )
 
 
@@ -157,7 +173,7 @@ def create_proxy_app(
         if raw is None:
             metrics.requests.labels("bad_request").inc()
             return _error(
-                413, "BodyTooLarge", f"request bodies are limited to {settings.max_body_bytes} bytes"
+                SidecarCode.BODY_TOO_LARGE, f"request bodies are limited to {settings.max_body_bytes} bytes"
             )
         body: Any = None
         if raw and "json" in request.headers.get("content-type", "json"):
@@ -169,7 +185,7 @@ def create_proxy_app(
             constraint, stripped = parse_constraint(body, request.headers)
         except ConstraintError as exc:
             metrics.requests.labels("bad_request").inc()
-            return _error(400, "BadWeightVersion", str(exc))
+            return _error(SidecarCode.BAD_WEIGHT_VERSION, str(exc))
         if stripped is not body:
             raw = json.dumps(stripped).encode()
         wait_s = min(
@@ -182,9 +198,7 @@ def create_proxy_app(
             metrics.requests.labels("aborted").inc()
             return Response(status_code=499)
         if isinstance(admission, Refused):
-            metrics.requests.labels(
-                {409: "not_ready", 410: "gone"}.get(admission.status, "unavailable")
-            ).inc()
+            metrics.requests.labels(OUTCOME[admission.code]).inc()
             return _refusal(admission)
         assert isinstance(admission, Admitted)
         metrics.wait_seconds.observe(admission.waited_s)
@@ -231,7 +245,7 @@ def create_proxy_app(
             return Response(content, status_code=upstream.status_code, headers=headers)
         except httpx.TransportError as exc:
             metrics.requests.labels("engine_unavailable").inc()
-            return _error(503, "EngineUnavailable", f"engine unreachable: {exc}", ENGINE_RETRY_AFTER_S)
+            return _error(SidecarCode.ENGINE_UNAVAILABLE, f"engine unreachable: {exc}", ENGINE_RETRY_AFTER_S)
         finally:
             if not streaming:
                 await release()

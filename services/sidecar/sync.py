@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.errors import NotFound
 from deltaboard.clients.engines import EngineAdapter, EngineAdapterError
 from deltaboard.services.sidecar.constraints import next_target
 from deltaboard.services.sidecar.gate import VersionGate
@@ -133,10 +133,10 @@ class VersionSync:
         if target is not None:
             try:
                 follower.sync(target)
-            except BoardError as exc:
+            except NotFound as exc:
                 # A pinned version the board no longer holds (retention) must not hold the
                 # node back: follow the head; the gate then answers the pin 410 Gone.
-                if exc.status != 404 or target == self.gate.head:
+                if target == self.gate.head:
                     raise
                 log.warning("cannot stop at pinned version %s (%s): following the head", target, exc)
                 follower.sync(self.gate.head)

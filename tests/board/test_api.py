@@ -27,7 +27,7 @@ def test_run_assets_and_listing(board):
     assert [r.name for r in board.client(board.read_token).list_runs()] == ["exp-1"]
     with pytest.raises(BoardError) as e:
         c.get_asset("exp-1", "missing.json")
-    assert (e.value.status, e.value.code) == (404, "UnknownAsset")
+    assert (e.value.http_status, e.value.code) == (404, "UnknownAsset")
 
 
 def test_publish_follow_plan(board):
@@ -150,7 +150,7 @@ def test_lease_fencing(board):
     assert second.epoch > first.epoch
     with pytest.raises(BoardError) as e:
         publish(c, "r", 0, first.epoch, {"w": b"old"})
-    assert (e.value.status, e.value.code) == (409, "StaleEpoch")
+    assert (e.value.http_status, e.value.code) == (409, "StaleEpoch")
     with pytest.raises(BoardError) as e:
         c.renew_lease("r", "trainer-a", first.epoch)
     assert e.value.code == "StaleEpoch"
@@ -177,7 +177,7 @@ def test_fleet_retention_metrics_openapi(board):
     assert [(n.node_id, n.version) for n in nodes] == [("node-1", 7)]
     with pytest.raises(BoardError) as e:
         reader.retention("r")
-    assert e.value.status == 403
+    assert e.value.http_status == 403
     report = c.retention("r", RetentionPolicy(keep_last=1, grace_s=0))
     assert report.kept_versions == (6, 7) and report.deleted_manifests == (0, 1, 2, 3, 4, 5)
     assert report.deleted_blobs == 7  # six old versions' blobs and the orphan

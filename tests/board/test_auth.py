@@ -7,6 +7,7 @@ import json
 import pytest
 
 from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.server.api.errors import status_of
 from deltaboard.board.server.auth import AuthConfig, Authorizer
 
 
@@ -14,7 +15,7 @@ def status(auth: Authorizer, header: str | None, scope: str, run: str | None) ->
     try:
         auth.check(header, scope, run)  # type: ignore[arg-type]
     except BoardError as e:
-        return e.status
+        return status_of(e)
     return 200
 
 

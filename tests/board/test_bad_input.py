@@ -205,7 +205,7 @@ def test_bad_commits(small_board):
     missing = manifest("r", 1, epoch, {"w": b"never uploaded"})
     with pytest.raises(BoardError) as e:
         c.commit("r", missing)
-    assert (e.value.status, e.value.code) == (422, "MissingBlobs")
+    assert (e.value.http_status, e.value.code) == (422, "MissingBlobs")
     short = b"short"
     c.upload_blob("r", short)
     m = manifest("r", 1, epoch, {"w": short})
@@ -222,7 +222,7 @@ def test_bad_commits(small_board):
     for bad, status, code in cases:
         with pytest.raises(BoardError) as e:
             c.commit("r", bad)
-        assert (e.value.status, e.value.code) == (status, code), bad
+        assert (e.value.http_status, e.value.code) == (status, code), bad
     after = store_files(small_board)
     assert after - before == {f"r/blobs/{hashlib.sha256(short).hexdigest()}"}
     assert c.head("r").version == 0

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from deltaboard.board.contract.errors import BoardError
-from deltaboard.clients.board_client import BoardClient
+from deltaboard.board.contract.errors import BoardUnavailable, NotHead
+from deltaboard.clients.board_client import BlobIntegrityError, BoardClient
 from tests.support.manifests import manifest, publish
 
 
@@ -89,9 +89,9 @@ def test_retries_connection_errors_and_5xx(board):
     with faulty(board, faults) as c:
         assert c.get_run("r").name == "r"
     assert faults.seen == 5
-    with faulty(board, Faults("/v1/runs/r", status=10)) as c, pytest.raises(BoardError) as e:
+    with faulty(board, Faults("/v1/runs/r", status=10)) as c, pytest.raises(BoardUnavailable) as e:
         c.get_run("r")
-    assert e.value.status == 503
+    assert e.value.http_status == 503
 
 
 def test_download_resumes_after_a_cut(board, tmp_path):
@@ -114,9 +114,9 @@ def test_download_refuses_bytes_that_do_not_match(board, tmp_path):
     data = b"x" * 5000
     sha = c.upload_blob("r", data)
     (tmp_path / "blob.part").write_bytes(b"y" * 100)  # a corrupt leftover
-    with pytest.raises(BoardError) as e:
+    with pytest.raises(BlobIntegrityError) as e:
         c.download_blob("r", sha, tmp_path / "blob")
-    assert e.value.code == "DigestMismatch"
+    assert e.value.sha256 == sha and e.value.got == hashlib.sha256(b"y" * 100 + data[100:]).hexdigest()
     assert not (tmp_path / "blob").exists() and not (tmp_path / "blob.part").exists()
     assert c.download_blob("r", sha, tmp_path / "blob").read_bytes() == data  # a clean retry works
 
@@ -132,6 +132,6 @@ def test_commit_whose_answer_was_lost_is_recognised(board):
         head = fc.commit("r", m)  # retried; the board answers NotHead; the client checks
     assert head.version == 1
     other = manifest("r", 1, epoch, {"w": b"one"}, meta={"other": True})
-    with pytest.raises(BoardError) as e:
+    with pytest.raises(NotHead) as e:
         c.commit("r", other)
-    assert e.value.code == "NotHead"
+    assert (e.value.code, e.value.http_status, e.value.extra["head"]) == ("NotHead", 409, 1)

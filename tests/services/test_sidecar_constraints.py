@@ -10,6 +10,7 @@ from deltaboard.services.sidecar.constraints import (
     ConstraintError,
     Gone,
     Serve,
+    SidecarCode,
     VersionConstraint,
     Wait,
     decide,
@@ -17,6 +18,7 @@ from deltaboard.services.sidecar.constraints import (
     parse_constraint,
     retry_after_s,
 )
+from deltaboard.services.sidecar.proxy import HTTP_STATUS, OUTCOME
 
 
 def test_body_field_is_parsed_and_removed():
@@ -132,3 +134,10 @@ def test_retry_after_grows_with_missing_versions():
     assert retry_after_s(5, 5, 5, 0.2, 1.0) == 1
     assert retry_after_s(8, 5, 5, 0.2, 2.0) == 7
     assert retry_after_s(5, 3, 5, 3.5, 1.0) == 4
+
+
+def test_every_sidecar_code_has_its_status_in_the_proxy():
+    assert set(HTTP_STATUS) == set(SidecarCode)
+    assert HTTP_STATUS[SidecarCode.WEIGHT_VERSION_NOT_READY] == 409
+    assert HTTP_STATUS[SidecarCode.WEIGHT_VERSION_GONE] == 410
+    assert set(OUTCOME) <= set(SidecarCode)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from deltaboard.board.contract.errors import BoardError
+from deltaboard.clients.board_client import error_from
 from deltaboard.clients.engines import CommitMode, EngineAdapter
 from deltaboard.services.sidecar.constraints import VersionConstraint
 from deltaboard.services.sidecar.gate import Admitted, Refused, VersionGate
@@ -50,7 +51,7 @@ class FakeFollower:
     def sync(self, version: int | None = None) -> int:
         assert version is not None, "the sidecar always names the version it wants"
         if version in self._missing:
-            raise BoardError(self._missing[version], "UnknownVersion", f"version {version} is gone")
+            raise error_from(self._missing[version], "UnknownVersion", f"version {version} is gone")
         if version != self.version:
             self._sync.commit_hook(version, lambda: setattr(self, "version", version))
         self.synced.append(version)

@@ -10,60 +10,40 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from deltaboard.board.contract.schemas import Head
 from deltaboard.board.server.api import blobs, ops, runs, versions
 from deltaboard.board.server.api.errors import install_error_handlers
 from deltaboard.board.server.api.middleware import BoardMiddleware
 from deltaboard.board.server.api.state import BoardState
-from deltaboard.board.server.records import head_rank
+from deltaboard.board.server.clock import Clock, SystemClock
+from deltaboard.board.server.service import BoardService
 from deltaboard.board.server.settings import Settings
 from deltaboard.board.server.storage.local import remove_stale_files
 
 log = logging.getLogger("deltaboard.board")
 
 
-async def catch_up(state: BoardState, run: str, known: Head | None) -> None:
-    """Bring the index's view of `run` up to the store's head (versions first, then the head,
-    so that a woken poller finds its plan)."""
-    head, _ = await state.blocking(state.ledger.head, run)
-    if head_rank(head) <= head_rank(known):
-        return
-    after = None if known is None else known.version
-    records = await state.blocking(state.ledger.committed_versions, run, head.version, after)
-    await state.index.put_versions(run, records)
-    await state.index.advance_head(head.wire(run))
-
-
-async def rebuild_index(state: BoardState) -> None:
-    """Load runs, heads and version records from the store: the index is only a cache."""
-    for record in await state.blocking(state.ledger.runs):
-        await state.index.put_run(record)
-        await catch_up(state, record.name, None)
-
-
-async def reconcile(state: BoardState, every_s: float) -> None:
-    """With a shared index, a replica that dies between its head CAS and its index update
-    would leave the others behind: every `every_s`, compare each run's head with the store."""
+async def reconcile(service: BoardService, every_s: float) -> None:
+    """Every `every_s`, bring the index up to the store (`BoardService.reconcile`)."""
     while True:
         await asyncio.sleep(every_s)
         try:
-            for record in await state.index.list_runs():
-                await catch_up(state, record.name, await state.index.get_head(record.name))
+            await service.reconcile()
         except Exception:
             log.warning("reconciling the index with the store failed; retrying", exc_info=True)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, clock: Clock | None = None) -> FastAPI:
+    """The board's app; `clock` (default: the system's) is the one clock of the board."""
     settings = settings or Settings()
-    state = BoardState.build(settings)
+    state = BoardState.build(settings, clock or SystemClock())
+    service = state.service
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.tmp_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_files(settings.tmp_dir)  # uploads cut short by a crash
-        await state.index.start()
-        await rebuild_index(state)
-        task = asyncio.create_task(reconcile(state, settings.reconcile_s)) if settings.reconciles else None
+        await service.start()
+        task = asyncio.create_task(reconcile(service, settings.reconcile_s)) if settings.reconciles else None
         try:
             yield
         finally:
@@ -71,7 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await state.index.close()
+            await service.close()
 
     app = FastAPI(
         title="deltaboard board",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import BinaryIO
@@ -17,11 +16,10 @@ from fastapi.responses import FileResponse, RedirectResponse
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
-from deltaboard.board.contract.errors import BoardError, bad_request, not_found
+from deltaboard.board.contract.errors import ErrorCode, InvalidRequest, UnknownBlob
 from deltaboard.board.contract.schemas import BlobUploadTarget
 from deltaboard.board.server.api.state import BoardState, Publisher, Reader, check_sha
 from deltaboard.board.server.api.uploads import receive_to_file
-from deltaboard.board.server.storage import blob_key
 
 router = APIRouter(prefix="/v1/runs/{run}/blobs")
 
@@ -62,14 +60,12 @@ class BlobFileResponse(FileResponse):
             self._parse_range_header(header, size)
         except MalformedRangeHeader as e:
             self._file.close()
-            raise bad_request("BadRange", f"malformed Range header: {e.content}") from None
+            raise InvalidRequest(f"malformed Range header: {e.content}", code=ErrorCode.BAD_RANGE) from None
         except RangeNotSatisfiable:
             self._file.close()
-            raise BoardError(416, "RangeNotSatisfiable", f"the blob has {size} bytes", size=size) from None
-
-
-def blob_url(run: str, sha256: str) -> str:
-    return f"/v1/runs/{run}/blobs/{sha256}"
+            raise InvalidRequest(
+                f"the blob has {size} bytes", code=ErrorCode.RANGE_NOT_SATISFIABLE, size=size
+            ) from None
 
 
 @router.post("/{sha256}/upload", response_model=BlobUploadTarget)
@@ -77,19 +73,7 @@ async def upload_target(
     run: str, sha256: str, size: int = Query(ge=0), state: BoardState = Publisher
 ) -> BlobUploadTarget:
     check_sha(sha256)
-    await state.require_run(run)
-    if size > state.settings.max_blob_bytes:
-        raise BoardError(413, "BodyTooLarge", f"blobs are limited to {state.settings.max_blob_bytes} bytes")
-    key = blob_key(run, sha256)
-    info = await state.blocking(state.store.stat, key)
-    if info is not None:
-        await state.index.touch_blob(run, sha256, time.time())
-        return BlobUploadTarget(sha256=sha256, exists=True, url=None)
-    presigned = await state.blocking(state.store.presign_upload, key, sha256, state.settings.presign_expiry_s)
-    if presigned is None:
-        return BlobUploadTarget(sha256=sha256, exists=False, url=blob_url(run, sha256))
-    url, headers = presigned
-    return BlobUploadTarget(sha256=sha256, exists=False, url=url, headers=headers)
+    return await state.service.upload_target(run, sha256, size)
 
 
 @router.put("/{sha256}", status_code=201)
@@ -97,15 +81,10 @@ async def put_blob(
     run: str, sha256: str, request: Request, state: BoardState = Publisher
 ) -> dict[str, object]:
     check_sha(sha256)
-    await state.require_run(run)
+    await state.service.require_run(run)
     received = await receive_to_file(request, state.settings.tmp_dir, state.settings.max_blob_bytes)
     try:
-        if received.sha256 != sha256:
-            raise bad_request("DigestMismatch", f"body hashes to {received.sha256}, not {sha256}")
-        key = blob_key(run, sha256)
-        if await state.blocking(state.store.stat, key) is None:
-            await state.blocking(state.store.put_file, key, received.path)
-        state.metrics.blob_bytes_in.inc(received.size)
+        await state.service.put_blob(run, sha256, received.path, received.size, received.sha256)
     finally:
         received.path.unlink(missing_ok=True)
     return {"sha256": sha256, "size": received.size}
@@ -115,29 +94,25 @@ async def put_blob(
 @router.head("/{sha256}", response_model=None, operation_id="head_blob")
 async def get_blob(run: str, sha256: str, request: Request, state: BoardState = Reader) -> Response:
     check_sha(sha256)
-    await state.require_run(run)
-    key = blob_key(run, sha256)
+    await state.service.require_run(run)
     etag = f'"{sha256}"'
-    path = state.store.local_path(key)
+    path = state.service.local_blob(run, sha256)
     if path is None:
-        info = await state.blocking(state.store.stat, key)
-        if info is None:
-            raise not_found("UnknownBlob", f"blob {sha256} is not stored")
-        if request.method == "HEAD":  # a presigned GET URL does not sign HEAD: answer here
-            headers = {"ETag": etag, "Cache-Control": IMMUTABLE, "Content-Length": str(info.size)}
+        # A presigned GET URL does not sign HEAD: answer HEAD here.
+        size, url = await state.service.remote_blob(run, sha256, presign=request.method != "HEAD")
+        if url is None:
+            headers = {"ETag": etag, "Cache-Control": IMMUTABLE, "Content-Length": str(size)}
             return Response(status_code=200, headers=headers, media_type="application/octet-stream")
-        url = await state.blocking(state.store.presign_download, key, state.settings.presign_expiry_s)
-        assert url is not None
         return RedirectResponse(url, status_code=307, headers={"ETag": etag})
     headers = {"ETag": etag, "Cache-Control": IMMUTABLE}
     if request.headers.get("if-none-match") in (etag, "*"):
         if not path.is_file():
-            raise not_found("UnknownBlob", f"blob {sha256} is not stored")
+            raise UnknownBlob(f"blob {sha256} is not stored")
         return Response(status_code=304, headers=headers)
     try:
         file = open(path, "rb")  # noqa: SIM115 (closed by the response)
     except FileNotFoundError:
-        raise not_found("UnknownBlob", f"blob {sha256} is not stored") from None
+        raise UnknownBlob(f"blob {sha256} is not stored") from None
     response = BlobFileResponse(path, file, headers)
     if "if-range" not in request.headers:  # with If-Range, a stale validator ignores the range
         response.check_range(request.headers.get("range"))

@@ -1,51 +1,111 @@
 """Every failure leaves the board as JSON `{"error": {"code", "message", ...}}` with the
-right status; a client mistake never turns into a 500."""
+right status; a client mistake never turns into a 500.
+
+This is the one place that knows HTTP statuses: `HTTP_STATUS` maps each error code of
+the contract (`board.contract.errors.ErrorCode`) to its status, and `error_response`
+builds every error body the board sends.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from deltaboard.board.contract.errors import BoardError
+from deltaboard.board.contract.errors import (
+    BoardError,
+    BoardUnavailable,
+    ErrorCode,
+    InvalidRequest,
+    error_class,
+)
 
 log = logging.getLogger("deltaboard.board")
 
-STATUS_CODES = {
-    400: "BadRequest",
-    401: "Unauthorized",
-    403: "Forbidden",
-    404: "NotFound",
-    405: "MethodNotAllowed",
-    411: "LengthRequired",
-    413: "BodyTooLarge",
-    416: "RangeNotSatisfiable",
+C = ErrorCode
+
+# The status of each code. `HTTPError` has none of its own: it names an unusual status
+# that the framework chose (`_http_error`).
+HTTP_STATUS: dict[ErrorCode, int] = {
+    C.BAD_REQUEST: 400,
+    C.MALFORMED_JSON: 400,
+    C.BAD_RUN_NAME: 400,
+    C.BAD_ASSET_NAME: 400,
+    C.BAD_DIGEST: 400,
+    C.BAD_RANGE: 400,
+    C.INCOMPLETE_BODY: 400,
+    C.DIGEST_MISMATCH: 400,
+    C.UNAUTHORIZED: 401,
+    C.FORBIDDEN: 403,
+    C.NOT_FOUND: 404,
+    C.UNKNOWN_RUN: 404,
+    C.UNKNOWN_ASSET: 404,
+    C.UNKNOWN_BLOB: 404,
+    C.UNKNOWN_VERSION: 404,
+    C.UNKNOWN_BASE: 404,
+    C.NO_VERSIONS: 404,
+    C.NO_CHAIN: 404,
+    C.METHOD_NOT_ALLOWED: 405,
+    C.NOT_HEAD: 409,
+    C.STALE_EPOCH: 409,
+    C.NO_LEASE: 409,
+    C.LEASE_HELD: 409,
+    C.CONTENDED: 409,
+    C.LENGTH_REQUIRED: 411,
+    C.BODY_TOO_LARGE: 413,
+    C.RANGE_NOT_SATISFIABLE: 416,
+    C.VALIDATION_ERROR: 422,
+    C.BAD_MANIFEST: 422,
+    C.MISSING_BLOBS: 422,
+    C.INTERNAL: 500,
 }
+
+# The code of a bare status raised by the framework (routing, Starlette's own checks).
+FRAMEWORK_CODES: dict[int, ErrorCode] = {
+    HTTP_STATUS[code]: code
+    for code in (
+        C.BAD_REQUEST,
+        C.UNAUTHORIZED,
+        C.FORBIDDEN,
+        C.NOT_FOUND,
+        C.METHOD_NOT_ALLOWED,
+        C.LENGTH_REQUIRED,
+        C.BODY_TOO_LARGE,
+        C.RANGE_NOT_SATISFIABLE,
+    )
+}
+
+
+def status_of(error: BoardError) -> int:
+    """The HTTP status of `error` (500 for a code outside the table: a board bug)."""
+    try:
+        return HTTP_STATUS[ErrorCode(error.code)]
+    except (ValueError, KeyError):
+        return 500
 
 
 class RequestBodyError(HTTPException):
     """Raised while a request body is being received (too large, stalled): an
     HTTPException, so that FastAPI's body parsing passes it through unchanged."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(status, message)
-        self.code = code
+    def __init__(self, error: BoardError) -> None:
+        super().__init__(status_of(error), error.message)
+        self.error = error
 
 
-def error_response(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
+def error_response(error: BoardError, status: int | None = None) -> JSONResponse:
+    """The JSON answer for `error`, with its status from the table unless `status` is given."""
+    status = status_of(error) if status is None else status
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(
-        BoardError(status, code, message, **extra).body(), status_code=status, headers=headers
-    )
+    return JSONResponse(error.body(), status_code=status, headers=headers)
 
 
 async def _board_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, BoardError)
-    return error_response(exc.status, exc.code, exc.message, **exc.extra)
+    return error_response(exc)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -55,19 +115,25 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         for e in exc.errors()
     ]
     if any(e["type"] == "json_invalid" for e in errors):
-        return error_response(400, "MalformedJSON", "the body is not valid JSON", details=errors)
-    return error_response(422, "ValidationError", "the request does not match the schema", details=errors)
+        return error_response(
+            InvalidRequest("the body is not valid JSON", code=C.MALFORMED_JSON, details=errors)
+        )
+    return error_response(
+        InvalidRequest("the request does not match the schema", code=C.VALIDATION_ERROR, details=errors)
+    )
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
-    code = exc.code if isinstance(exc, RequestBodyError) else STATUS_CODES.get(exc.status_code, "HTTPError")
-    return error_response(exc.status_code, code, str(exc.detail))
+    if isinstance(exc, RequestBodyError):
+        return error_response(exc.error)
+    code = FRAMEWORK_CODES.get(exc.status_code, C.HTTP_ERROR)
+    return error_response(error_class(code)(str(exc.detail), code=code), exc.status_code)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(500, "Internal", "internal error")
+    return error_response(BoardUnavailable("internal error"))
 
 
 def install_error_handlers(app: FastAPI) -> None:

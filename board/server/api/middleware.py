@@ -9,6 +9,7 @@ import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deltaboard.board.contract.errors import BodyTooLarge, ErrorCode, InvalidRequest
 from deltaboard.board.server.api.errors import RequestBodyError, error_response
 from deltaboard.board.server.metrics import BoardMetrics
 
@@ -41,7 +42,7 @@ class BoardMiddleware:
             cap = self.max_body_bytes
             declared = dict(scope["headers"]).get(b"content-length")
             if declared is not None and (not declared.isdigit() or int(declared) > cap):
-                response = error_response(413, "BodyTooLarge", f"bodies are limited to {cap} bytes")
+                response = error_response(BodyTooLarge(f"bodies are limited to {cap} bytes"))
                 await response(scope, receive, counting_send)
                 self._count(scope, status)
                 return
@@ -63,15 +64,16 @@ class BoardMiddleware:
                 message = await asyncio.wait_for(receive(), self.body_idle_s)
             except TimeoutError:
                 raise RequestBodyError(
-                    400,
-                    "IncompleteBody",
-                    f"no body bytes for {self.body_idle_s:g}s (shorter than Content-Length?)",
+                    InvalidRequest(
+                        f"no body bytes for {self.body_idle_s:g}s (shorter than Content-Length?)",
+                        code=ErrorCode.INCOMPLETE_BODY,
+                    )
                 ) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 complete = not message.get("more_body", False)
                 if cap is not None and seen > cap:
-                    raise RequestBodyError(413, "BodyTooLarge", f"bodies are limited to {cap} bytes")
+                    raise RequestBodyError(BodyTooLarge(f"bodies are limited to {cap} bytes"))
             return message
 
         return guarded_receive

@@ -1,29 +1,23 @@
-"""What every route needs: the store, the index, the ledger, auth and metrics, built from
-the settings once per app, plus the dependencies that authorise a request."""
+"""What every route needs: the service (over the store, the index and the ledger), auth
+and metrics, built from the settings once per app, plus the dependencies that authorise
+a request."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
 
 from fastapi import Depends, Request
-from starlette.concurrency import run_in_threadpool
 
-from deltaboard.board.contract.errors import bad_request, not_found
-from deltaboard.board.contract.schemas import RUN_NAME_RE, SHA256_RE, Head
+from deltaboard.board.contract.errors import ErrorCode, InvalidRequest
+from deltaboard.board.contract.schemas import RUN_NAME_RE, SHA256_RE
 from deltaboard.board.server.auth import AuthConfig, Authorizer, Scope
+from deltaboard.board.server.clock import Clock
 from deltaboard.board.server.index import Index
-from deltaboard.board.server.ledger import Ledger
 from deltaboard.board.server.metrics import BoardMetrics
-from deltaboard.board.server.records import RunRecord
+from deltaboard.board.server.service import BoardService
 from deltaboard.board.server.settings import Settings
 from deltaboard.board.server.storage import ObjectStore
-
-T = TypeVar("T")
-
-MANIFEST_CACHE_SIZE = 512
 
 
 def open_store(settings: Settings) -> ObjectStore:
@@ -57,47 +51,20 @@ def load_auth(settings: Settings) -> Authorizer:
 @dataclass
 class BoardState:
     settings: Settings
-    store: ObjectStore
-    index: Index
     auth: Authorizer
-    ledger: Ledger
-    metrics: BoardMetrics = field(default_factory=BoardMetrics)
-    manifests: OrderedDict[tuple[str, int], bytes] = field(default_factory=OrderedDict)
+    metrics: BoardMetrics
+    service: BoardService
 
     @classmethod
-    def build(cls, settings: Settings) -> BoardState:
-        store = open_store(settings)
-        return cls(
-            settings=settings,
-            store=store,
-            index=open_index(settings),
-            auth=load_auth(settings),
-            ledger=Ledger(store),
-        )
-
-    async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run store I/O in a worker thread: the event loop keeps serving long-polls."""
-        return await run_in_threadpool(fn, *args)
-
-    async def require_run(self, run: str) -> RunRecord:
-        record = await self.index.get_run(run)
-        if record is None:
-            raise not_found("UnknownRun", f"run {run!r} does not exist")
-        return record
-
-    async def head(self, run: str) -> Head:
-        head = await self.index.get_head(run)
-        return head if head is not None else Head(run=run, version=None)
-
-    def cache_manifest(self, run: str, version: int, data: bytes) -> None:
-        self.manifests[(run, version)] = data
-        while len(self.manifests) > MANIFEST_CACHE_SIZE:
-            self.manifests.popitem(last=False)
+    def build(cls, settings: Settings, clock: Clock) -> BoardState:
+        metrics = BoardMetrics()
+        service = BoardService(settings, open_store(settings), open_index(settings), metrics, clock)
+        return cls(settings=settings, auth=load_auth(settings), metrics=metrics, service=service)
 
 
 def check_sha(sha256: str) -> None:
     if not SHA256_RE.match(sha256):
-        raise bad_request("BadDigest", "blob keys are lowercase hex sha256 digests")
+        raise InvalidRequest("blob keys are lowercase hex sha256 digests", code=ErrorCode.BAD_DIGEST)
 
 
 def board_state(request: Request) -> BoardState:
@@ -112,7 +79,9 @@ def authorized(scope: Scope) -> Callable[[Request], Awaitable[BoardState]]:
         state = board_state(request)
         run = request.path_params.get("run")
         if run is not None and not RUN_NAME_RE.match(run):
-            raise bad_request("BadRunName", "run names are 1-128 of [A-Za-z0-9._-], not starting with . or -")
+            raise InvalidRequest(
+                "run names are 1-128 of [A-Za-z0-9._-], not starting with . or -", code=ErrorCode.BAD_RUN_NAME
+            )
         state.auth.check(request.headers.get("authorization"), scope, run)
         return state
 

@@ -18,7 +18,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from deltaboard.board.contract.errors import BoardError, bad_request
+from deltaboard.board.contract.errors import BodyTooLarge, ErrorCode, InvalidRequest
 
 FLUSH_BYTES = 4 * 2**20
 
@@ -39,7 +39,7 @@ def _write(f: BinaryIO, digest: hashlib._Hash, chunks: list[bytes]) -> None:
 async def receive_to_file(request: Request, tmp_dir: Path, max_bytes: int) -> Received:
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
-        raise BoardError(413, "BodyTooLarge", f"bodies are limited to {max_bytes} bytes")
+        raise BodyTooLarge(f"bodies are limited to {max_bytes} bytes")
     tmp_dir.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=tmp_dir, suffix=".upload")
     path = Path(name)
@@ -52,7 +52,7 @@ async def receive_to_file(request: Request, tmp_dir: Path, max_bytes: int) -> Re
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > max_bytes:
-                    raise BoardError(413, "BodyTooLarge", f"bodies are limited to {max_bytes} bytes")
+                    raise BodyTooLarge(f"bodies are limited to {max_bytes} bytes")
                 pending.append(chunk)
                 pending_bytes += len(chunk)
                 if pending_bytes >= FLUSH_BYTES:
@@ -60,10 +60,14 @@ async def receive_to_file(request: Request, tmp_dir: Path, max_bytes: int) -> Re
                     pending, pending_bytes = [], 0
             await run_in_threadpool(_write, f, digest, pending)
         if declared is not None and size != int(declared):
-            raise bad_request("IncompleteBody", f"received {size} of {declared} declared bytes")
+            raise InvalidRequest(
+                f"received {size} of {declared} declared bytes", code=ErrorCode.INCOMPLETE_BODY
+            )
     except ClientDisconnect:
         path.unlink(missing_ok=True)
-        raise bad_request("IncompleteBody", "the client went away before the body was complete") from None
+        raise InvalidRequest(
+            "the client went away before the body was complete", code=ErrorCode.INCOMPLETE_BODY
+        ) from None
     except BaseException:
         path.unlink(missing_ok=True)
         raise

@@ -3,36 +3,22 @@ manifests and plans."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import functools
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response, StreamingResponse
 
-from deltaboard.board.contract.errors import not_found
 from deltaboard.board.contract.schemas import MAX_VERSION, CommitRequest, Head, Plan
-from deltaboard.board.server import plan as planning
 from deltaboard.board.server.api.state import BoardState, Publisher, Reader
 
 router = APIRouter(prefix="/v1/runs/{run}")
 
-KEEPALIVE_S = 15.0
-
 
 @router.post("/commit", status_code=201, response_model=Head)
 async def commit(run: str, body: CommitRequest, state: BoardState = Publisher) -> Head:
-    await state.require_run(run)
-    started = time.perf_counter()
-    head_record, version_record = await state.blocking(state.ledger.commit, run, body.manifest)
-    # The version record goes first: a poller woken by the head must find its plan.
-    await state.index.put_versions(run, [version_record])
-    head = head_record.wire(run)
-    await state.index.advance_head(head)
-    state.metrics.commits.inc()
-    state.metrics.commit_seconds.observe(time.perf_counter() - started)
-    return head
+    return await state.service.commit(run, body.manifest)
 
 
 @functools.lru_cache(maxsize=256)
@@ -54,51 +40,22 @@ async def head(
     state: BoardState = Reader,
 ) -> Response:
     """Answer at once if head > `after`; otherwise wait up to `wait` seconds for a commit."""
-    await state.require_run(run)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + min(wait, state.settings.max_wait_s)
-    state.metrics.waiting.inc()
-    try:
-        while True:
-            # Take the future before reading the head: a commit in between still wakes us.
-            future = state.index.waiters.future(run)
-            current = await state.head(run)
-            if after is None or (current.version is not None and current.version > after):
-                return encoded(current)
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return encoded(current)
-            done, _ = await asyncio.wait({future}, timeout=remaining)
-            if done:
-                woken = future.result()
-                if woken.version is not None and woken.version > after:
-                    return encoded(woken)
-    finally:
-        state.metrics.waiting.dec()
+    return encoded(await state.service.wait_for_head(run, after, wait))
 
 
 @router.get("/events", response_class=StreamingResponse)
 async def events(run: str, state: BoardState = Reader) -> StreamingResponse:
     """Server-sent events: `event: commit` with the head, first the current one. Commits that
     land faster than a client reads coalesce into the latest head."""
-    await state.require_run(run)
+    heads = await state.service.heads(run)
 
     async def stream() -> AsyncIterator[str]:
-        last: int | None = None
-        sent = False
-        state.metrics.waiting.inc()
-        try:
-            while True:
-                future = state.index.waiters.future(run)
-                current = await state.head(run)
-                if not sent or current.version != last:
-                    yield f"event: commit\ndata: {current.model_dump_json()}\n\n"
-                    last, sent = current.version, True
-                done, _ = await asyncio.wait({future}, timeout=KEEPALIVE_S)
-                if not done:
+        async with contextlib.aclosing(heads):
+            async for current in heads:
+                if current is None:
                     yield ": keepalive\n\n"
-        finally:
-            state.metrics.waiting.dec()
+                else:
+                    yield f"event: commit\ndata: {current.model_dump_json()}\n\n"
 
     return StreamingResponse(
         stream(),
@@ -111,16 +68,7 @@ async def events(run: str, state: BoardState = Reader) -> StreamingResponse:
 async def manifest(
     run: str, version: int = Path(ge=0, le=MAX_VERSION), state: BoardState = Reader
 ) -> Response:
-    await state.require_run(run)
-    current = await state.head(run)
-    if current.version is None or version > current.version:
-        raise not_found("UnknownVersion", f"version {version} is not committed (head {current.version})")
-    data = state.manifests.get((run, version))
-    if data is None:
-        data = await state.blocking(state.ledger.manifest_bytes, run, version)
-        if data is None:
-            raise not_found("UnknownVersion", f"version {version} was pruned")
-        state.cache_manifest(run, version, data)
+    data = await state.service.manifest(run, version)
     return Response(
         data, media_type="application/json", headers={"Cache-Control": "public, max-age=31536000, immutable"}
     )
@@ -133,7 +81,4 @@ async def plan(
     to_version: int | None = Query(default=None, alias="to", ge=0, le=MAX_VERSION),
     state: BoardState = Reader,
 ) -> Plan:
-    await state.require_run(run)
-    current = await state.head(run)
-    versions = await state.index.versions(run)
-    return planning.plan(run, versions, current.version, from_version, to_version)
+    return await state.service.plan(run, from_version, to_version)

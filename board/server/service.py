@@ -1,0 +1,340 @@
+"""The board's use cases, called by the routes: each one coordinates the ledger (the
+durable truth in the object store, run in worker threads) and the index (the cache and
+the long-polls' wake-ups) in the order that keeps the two consistent, and reads time from
+the one injected clock (`board.server.clock`).
+
+The routes only parse, authorise, call this and shape the answer; nothing here knows
+HTTP. Failures are the contract's typed errors (`board.contract.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio.to_thread
+
+from deltaboard.board.contract.errors import (
+    BodyTooLarge,
+    DigestMismatch,
+    UnknownAsset,
+    UnknownBlob,
+    UnknownRun,
+    UnknownVersion,
+)
+from deltaboard.board.contract.schemas import (
+    BlobUploadTarget,
+    FleetNode,
+    Head,
+    Heartbeat,
+    Lease,
+    LeaseRenew,
+    LeaseRequest,
+    Manifest,
+    Plan,
+    RetentionPolicy,
+    RetentionReport,
+    RunCreate,
+    RunInfo,
+)
+from deltaboard.board.server import plan as planning
+from deltaboard.board.server.clock import Clock
+from deltaboard.board.server.index import Index
+from deltaboard.board.server.ledger import Ledger
+from deltaboard.board.server.metrics import BoardMetrics
+from deltaboard.board.server.records import RunRecord, head_rank
+from deltaboard.board.server.retention import select_versions
+from deltaboard.board.server.settings import Settings
+from deltaboard.board.server.storage import ObjectNotFound, ObjectStore, asset_key, blob_key
+
+T = TypeVar("T")
+
+MANIFEST_CACHE_SIZE = 512
+KEEPALIVE_S = 15.0
+
+
+def blob_url(run: str, sha256: str) -> str:
+    return f"/v1/runs/{run}/blobs/{sha256}"
+
+
+class BoardService:
+    def __init__(
+        self,
+        settings: Settings,
+        store: ObjectStore,
+        index: Index,
+        metrics: BoardMetrics,
+        clock: Clock,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.index = index
+        self.metrics = metrics
+        self.clock = clock
+        self.ledger = Ledger(store, clock)
+        self._manifests: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+
+    async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run store I/O in a worker thread: the event loop keeps serving long-polls."""
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args))
+
+    # ---- the index: a cache of the store -------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the index and load runs, heads and version records from the store."""
+        await self.index.start()
+        for record in await self.blocking(self.ledger.runs):
+            await self.index.put_run(record)
+            await self.catch_up(record.name, None)
+
+    async def close(self) -> None:
+        await self.index.close()
+
+    async def catch_up(self, run: str, known: Head | None) -> None:
+        """Bring the index's view of `run` up to the store's head (versions first, then the
+        head, so that a woken poller finds its plan)."""
+        head, _ = await self.blocking(self.ledger.head, run)
+        if head_rank(head) <= head_rank(known):
+            return
+        after = None if known is None else known.version
+        records = await self.blocking(self.ledger.committed_versions, run, head.version, after)
+        await self.index.put_versions(run, records)
+        await self.index.advance_head(head.wire(run))
+
+    async def reconcile(self) -> None:
+        """With a shared index, a replica that dies between its head CAS and its index update
+        would leave the others behind: compare each run's head with the store."""
+        for record in await self.index.list_runs():
+            await self.catch_up(record.name, await self.index.get_head(record.name))
+
+    # ---- runs and assets ---------------------------------------------------------------
+
+    async def require_run(self, run: str) -> RunRecord:
+        record = await self.index.get_run(run)
+        if record is None:
+            raise UnknownRun(f"run {run!r} does not exist")
+        return record
+
+    async def head(self, run: str) -> Head:
+        head = await self.index.get_head(run)
+        return head if head is not None else Head(run=run, version=None)
+
+    async def run_info(self, record: RunRecord) -> RunInfo:
+        prefix = asset_key(record.name, "")
+        keys = await self.blocking(lambda: [info.key for info in self.store.list(prefix)])
+        head = await self.head(record.name)
+        return record.info(head.version, tuple(k[len(prefix) :] for k in keys))
+
+    async def create_run(self, req: RunCreate) -> tuple[RunInfo, bool]:
+        """Create the run (idempotent): its info and whether it is new."""
+        record, created = await self.blocking(self.ledger.create_run, req)
+        await self.index.put_run(record)
+        head, _ = await self.blocking(self.ledger.head, req.name)
+        await self.index.advance_head(head.wire(req.name))
+        return await self.run_info(record), created
+
+    async def list_runs(self) -> list[RunRecord]:
+        return await self.index.list_runs()
+
+    async def get_run(self, run: str) -> RunInfo:
+        return await self.run_info(await self.require_run(run))
+
+    async def put_asset(self, run: str, name: str, path: Path) -> None:
+        """Store the received file `path` as the asset (the caller removes the file)."""
+        await self.blocking(self.store.put_file, asset_key(run, name), path)
+
+    async def asset(self, run: str, name: str) -> Path | bytes:
+        """The asset as a local file, or its bytes where the store is remote."""
+        await self.require_run(run)
+        key = asset_key(run, name)
+        path = self.store.local_path(key)
+        if path is not None:
+            if not path.is_file():
+                raise UnknownAsset(f"asset {name!r} does not exist")
+            return path
+        try:
+            return await self.blocking(self.store.get, key)
+        except ObjectNotFound:
+            raise UnknownAsset(f"asset {name!r} does not exist") from None
+
+    # ---- the lease ---------------------------------------------------------------------
+
+    async def acquire_lease(self, run: str, req: LeaseRequest) -> Lease:
+        await self.require_run(run)
+        lease, head = await self.blocking(self.ledger.acquire_lease, run, req)
+        await self.index.advance_head(head.wire(run))
+        return lease
+
+    async def renew_lease(self, run: str, req: LeaseRenew) -> Lease:
+        await self.require_run(run)
+        return await self.blocking(self.ledger.renew_lease, run, req)
+
+    async def release_lease(self, run: str, holder: str, epoch: int) -> None:
+        await self.require_run(run)
+        await self.blocking(self.ledger.release_lease, run, holder, epoch)
+
+    # ---- blobs -------------------------------------------------------------------------
+
+    async def upload_target(self, run: str, sha256: str, size: int) -> BlobUploadTarget:
+        """Where to upload a blob; `exists` when the board holds it, which claims it for
+        retention's grace period as an upload would."""
+        await self.require_run(run)
+        if size > self.settings.max_blob_bytes:
+            raise BodyTooLarge(f"blobs are limited to {self.settings.max_blob_bytes} bytes")
+        key = blob_key(run, sha256)
+        if await self.blocking(self.store.stat, key) is not None:
+            await self.index.touch_blob(run, sha256, self.clock.now())
+            return BlobUploadTarget(sha256=sha256, exists=True, url=None)
+        expiry = self.settings.presign_expiry_s
+        presigned = await self.blocking(self.store.presign_upload, key, sha256, expiry)
+        if presigned is None:
+            return BlobUploadTarget(sha256=sha256, exists=False, url=blob_url(run, sha256))
+        url, headers = presigned
+        return BlobUploadTarget(sha256=sha256, exists=False, url=url, headers=headers)
+
+    async def put_blob(self, run: str, sha256: str, path: Path, size: int, received_sha256: str) -> None:
+        """Store a received body under its digest (the caller removes the file)."""
+        if received_sha256 != sha256:
+            raise DigestMismatch(f"body hashes to {received_sha256}, not {sha256}")
+        key = blob_key(run, sha256)
+        if await self.blocking(self.store.stat, key) is None:
+            await self.blocking(self.store.put_file, key, path)
+        self.metrics.blob_bytes_in.inc(size)
+
+    def local_blob(self, run: str, sha256: str) -> Path | None:
+        """The blob's file where the store is local (it may be gone: open it to know)."""
+        return self.store.local_path(blob_key(run, sha256))
+
+    async def remote_blob(self, run: str, sha256: str, *, presign: bool) -> tuple[int, str | None]:
+        """A remote blob's size and, with `presign`, a presigned download URL."""
+        key = blob_key(run, sha256)
+        info = await self.blocking(self.store.stat, key)
+        if info is None:
+            raise UnknownBlob(f"blob {sha256} is not stored")
+        if not presign:
+            return info.size, None
+        url = await self.blocking(self.store.presign_download, key, self.settings.presign_expiry_s)
+        return info.size, url
+
+    # ---- versions ----------------------------------------------------------------------
+
+    async def commit(self, run: str, manifest: Manifest) -> Head:
+        await self.require_run(run)
+        started = self.clock.monotonic()
+        head_record, version_record = await self.blocking(self.ledger.commit, run, manifest)
+        # The version record goes first: a poller woken by the head must find its plan.
+        await self.index.put_versions(run, [version_record])
+        head = head_record.wire(run)
+        await self.index.advance_head(head)
+        self.metrics.commits.inc()
+        self.metrics.commit_seconds.observe(self.clock.monotonic() - started)
+        return head
+
+    async def wait_for_head(self, run: str, after: int | None, wait_s: float) -> Head:
+        """The head at once if it is above `after` (or `after` is None); otherwise the next
+        head above it, or the current one after `wait_s`. (Waits are timed on the event
+        loop's clock, which times asyncio's waits.)"""
+        await self.require_run(run)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait_s, self.settings.max_wait_s)
+        self.metrics.waiting.inc()
+        try:
+            while True:
+                # Take the future before reading the head: a commit in between still wakes us.
+                future = self.index.waiters.future(run)
+                current = await self.head(run)
+                if after is None or (current.version is not None and current.version > after):
+                    return current
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return current
+                done, _ = await asyncio.wait({future}, timeout=remaining)
+                if done:
+                    woken = future.result()
+                    if woken.version is not None and woken.version > after:
+                        return woken
+        finally:
+            self.metrics.waiting.dec()
+
+    async def heads(self, run: str) -> AsyncGenerator[Head | None, None]:
+        """The current head, then each new one; heads that land faster than the consumer
+        reads coalesce into the latest. None every `KEEPALIVE_S` without a commit."""
+        await self.require_run(run)
+        return self._heads(run)
+
+    async def _heads(self, run: str) -> AsyncGenerator[Head | None, None]:
+        last: int | None = None
+        sent = False
+        self.metrics.waiting.inc()
+        try:
+            while True:
+                future = self.index.waiters.future(run)
+                current = await self.head(run)
+                if not sent or current.version != last:
+                    yield current
+                    last, sent = current.version, True
+                done, _ = await asyncio.wait({future}, timeout=KEEPALIVE_S)
+                if not done:
+                    yield None
+        finally:
+            self.metrics.waiting.dec()
+
+    async def manifest(self, run: str, version: int) -> bytes:
+        """A committed manifest's stored bytes (cached: they never change)."""
+        await self.require_run(run)
+        current = await self.head(run)
+        if current.version is None or version > current.version:
+            raise UnknownVersion(f"version {version} is not committed (head {current.version})")
+        data = self._manifests.get((run, version))
+        if data is None:
+            data = await self.blocking(self.ledger.manifest_bytes, run, version)
+            if data is None:
+                raise UnknownVersion(f"version {version} was pruned")
+            self._manifests[(run, version)] = data
+            while len(self._manifests) > MANIFEST_CACHE_SIZE:
+                self._manifests.popitem(last=False)
+        return data
+
+    async def plan(self, run: str, from_version: int | None, to_version: int | None) -> Plan:
+        await self.require_run(run)
+        current = await self.head(run)
+        versions = await self.index.versions(run)
+        return planning.plan(run, versions, current.version, from_version, to_version)
+
+    # ---- fleet and retention -----------------------------------------------------------
+
+    async def heartbeat(self, run: str, beat: Heartbeat) -> None:
+        await self.require_run(run)
+        node = FleetNode(
+            node_id=beat.node_id,
+            version=beat.version,
+            engine=beat.engine,
+            meta=beat.meta,
+            last_seen=self.clock.now(),
+        )
+        await self.index.heartbeat(run, node)
+        self.metrics.heartbeats.inc()
+
+    async def fleet(self, run: str) -> list[FleetNode]:
+        """The nodes heard from within `fleet_ttl_s`."""
+        await self.require_run(run)
+        return await self.index.fleet(run, self.clock.now() - self.settings.fleet_ttl_s)
+
+    async def retain(self, run: str, policy: RetentionPolicy) -> RetentionReport:
+        """Drop the versions retention selects from the index (so that no new plan names
+        them), then delete them and the idle unreferenced blobs from the store."""
+        await self.require_run(run)
+        current = await self.head(run)
+        versions = await self.index.versions(run)
+        touches = await self.index.blob_touches(run)
+        selection = select_versions(versions, current.version, policy.keep_last)
+        await self.index.drop_versions(run, list(selection.delete))
+        for version in selection.delete:
+            self._manifests.pop((run, version), None)
+        return await self.blocking(
+            self.ledger.retain, run, versions, current.version, selection, policy.grace_s, touches
+        )

@@ -1,0 +1,245 @@
+"""`ResidentView`: the engine-side half of a hot update.
+
+The view holds references to the engine's own weight tensors by their Hugging Face names
+(on CPU or on one CUDA device) and the version they hold. `stage` turns a verified
+`HotPatch` into what the commit needs, while the engine keeps generating; `commit` runs
+between two forward passes and is all or nothing:
+
+- every staged old value must be what the live memory holds (a base that drifted, or a
+  patch for another version, is refused with `BaseMismatch` and nothing stays written);
+- the new values are written in the same pass (one pass per element width over every
+  tensor, `scatter.swap` on the host, two kernels on CUDA: check, then store).
+
+Why no digest is recomputed in the pause: the codec verified in `prepare` that the staged
+changes take the held digest of each tensor to the manifest's, and the commit proves the
+live memory held the staged old bits at every changed position; together they give the
+manifest's digest in O(changed elements). Tensors that alias each other (tied weights
+bound under two names) are refused at `bind`, so that one element has one address.
+
+Memory: no copy of the weights. Staging costs, per changed element, its position
+(8 bytes) plus its old and new bits (2 x width), on the host and, for CUDA, again on the
+device; a patch above `max_staged_bytes` is refused with `StagingFull` and the caller
+falls back to a reload from disk.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltaboard.clients.resident import scatter
+from deltaboard.clients.resident.patch import HotPatch, WidthGroup
+
+DEFAULT_MAX_STAGED_BYTES = 2 * 2**30
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+class ResidentError(RuntimeError):
+    """A hot update cannot be applied to the resident view; the view is unchanged."""
+
+
+class StagingFull(ResidentError):
+    """The patch needs more staging memory than allowed: apply it by a reload instead."""
+
+
+class BaseMismatch(ResidentError):
+    """The live weights are not the patch's base at a changed element: nothing was written."""
+
+
+@dataclass(frozen=True)
+class CommitReport:
+    base_version: int
+    version: int
+    changed: int
+    tensors: int
+    pause_s: float
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """One width group ready to swap: addresses and bits where the commit reads them."""
+
+    width: int
+    names: tuple[str, ...]
+    ends: np.ndarray  # cumulative counts: element j belongs to names[searchsorted(ends, j, 'right')]
+    addrs: Any  # np.ndarray (host) or torch.Tensor (CUDA), int64
+    old: Any
+    new: Any
+
+
+@dataclass(frozen=True)
+class StagedPatch:
+    base_version: int
+    version: int
+    generation: int
+    groups: tuple[_Staged, ...]
+    changed: int
+    tensors: int
+    nbytes: int
+
+
+class ResidentView:
+    """The served weights, by name, at `version`. Thread-safe: stage and commit may come
+    from different threads; the caller makes sure no forward pass runs during `commit`."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        version: int | None,
+        *,
+        max_staged_bytes: int = DEFAULT_MAX_STAGED_BYTES,
+    ) -> None:
+        self.max_staged_bytes = max_staged_bytes
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._version: int | None = None
+        self.bind(tensors, version)
+
+    @property
+    def version(self) -> int | None:
+        return self._version
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def bind(self, tensors: Mapping[str, torch.Tensor], version: int | None) -> None:
+        """Hold `tensors` (after a load or a full reload) at `version`; what was staged
+        against the previous binding can no longer be committed."""
+        devices = {t.device for t in tensors.values()}
+        if len(devices) > 1:
+            raise ValueError(f"a resident view lives on one device; got {sorted(map(str, devices))}")
+        for name, t in tensors.items():
+            if not t.is_contiguous():
+                raise ValueError(f"tensor {name!r} is not contiguous: it cannot be patched by position")
+        spans = sorted(
+            (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n) for n, t in tensors.items()
+        )
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+            if start < end:
+                raise ValueError(f"tensors {a!r} and {b!r} share memory: bind only one of them")
+        with self._lock:
+            self._tensors = dict(tensors)
+            self._device = next(iter(devices)) if devices else torch.device("cpu")
+            self._version = version
+            self._generation += 1
+            for w in {t.element_size() for t in tensors.values()}:
+                if self._device.type == "cpu" and w in _SIGNED:
+                    scatter.warm_up(np.dtype(f"<u{w}"))
+
+    def stage(self, patch: HotPatch) -> StagedPatch:
+        """Check `patch` against the bound tensors and stage it for `commit` (no write)."""
+        with self._lock:
+            generation, version = self._generation, self._version
+        if patch.base_version != version:
+            raise ResidentError(
+                f"the patch goes {patch.base_version} -> {patch.version}; the view holds {version}"
+            )
+        if patch.nbytes > self.max_staged_bytes:
+            raise StagingFull(
+                f"version {patch.version} changes {patch.changed:,} elements: {patch.nbytes:,} bytes of "
+                f"staging, above the {self.max_staged_bytes:,} allowed"
+            )
+        groups = tuple(self._stage_group(g) for g in patch.groups)
+        tensors = sum(len(g.names) for g in patch.groups)
+        return StagedPatch(
+            patch.base_version, patch.version, generation, groups, patch.changed, tensors, patch.nbytes
+        )
+
+    def _stage_group(self, group: WidthGroup) -> _Staged:
+        ptrs = np.empty(len(group.names), dtype=np.int64)
+        for i, name in enumerate(group.names):
+            t = self._tensors.get(name)
+            if t is None:
+                raise ResidentError(f"tensor {name!r} of the patch is not in the resident view")
+            if t.element_size() != group.width or t.numel() != int(group.numels[i]):
+                raise ResidentError(
+                    f"tensor {name!r} is {t.numel()} x {t.element_size()} bytes in the engine, "
+                    f"{int(group.numels[i])} x {group.width} in the patch"
+                )
+            ptrs[i] = t.data_ptr()
+        _check_positions(group)
+        counts = group.counts
+        offsets = group.positions * group.width
+        old = np.ascontiguousarray(group.old_bits)
+        new = np.ascontiguousarray(group.new_bits)
+        ends = np.cumsum(counts)
+        if self._device.type == "cpu":
+            addrs = np.repeat(ptrs, counts) + offsets
+            return _Staged(group.width, group.names, ends, addrs, old, new)
+        return _Staged(
+            group.width,
+            group.names,
+            ends,
+            _to_device(np.repeat(ptrs, counts) + offsets, self._device),
+            _to_device(old.view(_SIGNED[group.width]), self._device),
+            _to_device(new.view(_SIGNED[group.width]), self._device),
+        )
+
+    def commit(self, staged: StagedPatch) -> CommitReport:
+        """Swap the staged changes in, all or nothing; call between two forward passes."""
+        with self._lock:
+            if staged.generation != self._generation or staged.base_version != self._version:
+                raise ResidentError(
+                    f"staged for version {staged.base_version}; the view now holds {self._version}"
+                    + (" (it was reloaded since)" if staged.generation != self._generation else "")
+                )
+            started = time.perf_counter()
+            swapped: list[_Staged] = []
+            for group in staged.groups:
+                bad = self._swap(group, group.old, group.new)
+                if bad >= 0:
+                    for done in reversed(swapped):
+                        self._swap(done, done.new, done.old)
+                    name = group.names[int(np.searchsorted(group.ends, bad, side="right"))]
+                    raise BaseMismatch(
+                        f"tensor {name!r} does not hold version {staged.base_version} at a changed "
+                        f"element: the engine's weights drifted from the served version; nothing written"
+                    )
+                swapped.append(group)
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+            self._version = staged.version
+            pause = time.perf_counter() - started
+        return CommitReport(staged.base_version, staged.version, staged.changed, staged.tensors, pause)
+
+    def _swap(self, group: _Staged, expect: Any, put: Any) -> int:
+        if self._device.type == "cpu":
+            return scatter.swap(group.addrs, expect, put)
+        from deltaboard.clients.resident import scatter_cuda
+
+        return scatter_cuda.swap(group.addrs, expect, put, group.width)
+
+
+def _check_positions(group: WidthGroup) -> None:
+    """Every position inside its tensor and strictly increasing within it, so that each
+    element has one address and the swap can be undone exactly."""
+    n = group.positions.size
+    if not n:
+        return
+    numels = np.repeat(group.numels, group.counts)
+    if bool(np.any(group.positions < 0)) or bool(np.any(group.positions >= numels)):
+        raise ResidentError(f"a position of the width-{group.width} patch lies outside its tensor")
+    steps = np.diff(group.positions)
+    starts = np.cumsum(group.counts)[:-1] - 1  # the step from one tensor's last to the next's first
+    steps[starts[(starts >= 0) & (starts < steps.size)]] = 1
+    if bool(np.any(steps <= 0)):
+        raise ResidentError(f"positions of the width-{group.width} patch are not increasing within a tensor")
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Through pinned host memory, so that the copy runs at the link's speed."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    return host.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,244 @@
+"""Property tests of the resident view: patched along a chain, the engine's tensors are
+bit-identical to the publisher's view for every dtype the codec supports; a wrong base or
+a corrupted patch leaves them bit-identical to before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltaboard.board import codec
+from deltaboard.board.contract.schemas import BlobRef, Manifest, ManifestStats, TensorEntry, ViewSpec
+from deltaboard.clients.resident import (
+    BaseMismatch,
+    HotPatch,
+    ResidentError,
+    ResidentView,
+    StagingFull,
+    prepare_patch,
+    read_patch,
+    write_patch,
+)
+from tests.board.codec_cases import PATTERNS, make_case
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TORCH = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.uint8,  # a bool tensor's bytes may hold any bit pattern here: patch them as bytes
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+
+
+def resident(data: np.ndarray, dtype: str) -> torch.Tensor:
+    """An engine-owned tensor holding `data`'s bytes (a copy, in the dtype it is served in)."""
+    return torch.from_numpy(data.copy()).view(TORCH[dtype])
+
+
+def raw(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.uint8).numpy().copy()
+
+
+class Chain:
+    """Versions of a few tensors, as a publisher would publish them: manifests and blobs."""
+
+    def __init__(self, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+        self.dtypes = {name: dtype for name, (dtype, _) in tensors.items()}
+        self.views = [{name: data for name, (_, data) in tensors.items()}]
+        self.blobs: dict[str, bytes] = {}
+
+    def digests(self, version: int) -> dict[str, str]:
+        return {n: codec.digest(d, self.dtypes[n]) for n, d in self.views[version].items()}
+
+    def publish(self, new: dict[str, np.ndarray]) -> Manifest:
+        old, version = self.views[-1], len(self.views)
+        entries = []
+        for name, data in new.items():
+            if np.array_equal(data, old[name]):
+                continue
+            patch = codec.encode(old[name], data, self.dtypes[name])
+            sha = f"{len(self.blobs):064x}"
+            self.blobs[sha] = patch
+            entries.append(
+                TensorEntry(
+                    name=name,
+                    dtype=self.dtypes[name],
+                    shape=(data.size // codec.width(self.dtypes[name]),),
+                    file="model.safetensors",
+                    blob=BlobRef(sha256=sha, offset=0, length=len(patch)),
+                    digest=codec.digest(data, self.dtypes[name]),
+                    changed=codec.read_header(patch).changed,
+                )
+            )
+        self.views.append({**old, **new})
+        return Manifest(
+            run="r",
+            version=version,
+            parent=version - 1,
+            kind="delta",
+            view=ViewSpec(),
+            epoch=1,
+            created_at=0.0,
+            tensors=tuple(entries),
+            state_digest=codec.state_digest(self.digests(version).items()),
+            stats=ManifestStats(changed_elements=0, total_elements=0, encoded_bytes=0, view_bytes=0),
+        )
+
+    def prepare(self, manifest: Manifest) -> HotPatch:
+        """As the sidecar does: decode against bytes equal to the served view (here: the
+        chain's own copy of the parent, standing in for the follower's served slot)."""
+        base = self.views[manifest.version - 1]
+        return prepare_patch(
+            manifest,
+            lambda ref: self.blobs[ref.sha256],
+            lambda n: base[n],
+            self.digests(manifest.version - 1),
+        )
+
+
+@st.composite
+def chains(draw: st.DrawFn) -> tuple[Chain, list[dict[str, np.ndarray]]]:
+    """Two or three tensors of random dtypes and sizes, and 1-4 versions after the first."""
+    tensors, steps = {}, draw(st.integers(1, 4))
+    versions: list[dict[str, np.ndarray]] = [{} for _ in range(steps)]
+    for i in range(draw(st.integers(1, 3))):
+        dtype = draw(st.sampled_from(sorted(TORCH)))
+        n = draw(st.sampled_from([1, 2, 7, 64, 65, 1000, 4097]))
+        seed = draw(st.integers(0, 2**32 - 1))
+        first = make_case(dtype, n, "none", seed).old
+        tensors[f"t{i}"] = (dtype, first)
+        data = first
+        for v in range(steps):
+            pattern = draw(st.sampled_from(PATTERNS))
+            case = make_case(dtype, n, pattern, seed + v + 1)
+            # the case's change pattern, applied to this tensor's current bytes
+            changed = case.new != case.old
+            data = np.where(changed, case.new, data)
+            versions[v][f"t{i}"] = data
+    return Chain(tensors), versions
+
+
+@SETTINGS
+@given(chains())
+def test_a_resident_view_patched_along_a_chain_is_the_publishers_view(drawn) -> None:
+    chain, versions = drawn
+    engine = {n: resident(d, chain.dtypes[n]) for n, d in chain.views[0].items()}
+    view = ResidentView(engine, 0)
+    for new in versions:
+        manifest = chain.publish(new)
+        report = view.commit(view.stage(chain.prepare(manifest)))
+        assert report.version == view.version == manifest.version
+        for name, t in engine.items():
+            assert np.array_equal(raw(t), chain.views[-1][name]), name
+            assert codec.digest(raw(t), chain.dtypes[name]) == chain.digests(manifest.version)[name]
+
+
+@SETTINGS
+@given(chains(), st.data())
+def test_a_drifted_base_is_refused_and_nothing_is_written(drawn, data) -> None:
+    chain, versions = drawn
+    manifest = chain.publish(versions[0])
+    patch = chain.prepare(manifest)
+    changed = [t for t in patch.tensors() if t.positions.size]
+    if not changed:
+        return
+    engine = {n: resident(d, chain.dtypes[n]) for n, d in chain.views[0].items()}
+    view = ResidentView(engine, 0)
+    victim = data.draw(st.sampled_from(changed))
+    position = int(data.draw(st.sampled_from(victim.positions.tolist())))
+    width = codec.width(victim.dtype)
+    flat = engine[victim.name].view(torch.uint8)
+    flat[position * width] ^= 0x01  # the engine's copy drifted at an element the patch changes
+    before = {n: raw(t) for n, t in engine.items()}
+    staged = view.stage(patch)
+    with pytest.raises(BaseMismatch, match=victim.name):
+        view.commit(staged)
+    assert view.version == 0
+    for name, t in engine.items():
+        assert np.array_equal(raw(t), before[name]), name
+
+
+@SETTINGS
+@given(chains(), st.integers(0, 2**31))
+def test_a_corrupted_patch_never_reaches_the_engine(drawn, seed) -> None:
+    chain, versions = drawn
+    manifest = chain.publish(versions[0])
+    if not manifest.tensors:
+        return
+    rng = np.random.default_rng(seed)
+    sha = manifest.tensors[0].blob.sha256
+    blob = bytearray(chain.blobs[sha])
+    blob[int(rng.integers(len(blob)))] ^= 1 << int(rng.integers(8))
+    chain.blobs[sha] = bytes(blob)
+    with pytest.raises(codec.PatchError):
+        chain.prepare(manifest)
+
+
+def test_a_patch_for_another_version_or_binding_is_refused() -> None:
+    data = make_case("BF16", 4096, "none", 1).old
+    chain = Chain({"w": ("BF16", data)})
+    new = make_case("BF16", 4096, "random", 1)
+    patch = chain.prepare(chain.publish({"w": np.where(new.new != new.old, new.new, data)}))
+    view = ResidentView({"w": resident(data, "BF16")}, 3)
+    with pytest.raises(ResidentError, match="holds 3"):
+        view.stage(patch)
+    view = ResidentView({"w": resident(data, "BF16")}, 0)
+    staged = view.stage(patch)
+    view.bind({"w": resident(data, "BF16")}, 0)  # a reload happened since staging
+    with pytest.raises(ResidentError, match="reloaded"):
+        view.commit(staged)
+
+
+def test_staging_is_bounded() -> None:
+    data = make_case("F32", 10_000, "none", 2).old
+    chain = Chain({"w": ("F32", data)})
+    new = make_case("F32", 10_000, "all", 2).new
+    patch = chain.prepare(chain.publish({"w": new}))
+    view = ResidentView({"w": resident(data, "F32")}, 0, max_staged_bytes=patch.nbytes - 1)
+    with pytest.raises(StagingFull, match="staging"):
+        view.stage(patch)
+
+
+def test_tied_tensors_bound_twice_are_refused() -> None:
+    embed = torch.zeros(16, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="share memory"):
+        ResidentView({"embed": embed, "lm_head": embed}, 0)
+
+
+def test_a_patch_survives_its_file(tmp_path: Path) -> None:
+    tensors = {
+        "a": ("BF16", make_case("BF16", 999, "none", 3).old),
+        "b": ("F32", make_case("F32", 77, "none", 4).old),
+        "c": ("U8", make_case("U8", 5000, "none", 5).old),
+    }
+    chain = Chain(tensors)
+    new = {n: make_case(d, data.size // codec.width(d), "all", 6).new for n, (d, data) in tensors.items()}
+    patch = chain.prepare(chain.publish(new))
+    write_patch(patch, tmp_path / "p.hot")
+    back = read_patch(tmp_path / "p.hot")
+    assert (back.base_version, back.version, back.changed) == (
+        patch.base_version,
+        patch.version,
+        patch.changed,
+    )
+    for a, b in zip(patch.tensors(), back.tensors(), strict=True):
+        assert (a.name, a.dtype, a.numel) == (b.name, b.dtype, b.numel)
+        assert np.array_equal(a.positions, b.positions)
+        assert np.array_equal(a.old_bits, b.old_bits) and a.old_bits.dtype == b.old_bits.dtype
+        assert np.array_equal(a.new_bits, b.new_bits)
+    (tmp_path / "x.hot").write_bytes(b"not a patch")
+    with pytest.raises(Exception):  # noqa: B017 - safetensors' own error for a garbage file
+        read_patch(tmp_path / "x.hot")

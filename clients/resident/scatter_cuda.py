@@ -21,8 +21,8 @@ _BLOCK = 1024
 _ELEMENTS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
-@triton.jit
-def _count_mismatches(addrs, expect, n, bad, ELEMENT: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def,untyped-decorator]
+@triton.jit  # type: ignore[untyped-decorator]
+def _count_mismatches(addrs, expect, n, bad, ELEMENT: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     address = tl.load(addrs + offsets, mask=inside, other=0)
@@ -31,8 +31,8 @@ def _count_mismatches(addrs, expect, n, bad, ELEMENT: tl.constexpr, BLOCK: tl.co
     tl.atomic_add(bad, tl.sum((inside & (current != wanted)).to(tl.int32), axis=0))
 
 
-@triton.jit
-def _store(addrs, values, n, ELEMENT: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def,untyped-decorator]
+@triton.jit  # type: ignore[untyped-decorator]
+def _store(addrs, values, n, ELEMENT: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     address = tl.load(addrs + offsets, mask=inside, other=0)

@@ -73,7 +73,7 @@ def board_process(data_dir: Path) -> Iterator[tuple[str, str]]:
         "DELTABOARD_HOST": "127.0.0.1",
         "DELTABOARD_TOKENS": f"publish:{token}",
     }
-    log = open(data_dir / "deltaboard.board.log", "ab")  # noqa: SIM115 - kept open for the process' lifetime
+    log = open(data_dir / "board.log", "ab")  # noqa: SIM115 - kept open for the process' lifetime
     proc = subprocess.Popen(
         [sys.executable, "-m", "deltaboard.board.server.api"], env=env, stdout=log, stderr=subprocess.STDOUT
     )
@@ -83,7 +83,7 @@ def board_process(data_dir: Path) -> Iterator[tuple[str, str]]:
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(
-                    f"the board exited ({proc.returncode}); see {data_dir / 'deltaboard.board.log'}"
+                    f"the board exited ({proc.returncode}); see {data_dir / 'board.log'}"
                 )
             try:
                 if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:

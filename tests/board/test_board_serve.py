@@ -77,5 +77,5 @@ def test_spawn_does_not_mistake_another_server_on_its_port_for_the_board(tmp_pat
         threading.Thread(target=impostor.serve_forever, daemon=True).start()
         env = {"DELTABOARD_DATA_DIR": str(tmp_path), "DELTABOARD_PORT": str(impostor.server_address[1])}
         with pytest.raises(PortTaken):
-            spawn(env, tmp_path / "deltaboard.board.log", timeout_s=30)
+            spawn(env, tmp_path / "board.log", timeout_s=30)
         impostor.shutdown()

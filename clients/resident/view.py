@@ -35,23 +35,12 @@ import numpy as np
 import torch
 
 from deltaboard.clients.resident import scatter
+from deltaboard.clients.resident.errors import BaseMismatch, ResidentError, StagingFull
 from deltaboard.clients.resident.patch import HotPatch, WidthGroup
 
 DEFAULT_MAX_STAGED_BYTES = 2 * 2**30
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
-class ResidentError(RuntimeError):
-    """A hot update cannot be applied to the resident view; the view is unchanged."""
-
-
-class StagingFull(ResidentError):
-    """The patch needs more staging memory than allowed: apply it by a reload instead."""
-
-
-class BaseMismatch(ResidentError):
-    """The live weights are not the patch's base at a changed element: nothing was written."""
 
 
 @dataclass(frozen=True)

@@ -119,9 +119,17 @@ class ResidentView:
         for (_, end, a), (start, _, b) in itertools.pairwise(spans):
             if start < end:
                 raise ValueError(f"tensors {a!r} and {b!r} share memory: bind only one of them")
+        device = next(iter(devices)) if devices else torch.device("cpu")
+        if device.type == "cuda":
+            try:
+                from deltaboard.clients.resident import scatter_cuda  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"a CUDA resident view needs triton ({exc})") from exc
+        elif device.type != "cpu":
+            raise ValueError(f"a resident view lives on the CPU or a CUDA device, not {device}")
         with self._lock:
             self._tensors = dict(tensors)
-            self._device = next(iter(devices)) if devices else torch.device("cpu")
+            self._device = device
             self._version = version
             self._generation += 1
             for w in {t.element_size() for t in tensors.values()}:

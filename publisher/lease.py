@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Protocol
 
-from deltaboard.board.contract.errors import BoardError, BoardUnavailable
+from deltaboard.board.contract.errors import BoardError, BoardUnavailable, LeaseHeld
 from deltaboard.board.contract.schemas import Lease
 
 
@@ -64,14 +64,33 @@ class LeaseKeeper:
             self._stop.set()
             return self._fenced
 
+    def take_new_epoch(self) -> int:
+        """Take a new lease, with a higher epoch, as the same holder: a manifest that our
+        own crashed commit left above head (same epoch, other bytes) blocks that version
+        for our epoch, and the board replaces a leftover of a lower epoch. Fences us (and
+        raises `FencedError`) if another holder's lease is live."""
+        try:
+            lease = self._client.acquire_lease(self._run, self._holder, self._ttl_s)
+        except LeaseHeld as exc:
+            raise self.fence(f"another holder took the lease ({exc.message})") from exc
+        with self._lock:
+            self.epoch = lease.epoch
+            self._expires_at = time.monotonic() + self._ttl_s
+        return lease.epoch
+
     def _renew_loop(self) -> None:
         interval = self._ttl_s / 3
         while not self._stop.wait(interval):
+            epoch = self.epoch
             try:
-                self._client.renew_lease(self._run, self._holder, self.epoch, self._ttl_s)
-                self._expires_at = time.monotonic() + self._ttl_s
+                self._client.renew_lease(self._run, self._holder, epoch, self._ttl_s)
+                with self._lock:
+                    if self.epoch == epoch:
+                        self._expires_at = time.monotonic() + self._ttl_s
                 interval = self._ttl_s / 3
             except Exception as exc:
+                if self.epoch != epoch:
+                    continue  # `take_new_epoch` replaced the lease we were renewing
                 # The client already retried transport errors and 5xx; any other refusal is
                 # the board's answer.
                 if isinstance(exc, BoardError) and not isinstance(exc, BoardUnavailable):

@@ -48,7 +48,7 @@ import torch
 
 from deltaboard.board import codec
 from deltaboard.board.contract.errors import BoardError, NotHead, StaleEpoch
-from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.board.contract.schemas import Manifest, ViewSpec
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.publisher.assets import read_assets
 from deltaboard.publisher.encode import RankVersion, encode_rank
@@ -352,17 +352,35 @@ class Publisher:
         for name, data in list(self._assets.items()):
             self.client.put_asset(self.run, name, data)
             del self._assets[name]
+        try:
+            try:
+                self._send(proposal, ranks)
+            except NotHead:
+                if self._board_next_version() != proposal.version:
+                    raise
+                # The head did not move, yet the slot above it is taken under our epoch: by
+                # our own earlier attempt, whose manifest landed but whose head CAS did not
+                # (a board crash in between, then retries given up). A new epoch replaces it.
+                self._lease.take_new_epoch()
+                self._send(proposal, ranks)
+        except NotHead as exc:
+            self._resync()
+            raise PublishError(f"version {proposal.version} was not committed: {exc}") from exc
+        return proposal.version
+
+    def _send(self, proposal: Proposal, ranks: list[RankVersion]) -> Manifest:
+        """Commit the manifest under the current epoch; `NotHead` is left to the caller."""
+        assert self._lease is not None
         manifest = build_manifest(self.run, proposal, self.spec, self._lease.epoch, ranks)
         try:
             self.client.commit(self.run, manifest)
         except StaleEpoch as exc:
             raise self._lease.fence(f"the board refused version {proposal.version}") from exc
-        except NotHead as exc:
-            self._resync()
-            raise PublishError(f"version {proposal.version} was not committed: {exc}") from exc
+        except NotHead:
+            raise
         except BoardError as exc:
             raise PublishError(f"version {proposal.version} was not committed: {exc}") from exc
-        return proposal.version
+        return manifest
 
     def _board_next_version(self) -> int:
         head = self.client.head(self.run).version

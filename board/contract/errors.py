@@ -33,6 +33,7 @@ The classes, by what the caller does about them:
     │   ├── LeaseHeld           another holder's lease is live: wait for it or steal it
     │   └── Contended           a record kept changing: retry
     └── BoardUnavailable        the board failed (5xx after the client's retries): retry later
+        └── IndexUnavailable    the board cannot reach its index (Redis): retry later
 
 A code the client does not know (a newer board) becomes a plain `BoardError`.
 """
@@ -82,6 +83,7 @@ class ErrorCode(StrEnum):
     CONTENDED = "Contended"
     # the board failed
     INTERNAL = "Internal"
+    INDEX_UNAVAILABLE = "IndexUnavailable"
     # an HTTP failure without a board code of its own (an unusual status from the
     # framework, or a body that is not the board's JSON)
     HTTP_ERROR = "HTTPError"
@@ -269,6 +271,14 @@ class BoardUnavailable(BoardError):
     default_code = ErrorCode.INTERNAL
 
 
+class IndexUnavailable(BoardUnavailable):
+    """The board cannot reach its shared index (Redis down or restarting): retry after
+    the answer's `Retry-After`. The index is a cache of the store, rebuilt when it comes
+    back, so nothing is lost; a commit the store took is answered as committed."""
+
+    default_code = ErrorCode.INDEX_UNAVAILABLE
+
+
 # ---- code -> class ---------------------------------------------------------------------
 
 # Classes that stand for their own code.
@@ -294,6 +304,7 @@ _OWN_CODE: tuple[type[BoardError], ...] = (
     LeaseHeld,
     Contended,
     BoardUnavailable,
+    IndexUnavailable,
 )
 
 # Codes that no caller tells apart: their family's class carries them.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ import anyio.to_thread
 from deltaboard.board.contract.errors import (
     BodyTooLarge,
     DigestMismatch,
+    IndexUnavailable,
     UnknownAsset,
     UnknownBlob,
     UnknownRun,
@@ -53,6 +55,8 @@ from deltaboard.board.server.storage import ObjectNotFound, ObjectStore, asset_k
 
 T = TypeVar("T")
 
+log = logging.getLogger("deltaboard.board")
+
 MANIFEST_CACHE_SIZE = 512
 KEEPALIVE_S = 15.0
 
@@ -77,6 +81,8 @@ class BoardService:
         self.clock = clock
         self.ledger = Ledger(store, clock)
         self._manifests: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._generation: str | None = None  # the index's, when this process last loaded it
+        self._healing: dict[str, asyncio.Future[tuple[RunRecord, Head]]] = {}
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run store I/O in a worker thread: the event loop keeps serving long-polls."""
@@ -87,23 +93,48 @@ class BoardService:
     async def start(self) -> None:
         """Open the index and load runs, heads and version records from the store."""
         await self.index.start()
-        for record in await self.blocking(self.ledger.runs):
-            await self.index.put_run(record)
-            await self.catch_up(record.name, None)
+        await self.rebuild()
 
     async def close(self) -> None:
         await self.index.close()
 
-    async def catch_up(self, run: str, known: Head | None) -> None:
+    async def rebuild(self) -> None:
+        """Load every run of the store into the index. The index's generation is read
+        first: an index lost while this runs gets a new one, which `check_index` notices."""
+        generation = await self.index.generation()
+        for record in await self.blocking(self.ledger.runs):
+            await self._load(record)
+        self._generation = generation
+
+    async def check_index(self) -> bool:
+        """Rebuild the index if it is not the one this process loaded (a Redis flushed, or
+        restarted without persistence, has lost its generation marker). Returns whether it
+        rebuilt. Meanwhile routes heal the runs they miss (`require_run`)."""
+        if await self.index.generation() == self._generation:
+            return False
+        log.warning("the index lost its generation marker (flushed or restarted): rebuilding it")
+        await self.rebuild()
+        return True
+
+    async def _load(self, record: RunRecord) -> Head:
+        """Versions, then the head, then the run itself: a request that finds the run
+        finds its head, and a poller woken by the head finds its plan. Returns the head."""
+        head = await self.catch_up(record.name, None)
+        await self.index.put_run(record)
+        return head
+
+    async def catch_up(self, run: str, known: Head | None) -> Head:
         """Bring the index's view of `run` up to the store's head (versions first, then the
-        head, so that a woken poller finds its plan)."""
-        head, _ = await self.blocking(self.ledger.head, run)
-        if head_rank(head) <= head_rank(known):
-            return
+        head, so that a woken poller finds its plan). Returns the store's head."""
+        stored, _ = await self.blocking(self.ledger.head, run)
+        head = stored.wire(run)
+        if head_rank(stored) <= head_rank(known):
+            return head
         after = None if known is None else known.version
-        records = await self.blocking(self.ledger.committed_versions, run, head.version, after)
+        records = await self.blocking(self.ledger.committed_versions, run, stored.version, after)
         await self.index.put_versions(run, records)
-        await self.index.advance_head(head.wire(run))
+        await self.index.advance_head(head)
+        return head
 
     async def reconcile(self) -> None:
         """With a shared index, a replica that dies between its head CAS and its index update
@@ -111,17 +142,32 @@ class BoardService:
         for record in await self.index.list_runs():
             await self.catch_up(record.name, await self.index.get_head(record.name))
 
+    async def _heal(self, run: str) -> tuple[RunRecord, Head]:
+        """A run the index misses, read from the store and put back (`UnknownRun` if the
+        store has none). Concurrent misses of one run share one load."""
+        task = self._healing.get(run)
+        if task is None:
+            task = asyncio.ensure_future(self._heal_from_store(run))
+            self._healing[run] = task
+            task.add_done_callback(lambda _: self._healing.pop(run, None))
+        return await asyncio.shield(task)
+
+    async def _heal_from_store(self, run: str) -> tuple[RunRecord, Head]:
+        record = await self.blocking(self.ledger.run, run)
+        if record is None:
+            raise UnknownRun(f"run {run!r} does not exist")
+        return record, await self._load(record)
+
     # ---- runs and assets ---------------------------------------------------------------
 
     async def require_run(self, run: str) -> RunRecord:
         record = await self.index.get_run(run)
-        if record is None:
-            raise UnknownRun(f"run {run!r} does not exist")
-        return record
+        return record if record is not None else (await self._heal(run))[0]
 
     async def head(self, run: str) -> Head:
+        """The index's head; a run always has one there, so a miss means the index lost it."""
         head = await self.index.get_head(run)
-        return head if head is not None else Head(run=run, version=None)
+        return head if head is not None else (await self._heal(run))[1]
 
     async def run_info(self, record: RunRecord) -> RunInfo:
         prefix = asset_key(record.name, "")
@@ -226,10 +272,15 @@ class BoardService:
         await self.require_run(run)
         started = self.clock.monotonic()
         head_record, version_record = await self.blocking(self.ledger.commit, run, manifest)
-        # The version record goes first: a poller woken by the head must find its plan.
-        await self.index.put_versions(run, [version_record])
         head = head_record.wire(run)
-        await self.index.advance_head(head)
+        try:
+            # The version record goes first: a poller woken by the head must find its plan.
+            await self.index.put_versions(run, [version_record])
+            await self.index.advance_head(head)
+        except IndexUnavailable:
+            # The store took the commit, so it is answered as committed; the index learns
+            # it when it is back (`check_index`, `reconcile`).
+            log.warning("version %d of %r committed while the index was unreachable", head.version, run)
         self.metrics.commits.inc()
         self.metrics.commit_seconds.observe(self.clock.monotonic() - started)
         return head
@@ -326,10 +377,15 @@ class BoardService:
 
     async def retain(self, run: str, policy: RetentionPolicy) -> RetentionReport:
         """Drop the versions retention selects from the index (so that no new plan names
-        them), then delete them and the idle unreferenced blobs from the store."""
+        them), then delete them and the idle unreferenced blobs from the store. What is
+        kept, and so which blobs stay referenced, is read from the store: an index that
+        lost versions (flushed under us) must not make their blobs look unreferenced."""
         await self.require_run(run)
-        current = await self.head(run)
-        versions = await self.index.versions(run)
+        stored, _ = await self.blocking(self.ledger.head, run)
+        current = stored.wire(run)
+        versions = {
+            r.version: r for r in await self.blocking(self.ledger.committed_versions, run, current.version)
+        }
         touches = await self.index.blob_touches(run)
         selection = select_versions(versions, current.version, policy.keep_last)
         await self.index.drop_versions(run, list(selection.delete))

@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     reconcile_s: float = Field(
         default=5.0, ge=0, description="with Redis: compare heads with the store (0: never)"
     )
+    index_check_s: float = Field(
+        default=1.0, gt=0, description="with Redis: how often to check that the index was not lost"
+    )
     auth_config: Path | None = None
     tokens: str = Field(default="", description="comma-separated scope:token[:run-glob]")
     anonymous_read: bool = False
@@ -46,9 +49,10 @@ class Settings(BaseSettings):
     )
 
     @property
-    def reconciles(self) -> bool:
-        """Only a shared index can miss a commit (a replica dying before its index update)."""
-        return self.redis is not None and self.reconcile_s > 0
+    def shared_index(self) -> bool:
+        """Only a shared index can miss a commit (a replica dying before its index update)
+        or be lost while the board runs (Redis flushed or restarted)."""
+        return self.redis is not None
 
     @property
     def tmp_dir(self) -> Path:

@@ -300,41 +300,71 @@ def redis_binary() -> str:
     return found
 
 
+@dataclass
+class ValkeyServer:
+    """A Valkey (or Redis) server without persistence, on one port for its whole life, so
+    that a restart comes back empty where its clients expect it (as a Redis restarted
+    without persistence does)."""
+
+    directory: Path
+    port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> ValkeyServer:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        log = self.directory / "valkey.log"
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(
+                [
+                    redis_binary(),
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(self.directory),
+                    "--maxclients",
+                    "10000",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+        def ping() -> bool:
+            import redis
+
+            with redis.Redis.from_url(self.url) as r:
+                return bool(r.ping())
+
+        wait_until(ping, "Valkey", self.process, log, timeout=30)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_process(self.process)
+            self.process = None
+
+    def flushall(self) -> None:
+        import redis
+
+        with redis.Redis.from_url(self.url) as r:
+            r.flushall()
+
+
 @contextlib.contextmanager
 def valkey(directory: Path) -> Iterator[str]:
     """A Valkey (or Redis) server without persistence; yields its redis:// URL."""
-    directory.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    log = directory / "valkey.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [
-                redis_binary(),
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(directory),
-                "--maxclients",
-                "10000",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"redis://127.0.0.1:{port}/0"
-
-    def ping() -> bool:
-        import redis
-
-        return bool(redis.Redis.from_url(url).ping())
-
+    server = ValkeyServer(directory).start()
     try:
-        wait_until(ping, "Valkey", proc, log, timeout=30)
-        yield url
+        yield server.url
     finally:
-        stop_process(proc)
+        server.stop()

@@ -22,14 +22,22 @@ from deltaboard.board.server.storage.local import remove_stale_files
 log = logging.getLogger("deltaboard.board")
 
 
-async def reconcile(service: BoardService, every_s: float) -> None:
-    """Every `every_s`, bring the index up to the store (`BoardService.reconcile`)."""
+async def maintain(service: BoardService, settings: Settings) -> None:
+    """With a shared index: every `index_check_s`, rebuild it if it was lost
+    (`BoardService.check_index`); every `reconcile_s` (0: never), bring its heads up to
+    the store's (`BoardService.reconcile`)."""
+    loop = asyncio.get_running_loop()
+    reconciled = loop.time()
     while True:
-        await asyncio.sleep(every_s)
+        await asyncio.sleep(settings.index_check_s)
         try:
-            await service.reconcile()
+            rebuilt = await service.check_index()
+            if settings.reconcile_s > 0 and loop.time() - reconciled >= settings.reconcile_s:
+                if not rebuilt:
+                    await service.reconcile()
+                reconciled = loop.time()
         except Exception:
-            log.warning("reconciling the index with the store failed; retrying", exc_info=True)
+            log.warning("checking the index against the store failed; retrying", exc_info=True)
 
 
 def create_app(settings: Settings | None = None, clock: Clock | None = None) -> FastAPI:
@@ -43,7 +51,7 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None) -> 
         settings.tmp_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_files(settings.tmp_dir)  # uploads cut short by a crash
         await service.start()
-        task = asyncio.create_task(reconcile(service, settings.reconcile_s)) if settings.reconciles else None
+        task = asyncio.create_task(maintain(service, settings)) if settings.shared_index else None
         try:
             yield
         finally:

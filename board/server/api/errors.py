@@ -61,6 +61,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     C.BAD_MANIFEST: 422,
     C.MISSING_BLOBS: 422,
     C.INTERNAL: 500,
+    C.INDEX_UNAVAILABLE: 503,
 }
 
 # The code of a bare status raised by the framework (routing, Starlette's own checks).

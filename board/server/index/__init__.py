@@ -2,7 +2,9 @@
 
 It holds what the hot paths read (runs, heads, per-version blob sizes, fleet heartbeats)
 and wakes long-polls when a head advances. It is never the truth: the board rebuilds it
-from the store on start (`board.ledger.Ledger.rebuild`), so losing it loses nothing.
+from the store on start and whenever its generation marker changes
+(`BoardService.rebuild`, `check_index`), and a route that misses a run reads it from the
+store, so losing the index loses nothing.
 Adapters: `deltaboard.board.server.index.embedded.EmbeddedIndex` (one process) and
 `deltaboard.board.server.index.redis.RedisIndex` (several replicas; heads travel over pub/sub).
 """
@@ -34,6 +36,10 @@ class HeadWaiters:
             self._futures[run] = fut
         return fut
 
+    def runs(self) -> list[str]:
+        """The runs that have waiters now."""
+        return [run for run, fut in self._futures.items() if not fut.done()]
+
     def notify(self, head: Head) -> None:
         fut = self._futures.pop(head.run, None)
         if fut is not None and not fut.done():
@@ -46,6 +52,12 @@ class Index(Protocol):
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
+
+    async def generation(self) -> str:
+        """This index's generation marker, created if missing. The board loads the index
+        under one generation; a different answer later means the index was lost (a Redis
+        flushed, or restarted without persistence) and must be rebuilt from the store."""
+        ...
 
     async def put_run(self, run: RunRecord) -> None: ...
 

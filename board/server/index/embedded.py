@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from deltaboard.board.contract.schemas import FleetNode, Head
 from deltaboard.board.server.index import HeadWaiters
 from deltaboard.board.server.records import RunRecord, VersionRecord, head_rank
@@ -10,6 +12,7 @@ from deltaboard.board.server.records import RunRecord, VersionRecord, head_rank
 class EmbeddedIndex:
     def __init__(self) -> None:
         self.waiters = HeadWaiters()
+        self._generation = uuid.uuid4().hex
         self._runs: dict[str, RunRecord] = {}
         self._heads: dict[str, Head] = {}
         self._versions: dict[str, dict[int, VersionRecord]] = {}
@@ -18,6 +21,10 @@ class EmbeddedIndex:
 
     async def start(self) -> None:
         return None
+
+    async def generation(self) -> str:
+        """Constant: an in-process index lives and dies with the board."""
+        return self._generation
 
     async def close(self) -> None:
         return None

@@ -1,0 +1,144 @@
+"""A board on a real Valkey index loses that index (FLUSHALL, a restart without persistence)
+while a publisher runs: every run comes back from the store within 5 s without a restart,
+routes that miss a run heal it at once, and the publisher keeps publishing, nothing lost."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deltaboard.board.server.ledger import Ledger
+from deltaboard.board.server.storage.local import LocalStore
+from deltaboard.publisher.publisher import Publisher
+from tests.clients.support import states, view_of
+from tests.publisher.pub_support import assert_same_view, materialize
+from tests.support.servers import BoardServer, ValkeyServer, board_server
+
+SIZES = {"a": (64, 32), "b": (128,)}
+BACK_WITHIN_S = 5.0
+
+
+@pytest.fixture
+def valkey_server(tmp_path: Path) -> Iterator[ValkeyServer]:
+    server = ValkeyServer(tmp_path / "valkey").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def redis_board(tmp_path: Path, valkey: ValkeyServer, **settings: str) -> BoardServer:
+    namespace = f"t{secrets.token_hex(4)}"
+    return board_server(tmp_path / "board", redis=valkey.url, redis_namespace=namespace, **settings).start()
+
+
+def lease_expiry(board: BoardServer, run: str) -> float:
+    """The lease's expiry in the store (the truth the board's lease logic reads)."""
+    found = Ledger(LocalStore(board.data_dir / "store")).lease(run)
+    assert found is not None
+    return found[0].expires_at
+
+
+def wait_for(check, what: str, within_s: float) -> float:
+    """Seconds until `check()` holds; fails past `within_s`."""
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < within_s, f"{what} not within {within_s}s"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def listed(board: BoardServer, heads: dict[str, int | None]) -> bool:
+    """Whether `GET /v1/runs` lists exactly these runs at these heads."""
+    runs = board.client(board.read_token).list_runs()
+    return {r.name: r.head for r in runs} == heads
+
+
+def test_routes_heal_the_runs_a_flushed_index_lost(tmp_path, valkey_server):
+    board = redis_board(tmp_path, valkey_server, index_check_s="3600")  # no rebuild: healing only
+    try:
+        writer = board.client(board.publish_token)
+        views = []
+        with Publisher(writer, "r", assets={}) as pub:
+            for state in states(SIZES, 3):
+                views.append(view_of(state))
+                pub.publish(state).result()
+            valkey_server.flushall()
+            reader = board.client(board.read_token)
+            assert reader.head("r").version == 2
+            assert [s.version for s in reader.plan("r", from_version=0).steps] == [1, 2]
+            assert_same_view(materialize(reader, "r", 2), views[2])
+            assert listed(board, {"r": 2})
+            state = next(iter(states(SIZES, 4, seed=1)))
+            assert pub.publish(state).result().version == 3
+        assert_same_view(materialize(reader, "r", 3), view_of(state))
+    finally:
+        board.stop()
+    board.check_log()
+
+
+def test_flushed_index_is_rebuilt_while_serving_and_the_publisher_rides_through(tmp_path, valkey_server):
+    board = redis_board(tmp_path, valkey_server)
+    try:
+        writer = board.client(board.publish_token)
+        writer.create_run("idle")  # nobody asks for it: only the rebuild brings it back
+        views = []
+        trajectory = states(SIZES, 6)
+        with Publisher(writer, "r", lease_ttl_s=3.0, assets={}) as pub:
+            for state in trajectory:
+                views.append(view_of(state))
+                pub.publish(state).result()
+                if len(views) == 3:
+                    break
+            expiry = lease_expiry(board, "r")
+            valkey_server.flushall()
+            took = wait_for(lambda: listed(board, {"r": 2, "idle": None}), "every run back", BACK_WITHIN_S)
+            print(f"runs back {took:.2f}s after FLUSHALL")
+            # The keeper renews against the store's lease record: not fenced by the lost index.
+            wait_for(lambda: lease_expiry(board, "r") > expiry, "a lease renewal", 10.0)
+            for state in trajectory:
+                views.append(view_of(state))
+                assert pub.publish(state).result().version == len(views) - 1
+        reader = board.client(board.read_token)
+        assert reader.head("r").version == 5
+        for version in (2, 5):
+            assert_same_view(materialize(reader, "r", version), views[version])
+    finally:
+        board.stop()
+    board.check_log()
+
+
+def test_a_restarted_valkey_is_answered_503_then_rebuilt(tmp_path, valkey_server):
+    board = redis_board(tmp_path, valkey_server)
+    try:
+        writer = board.client(board.publish_token)
+        views = []
+        trajectory = states(SIZES, 4)
+        with Publisher(writer, "r", assets={}) as pub:
+            for state in trajectory:
+                views.append(view_of(state))
+                pub.publish(state).result()
+                if len(views) == 2:
+                    break
+            valkey_server.stop()
+            answer = httpx.get(
+                f"{board.url}/v1/runs/r/head", headers={"Authorization": f"Bearer {board.read_token}"}
+            )
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"]["code"] == "IndexUnavailable"
+            valkey_server.start()  # same port, empty
+            took = wait_for(lambda: listed(board, {"r": 1}), "the run back", BACK_WITHIN_S)
+            print(f"run back {took:.2f}s after the restart")
+            for state in trajectory:
+                views.append(view_of(state))
+                assert pub.publish(state).result().version == len(views) - 1
+        reader = board.client(board.read_token)
+        for version in range(4):
+            assert_same_view(materialize(reader, "r", version), views[version])
+    finally:
+        board.stop()

@@ -18,7 +18,6 @@ EXPECTED = [
     "BoardError",
     "BoardUnavailable",
     "Conflict",
-    "CorruptBase",
     "DeltaboardCallback",
     "DirectoryError",
     "Follower",

@@ -80,7 +80,7 @@ def board_process(data_dir: Path) -> Iterator[str]:
         "DELTABOARD_LOG_LEVEL": "warning",
     }
     data_dir.mkdir(parents=True, exist_ok=True)
-    proc = spawn(env, data_dir / "deltaboard.board.log")
+    proc = spawn(env, data_dir / "board.log")
     try:
         yield f"http://{HOST}:{port}"
     finally:
@@ -216,8 +216,8 @@ async def head_rps(port: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - started)
 
 
-def blob_gbps(url: str, blob_mb: int, tmp: Path) -> float:
-    """Upload one blob of `blob_mb` MiB, then time streaming it back (best of three)."""
+def upload_random_blob(url: str, blob_mb: int, tmp: Path) -> tuple[str, int]:
+    """Upload a blob of `blob_mb` MiB of random bytes; returns its sha256 and size."""
     path = tmp / "blob.bin"
     digest = hashlib.sha256()
     with open(path, "wb") as f:
@@ -227,12 +227,18 @@ def blob_gbps(url: str, blob_mb: int, tmp: Path) -> float:
             f.write(chunk)
     sha = digest.hexdigest()
     size = path.stat().st_size
+    with httpx.Client(base_url=url, headers=AUTH, timeout=300) as http, open(path, "rb") as f:
+        http.put(
+            f"/v1/runs/{RUN}/blobs/{sha}", content=f, headers={"Content-Length": str(size)}
+        ).raise_for_status()
+    path.unlink()
+    return sha, size
+
+
+def blob_gbps(url: str, blob_mb: int, tmp: Path) -> float:
+    """Upload one blob of `blob_mb` MiB, then time streaming it back (best of three)."""
+    sha, size = upload_random_blob(url, blob_mb, tmp)
     with httpx.Client(base_url=url, headers=AUTH, timeout=300) as http:
-        with open(path, "rb") as f:
-            http.put(
-                f"/v1/runs/{RUN}/blobs/{sha}", content=f, headers={"Content-Length": str(size)}
-            ).raise_for_status()
-        path.unlink()
         rates = []
         for _ in range(3):
             started = time.perf_counter()

@@ -111,10 +111,13 @@ def _error_from(response: httpx.Response) -> BoardError:
 
 
 class _Partial:
-    """The bytes of a download already on disk: their count and running sha256."""
+    """The bytes of a download already on disk: their count and running sha256; `progress`
+    is told every change of the count."""
 
-    def __init__(self) -> None:
-        self.reset()
+    def __init__(self, progress: Callable[[int], None] | None = None) -> None:
+        self.progress = progress
+        self.size = 0
+        self.digest = hashlib.sha256()
 
     def reset(self) -> None:
         self.size = 0
@@ -135,12 +138,16 @@ class BoardClient:
         *,
         timeout: float = 30.0,
         retries: int = 5,
+        if self.progress is not None and self.size:
+            self.progress(-self.size)
         backoff_s: float = 0.2,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
+        if self.progress is not None:
+            self.progress(len(chunk))
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=32)
         self._http = httpx.Client(
@@ -286,32 +293,35 @@ class BoardClient:
     ) -> Path:
         """Stream a blob to `dest`, resuming from `dest.part` with Range after interruptions
         (in this call or a previous process), and verify its sha256 before renaming it into
-        place (`BlobIntegrityError` when it does not match). `progress(n)` is called with
-        each chunk's size."""
+        place (`BlobIntegrityError` when it does not match). `progress(n)` follows the blob's
+        bytes on disk: what an earlier attempt left, then each chunk; a failed call takes back
+        what it counted, so that a retry (which counts the file again) counts no byte twice
+        and a resumed download counts up to the blob's size."""
         part = dest.with_name(dest.name + ".part")
-        state = _Partial()
-        if part.exists():
-            with open(part, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    state.add(chunk)
-        for attempt in range(self.retries + 1):
-            try:
-                self._download_into(run, sha256, part, state, progress)
-                break
-            except httpx.TransportError:
-                if attempt == self.retries:
-                    raise
-                self._sleep(attempt)
-        if state.digest.hexdigest() != sha256:
-            part.unlink(missing_ok=True)
-            got = state.digest.hexdigest()
-            raise BlobIntegrityError(sha256, got)
+        state = _Partial(progress)
+        try:
+            if part.exists():
+                with open(part, "rb") as f:
+                    while chunk := f.read(CHUNK):
+                        state.add(chunk)
+            for attempt in range(self.retries + 1):
+                try:
+                    self._download_into(run, sha256, part, state)
+                    break
+                except httpx.TransportError:
+                    if attempt == self.retries:
+                        raise
+                    self._sleep(attempt)
+            if state.digest.hexdigest() != sha256:
+                part.unlink(missing_ok=True)
+                raise BlobIntegrityError(sha256, state.digest.hexdigest())
+        except BaseException:
+            state.reset()
+            raise
         os.replace(part, dest)
         return dest
 
-    def _download_into(
-        self, run: str, sha256: str, part: Path, state: _Partial, progress: Callable[[int], None] | None
-    ) -> None:
+    def _download_into(self, run: str, sha256: str, part: Path, state: _Partial) -> None:
         """Append the rest of the blob to `part`; `state` tracks what is on disk, also when a
         connection breaks half-way (the caller then resumes from there)."""
         headers = {"Range": f"bytes={state.size}-"} if state.size else {}
@@ -330,8 +340,6 @@ class BoardClient:
                 for chunk in response.iter_bytes():  # httpx re-chunking would copy every byte
                     f.write(chunk)
                     state.add(chunk)
-                    if progress is not None:
-                        progress(len(chunk))
 
     # ---- versions ----------------------------------------------------------------------
 

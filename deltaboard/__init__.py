@@ -34,7 +34,13 @@ if TYPE_CHECKING:
     )
     from deltaboard.board.contract.schemas import ViewSpec
     from deltaboard.clients.board_client import BlobIntegrityError, BoardClient
-    from deltaboard.clients.follower import DirectoryError, Follower, FollowerError, IntegrityError
+    from deltaboard.clients.follower import (
+        CorruptBase,
+        DirectoryError,
+        Follower,
+        FollowerError,
+        IntegrityError,
+    )
     from deltaboard.publisher.hf_callback import DeltaboardCallback
     from deltaboard.publisher.publisher import Publisher
 
@@ -50,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "BoardError": "deltaboard.board.contract.errors",
     "BoardUnavailable": "deltaboard.board.contract.errors",
     "Conflict": "deltaboard.board.contract.errors",
+    "CorruptBase": "deltaboard.clients.follower",
     "DeltaboardCallback": "deltaboard.publisher.hf_callback",
     "DirectoryError": "deltaboard.clients.follower",
     "Follower": "deltaboard.clients.follower",
@@ -76,6 +83,7 @@ __all__ = [
     "BoardError",
     "BoardUnavailable",
     "Conflict",
+    "CorruptBase",
     "DeltaboardCallback",
     "DirectoryError",
     "Follower",

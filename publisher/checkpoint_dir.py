@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -24,6 +25,9 @@ from deltaboard.board.contract.schemas import ViewSpec
 from deltaboard.board.contract.view_spec import INDEX_FILE
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.publisher.publisher import Publisher, PublishResult
+
+if TYPE_CHECKING:
+    from deltaboard.clients.follower.follower import Progress
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
@@ -52,11 +56,14 @@ def keyframe_order(client: BoardClient, run: str, version: int) -> list[str]:
     return [t.name for t in keyframe.tensors]
 
 
-def cached_view(client: BoardClient, run: str, version: int, cache_dir: Path) -> dict[str, torch.Tensor]:
-    """The view of `version`, kept current in `cache_dir` by a follower."""
+def cached_view(
+    client: BoardClient, run: str, version: int, cache_dir: Path, progress: Progress | None = None
+) -> dict[str, torch.Tensor]:
+    """The view of `version`, kept current in `cache_dir` by a follower (`progress`
+    receives the follower's phases: a cache built from scratch is a whole download)."""
     from deltaboard.clients.follower import Follower
 
-    follower = Follower(client, run, cache_dir, node_id=f"publish-cache-{run}")
+    follower = Follower(client, run, cache_dir, node_id=f"publish-cache-{run}", progress=progress)
     follower.sync(version)
     return load_checkpoint(Path(follower.model_dir))
 
@@ -71,8 +78,10 @@ def publish_directory(
     keyframe_every: int = 50,
     meta: dict[str, object] | None = None,
     on_uploaded: Callable[[int], None] | None = None,
+    cache_progress: Progress | None = None,
 ) -> PublishResult:
-    """Publish `directory` as the next version of `run` (a delta when a base exists)."""
+    """Publish `directory` as the next version of `run` (a delta when a base exists);
+    `cache_progress` receives the phases of bringing the cache to the base version."""
     state = load_checkpoint(directory)
     with Publisher(
         client, run, spec=spec, assets=directory, keyframe_every=keyframe_every, on_uploaded=on_uploaded
@@ -82,7 +91,7 @@ def publish_directory(
             order = keyframe_order(client, run, head)
             if sorted(order) == sorted(state):
                 state = {name: state[name] for name in order}
-                base = cached_view(client, run, head, cache_dir)
+                base = cached_view(client, run, head, cache_dir, cache_progress)
                 pub.adopt_base(head, {name: base[name] for name in order})
         future = pub.publish(state, meta={"source": str(directory), **(meta or {})})
         return future.result()

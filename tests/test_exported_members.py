@@ -18,6 +18,7 @@ EXPECTED = [
     "BoardError",
     "BoardUnavailable",
     "Conflict",
+    "CorruptBase",
     "DeltaboardCallback",
     "DirectoryError",
     "Follower",

@@ -4,11 +4,12 @@ See `follower` for the update steps, `slots` for what readers see and the disk c
 `journal` for crash safety and `verify` for the full re-hash.
 """
 
-from deltaboard.clients.follower.errors import DirectoryError, FollowerError, IntegrityError
+from deltaboard.clients.follower.errors import CorruptBase, DirectoryError, FollowerError, IntegrityError
 from deltaboard.clients.follower.follower import CommitHook, Follower, Progress, swap_now
 
 __all__ = [
     "CommitHook",
+    "CorruptBase",
     "DirectoryError",
     "Follower",
     "FollowerError",

@@ -10,8 +10,16 @@ materialised slot. After either, the state digest over all tensors must be the
 manifest's. Verification therefore costs O(patch) for a delta, never O(model).
 
 Tensors are independent, so they are decoded and written on a small thread pool (numpy
-and zstd release the GIL). Any failure is attributed to the blob that carried the bad
-patch (`BadBlob`) so that the follower can discard and refetch exactly that blob.
+and zstd release the GIL). A failure is attributed to the blob that carried the bad patch
+(`BadBlob`) so that the follower can discard and refetch exactly that blob, unless the
+slot itself is to blame: the codec reads the old bits from the slot, so a damaged base
+also fails the result digest. Only on that failure path is the tensor re-hashed in full;
+if it no longer hashes to the digest its journal records, the error is `CorruptBase`
+(refetching would not help).
+
+Bringing the other slot forward (`replay`) writes the same changes again. Its base is
+checked first, in O(changes) (`check_base`): its bits at the changed positions must be
+the changes' old bits, which the digests verified in the staging slot.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import numpy as np
 
 from deltaboard.board import codec
 from deltaboard.board.contract.schemas import Manifest, TensorEntry
-from deltaboard.clients.follower.errors import FollowerError
+from deltaboard.clients.follower.errors import CorruptBase, FollowerError
 from deltaboard.clients.follower.fetch import BlobReader
 from deltaboard.clients.follower.patcher import ShardMaps
 
@@ -93,11 +101,16 @@ def apply_step(
 
     def one(entry: TensorEntry) -> codec.Changes | None:
         _check_entry(maps, entry)
+        held = digests.get(entry.name)
         try:
-            changes = _apply_entry(
-                maps, manifest.kind, entry, blobs.read(entry.blob), digests.get(entry.name)
-            )
+            changes = _apply_entry(maps, manifest.kind, entry, blobs.read(entry.blob), held)
         except codec.PatchError as exc:
+            if manifest.kind != "full" and held is not None and _hash(maps, entry.name) != held:
+                raise CorruptBase(
+                    f"{maps.slot_dir}: tensor {entry.name!r} does not hash to the digest its "
+                    f"journal records, so version {manifest.version} cannot be applied to it",
+                    [entry.name],
+                ) from exc
             raise BadBlob(entry.blob.sha256, f"version {manifest.version}: {exc}") from exc
         if progress is not None:
             progress(1)
@@ -113,27 +126,55 @@ def apply_step(
         raise FollowerError(f"version {manifest.version}: the state digest of the slot does not match")
 
 
-def replay(maps: ShardMaps, written: list[Written], pool: Executor) -> bool:
-    """Store already-verified changes into another slot at the same base, in order.
+def _hash(maps: ShardMaps, name: str) -> str:
+    return codec.digest(maps.tensor(name), maps.placements[name].dtype)
 
-    Each tensor's current bits at the changed positions must be the changes' old bits
-    (an O(changes) check that the slot is the base they were decoded against); returns
-    False, having written nothing for that tensor, as soon as one is not.
-    """
 
-    def one(w: Written) -> bool:
-        maps.prefault(w.name, w.changes.count)
-        bits = maps.tensor(w.name).view(w.changes.new_bits.dtype)
-        if not np.array_equal(bits[w.changes.positions], w.changes.old_bits):
-            return False
-        bits[w.changes.positions] = w.changes.new_bits
-        return True
-
-    # Changes to the same tensor from successive versions must land in order: one task per tensor.
+def _by_tensor(written: list[Written]) -> dict[str, list[Written]]:
+    """Changes grouped by tensor, each tensor's in the order they were written."""
     by_tensor: dict[str, list[Written]] = {}
     for w in written:
         by_tensor.setdefault(w.name, []).append(w)
-    return all(run_all(pool, lambda ws: all(one(w) for w in ws), list(by_tensor.values())))
+    return by_tensor
+
+
+def _first_old_bits(ws: list[Written]) -> tuple[np.ndarray, np.ndarray]:
+    """Positions changed by successive versions of one tensor and, at each, the bits
+    before the first change: what a slot at the chain's base holds there."""
+    if len(ws) == 1:
+        return ws[0].changes.positions, ws[0].changes.old_bits
+    positions = np.concatenate([w.changes.positions for w in ws])
+    old_bits = np.concatenate([w.changes.old_bits for w in ws])
+    unique, first = np.unique(positions, return_index=True)
+    return unique, old_bits[first]
+
+
+def check_base(maps: ShardMaps, written: list[Written], pool: Executor) -> list[str]:
+    """The tensors of the slot behind `maps` whose bits at the changed positions are not
+    the changes' old bits: it does not hold the base `written` was decoded against.
+
+    Reads O(changes) elements and writes nothing; `replay` may follow once it is empty.
+    """
+    groups = list(_by_tensor(written).items())
+
+    def one(group: tuple[str, list[Written]]) -> bool:
+        name, ws = group
+        positions, old_bits = _first_old_bits(ws)
+        maps.prefault(name, positions.size)  # the replay writes these pages next
+        return np.array_equal(maps.tensor(name).view(old_bits.dtype)[positions], old_bits)
+
+    return [name for (name, _), ok in zip(groups, run_all(pool, one, groups), strict=True) if not ok]
+
+
+def replay(maps: ShardMaps, written: list[Written], pool: Executor) -> None:
+    """Store already-verified changes into another slot at the same base (checked with
+    `check_base`), in order: successive versions' changes to one tensor land in turn."""
+
+    def one(ws: list[Written]) -> None:
+        for w in ws:
+            maps.write_changes(w.name, w.changes.positions, w.changes.new_bits)
+
+    run_all(pool, one, list(_by_tensor(written).values()))
 
 
 def run_all(pool: Executor, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:

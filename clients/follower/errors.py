@@ -21,3 +21,18 @@ class IntegrityError(FollowerError):
 
 class DirectoryError(FollowerError):
     """The target directory is not a follower directory (or belongs to another run)."""
+
+
+class CorruptBase(FollowerError):
+    """A slot's bytes are not the ones its journal records: bit rot, or a write from outside.
+
+    Found where an update reads a slot it is about to patch (the base): a patch's result
+    digest that fails only because the slot's bits are wrong, or the served slot's bits at
+    the changed positions differing from the verified staging slot's. Nothing is written to
+    the damaged slot and nothing new is served. Retrying cannot fix it: `Follower.repair()`
+    (`deltaboard pull --repair`) rebuilds the damaged slot, from the other one or the board.
+    """
+
+    def __init__(self, message: str, tensors: list[str]) -> None:
+        super().__init__(f"{message}; run `deltaboard pull --repair` (Follower.repair()) to rebuild it")
+        self.tensors = tensors

@@ -15,17 +15,26 @@ One update (`sync`) goes:
    the served version (see 5), each tensor verified in O(changed elements) before it is
    written and the state digest checked per version (`apply`). The journal marks the slot
    dirty during the writes and clean at the new version after them (`journal`);
-4. commit: `commit_hook(version, swap)` lets an engine drain or pause, `swap()` flips the
+4. check: when the changes just written will be replayed into the served slot (step 6),
+   that slot's bits at the changed positions must be the changes' old bits (O(changes),
+   read-only); if they are not, the served slot is damaged and the update stops with
+   `CorruptBase` before anything is committed;
+5. commit: `commit_hook(version, swap)` lets an engine drain or pause, `swap()` flips the
    `current` link (atomic rename), the engine reloads and resumes; `on_version` is called;
-5. mirror: the slot that was served until now is brought to the same version, by
+6. mirror: the slot that was served until now is brought to the same version, by
    replaying the changes just written (kept in memory, at most `mirror_budget_bytes`)
    or, after a keyframe, a long catch-up or a crash, by a local copy; then the cache is
    pruned and a heartbeat tells the board's fleet table.
 
 A blob that fails to decode or verify is discarded and refetched once; a second failure
-raises `IntegrityError`. Until the swap nothing touches the served slot, so any failure
-(or a kill) leaves the served version intact, and a restart resumes from the journal
-(blobs already downloaded stay in the cache; a dirty slot is copied from the served one).
+raises `IntegrityError`. A slot whose bytes are not what its journal records (bit rot, an
+outside write) is refused with `CorruptBase` wherever an update reads it as a base (steps
+3 and 4); those checks cost O(changes), so damage at positions no update touches is found
+only by a full re-hash: `deltaboard verify`, or `repair()`, which also rebuilds it.
+
+Until the swap nothing touches the served slot, so any failure (or a kill) leaves the
+served version intact, and a restart resumes from the journal (blobs already downloaded
+stay in the cache; a dirty slot is copied from the served one).
 
 Durability: a killed process loses nothing that reached the page cache, so kill -9 at
 any instant is safe by default (renames are atomic; nothing is fsynced). `durable=True`
@@ -47,18 +56,20 @@ from typing import Protocol
 
 import httpx
 
-from deltaboard.board.contract.errors import BoardError, UnknownBase
+from deltaboard.board.contract.errors import AuthError, BoardError, UnknownBase, UnknownRun
 from deltaboard.board.contract.schemas import Heartbeat, Manifest, Plan
 from deltaboard.board.contract.view_spec import INDEX_FILE
 from deltaboard.clients.board_client import BoardClient
-from deltaboard.clients.follower.apply import BadBlob, Written, apply_step, replay
-from deltaboard.clients.follower.errors import DirectoryError, FollowerError, IntegrityError
+from deltaboard.clients.follower.apply import BadBlob, Written, apply_step, check_base, replay
+from deltaboard.clients.follower.errors import CorruptBase, DirectoryError, FollowerError, IntegrityError
 from deltaboard.clients.follower.fetch import BlobCache, BlobReader, Fetcher
 from deltaboard.clients.follower.journal import Journal, SlotName, SlotRecord
 from deltaboard.clients.follower.layout import materialize
 from deltaboard.clients.follower.manifests import ManifestCache
 from deltaboard.clients.follower.patcher import ShardMaps
-from deltaboard.clients.follower.slots import CURRENT, Slots, other
+from deltaboard.clients.follower.slots import CURRENT, SLOT_NAMES, Slots, other
+from deltaboard.clients.follower.verify import damaged, hash_tensors
+from deltaboard.clients.resident import HotPatch, prepare_patch
 
 log = logging.getLogger("deltaboard.follower")
 
@@ -73,7 +84,8 @@ CommitHook = Callable[[int, Callable[[], None]], None]
 
 class Progress(Protocol):
     """Receives progress of an update: phase "fetch" counts bytes, "apply" tensors, "mirror"
-    and "copy" slots (a copy only after a bootstrap, a keyframe, a long catch-up or a crash)."""
+    and "copy" slots (a copy only after a bootstrap, a keyframe, a long catch-up or a crash),
+    "verify" the bytes `repair` re-hashes."""
 
     def start(self, phase: str, total: int) -> None: ...
 
@@ -166,35 +178,97 @@ class Follower:
             held = self.version
             if held != target:
                 staged, written = self._stage_verified(target)
+                self._check_mirror_base(staged, held, written)
                 self._commit(staged, target)
                 self._mirror(staged, held, written)
                 self._prune()
             self._heartbeat()
             return target
 
-    def follow(self, stop: threading.Event) -> None:
+    def follow(self, stop: threading.Event, run_wait_s: float = 0.0) -> None:
         """Long-poll head and sync each new version until `stop` is set.
 
-        Board or network trouble is logged and retried with backoff; an `IntegrityError`
-        (data that verified wrong twice) is raised, since retrying cannot fix it.
+        Board or network trouble is logged and retried with backoff. What retrying cannot
+        fix is raised: `IntegrityError` (data that verified wrong twice), `CorruptBase` (a
+        damaged slot: run `repair`), `Unauthorized` / `Forbidden` (the token), and
+        `UnknownRun`, at once when the run existed (this directory holds a version of it,
+        or its head was seen) and otherwise after waiting `run_wait_s` for it to appear.
         """
         failures = 0
+        existed = self.version is not None
+        give_up = time.monotonic() + run_wait_s
         while not stop.is_set():
             try:
                 held = self.version
                 head = self.board.head(self.run, after=-1 if held is None else held, wait=self._poll_s)
+                existed = True
                 if head.version is not None and head.version != held:
                     self.sync(head.version)
                 elif time.monotonic() - self._last_beat >= self._heartbeat_s:
                     self._heartbeat()
                 failures = 0
-            except IntegrityError:
+            except (IntegrityError, CorruptBase, AuthError):
                 raise
+            except UnknownRun:
+                if existed or time.monotonic() >= give_up:
+                    raise
+                stop.wait(min(self._poll_s, max(0.0, give_up - time.monotonic())))
             except (BoardError, FollowerError, httpx.HTTPError, OSError, ValueError) as exc:
                 failures += 1
                 delay = min(0.5 * 2**failures, 30.0)
                 log.warning("follow: %s; retrying in %.1fs", exc, delay)
                 stop.wait(delay)
+
+    def repair(self, version: int | None = None) -> dict[SlotName, list[str]]:
+        """Re-hash both slots against the journal and rebuild whatever is damaged.
+
+        Reads every byte of both slots (O(model)); returns the damaged tensors by slot. A
+        damaged slot is marked dirty at once, so that nothing trusts it again. A damaged
+        slot that is not served is rebuilt as a copy of the served one. A damaged served
+        slot is never patched in place: `version` (default: the version it served) is
+        staged in the other slot (as is when that slot holds it intact, else from a
+        keyframe and deltas fetched from the board), committed through the commit hook like
+        any update, and the damaged slot becomes a copy of it.
+        """
+        with self._lock:
+            before = self.version
+            damage: dict[SlotName, list[str]] = {}
+            for slot in SLOT_NAMES:
+                bad = self._damaged(slot)
+                if bad:
+                    damage[slot] = bad
+                    self._save(slot, SlotRecord(state="dirty"))
+            current = self._slots.current()
+            target = before if version is None else version
+            if current in damage and target is not None:
+                staged, _ = self._stage_verified(target)
+                self._commit(staged, target)
+                self._mirror(staged, None, None)
+                self._prune()
+            elif current is not None and self._state.slot(other(current)).state == "dirty":
+                self._mirror(current, None, None)
+            return damage
+
+    def hot_patch(self, target: int) -> HotPatch:
+        """The verified changes from the served version to `target`, for a resident view.
+
+        `target` must be one delta after the served version (a resident view takes versions
+        one at a time; a keyframe or a pruned base is a reload). The blobs are fetched into
+        the cache, where the next `sync(target)` (the disk copy) finds them, and each patch
+        is decoded against the served slot, which holds the bits the engine serves, and
+        verified against the held and the manifest's digests. Nothing is written.
+        """
+        with self._lock:
+            held, current = self.version, self._slots.current()
+            if held is None or current is None:
+                raise FollowerError("nothing is served yet: a resident view starts from a loaded version")
+            chain = self._chain(held, target)
+            if len(chain) != 1 or chain[0].kind != "delta" or chain[0].parent != held:
+                raise FollowerError(f"version {target} is not one delta after {held}: reload it instead")
+            digests = self._state.slot(current).digests
+            maps = self._mapped(current)
+            with BlobReader(self._blobs) as reader:
+                return prepare_patch(chain[0], reader.read, maps.tensor, digests, self._pool)
 
     # ---- planning and fetching -------------------------------------------------------
 
@@ -283,6 +357,22 @@ class Follower:
         self._save(staging, SlotRecord(state="clean", version=target, digests=digests))
         return staging, written
 
+    def _damaged(self, slot: SlotName) -> list[str]:
+        """The tensors of a clean slot that do not hash to their recorded digests (all of
+        them when its files cannot be read); nothing for a slot that is not clean."""
+        record = self._state.slot(slot)
+        if record.state != "clean":
+            return []
+        try:
+            maps = ShardMaps(self._slots.slot_dir(slot), writable=False)
+            self._open_phase("verify", sum(p.nbytes for p in maps.placements.values()))
+            try:
+                return damaged(record, hash_tensors(maps, lambda n: self._advance("verify", n)))
+            finally:
+                maps.close()
+        except (OSError, ValueError):
+            return sorted(record.digests)
+
     def _mapped(self, slot: SlotName) -> ShardMaps:
         """The slot's shard files, mapped writable. Mappings are kept from one update to the
         next: the pages stay mapped, so the next patch takes fewer faults."""
@@ -349,6 +439,21 @@ class Follower:
         if self._on_version is not None:
             self._on_version(version)
 
+    def _check_mirror_base(self, staged: SlotName, base: int | None, written: list[Written] | None) -> None:
+        """Before committing, check that the served slot holds `base` where the changes that
+        `_mirror` will replay into it land (skipped when it will be copied instead)."""
+        stale = other(staged)
+        record = self._state.slot(stale)
+        if written is None or record.state != "clean" or record.version != base:
+            return
+        bad = check_base(self._mapped(stale), written, self._pool)
+        if bad:
+            raise CorruptBase(
+                f"the served slot {stale} does not hold version {base} at tensor(s) "
+                f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}: it is damaged",
+                bad,
+            )
+
     def _mirror(self, served: SlotName, base: int | None, written: list[Written] | None) -> None:
         """Bring the slot that was served (at `base`) to the served version, so that the
         next update stages on top of it: by replaying the changes just written when they
@@ -358,12 +463,11 @@ class Follower:
         if record.state == "clean" and record.version == now.version:
             return
         self._save(stale, SlotRecord(state="dirty"))
-        replayed = False
         if written is not None and record.state == "clean" and record.version == base:
             self._open_phase("mirror", 1)
-            replayed = replay(self._mapped(stale), written, self._pool)
+            replay(self._mapped(stale), written, self._pool)  # its base checked before the commit
             self._advance("mirror", 1)
-        if not replayed:
+        else:
             self._copy(served, stale)
         self._make_durable(stale)
         self._save(stale, now)

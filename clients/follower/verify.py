@@ -63,6 +63,22 @@ def served(directory: Path) -> Served:
     return Served(state.run, record.version, slots.slot_dir(current), record, slots.manifest_dir)
 
 
+def hash_tensors(maps: ShardMaps, progress: Callable[[int], None] | None = None) -> dict[str, str]:
+    """Every tensor's digest, recomputed from all of its bytes; `progress(n)` gets bytes hashed."""
+    digests = {}
+    for name, placement in maps.placements.items():
+        digests[name] = codec.digest(maps.tensor(name), placement.dtype)
+        if progress is not None:
+            progress(placement.nbytes)
+    return digests
+
+
+def damaged(record: SlotRecord, digests: dict[str, str]) -> list[str]:
+    """The tensors that do not hash to the digest `record` holds for them, or are missing."""
+    bad = [name for name, value in digests.items() if record.digests.get(name) != value]
+    return bad + sorted(set(record.digests) - set(digests))
+
+
 def verify_directory(
     directory: Path, manifest: Manifest | None = None, progress: Callable[[int], None] | None = None
 ) -> VerifyReport:
@@ -81,19 +97,13 @@ def verify_directory(
 
     slot_dir = now.slot_dir
     maps = ShardMaps(slot_dir, writable=False)
-    digests: dict[str, str] = {}
     try:
-        for name, placement in maps.placements.items():
-            digests[name] = codec.digest(maps.tensor(name), placement.dtype)
-            report.tensors += 1
-            report.bytes += placement.nbytes
-            if record.digests.get(name) != digests[name]:
-                report.bad_tensors.append(name)
-            if progress is not None:
-                progress(placement.nbytes)
+        digests = hash_tensors(maps, progress)
     finally:
         maps.close()
-    report.bad_tensors.extend(sorted(set(record.digests) - set(digests)))
+    report.tensors = len(digests)
+    report.bytes = sum(p.nbytes for p in maps.placements.values())
+    report.bad_tensors = damaged(record, digests)
     if manifest is not None and codec.state_digest(digests.items()) != manifest.state_digest:
         report.problems.append(f"the state digest of the files is not the one of version {version}")
     index = slot_dir / INDEX_FILE

@@ -18,15 +18,28 @@ See `patch` for the staged form and its file, `view` for the engine side, `prepa
 the decoding side, and `scatter` for the compiled loops.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from deltaboard.clients.resident.errors import BaseMismatch, ResidentError, StagingFull
 from deltaboard.clients.resident.patch import HotPatch, TensorPatch, read_patch, write_patch
 from deltaboard.clients.resident.prepare import prepare_patch
-from deltaboard.clients.resident.view import (
-    BaseMismatch,
-    CommitReport,
-    ResidentError,
-    ResidentView,
-    StagingFull,
-)
+
+if TYPE_CHECKING:
+    from deltaboard.clients.resident.view import CommitReport, ResidentView
+
+# The engine-side names need torch; the follower's side (prepare) does not, so they load
+# on first use.
+_TORCH_NAMES = ("CommitReport", "ResidentView")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_NAMES:
+        return getattr(importlib.import_module("deltaboard.clients.resident.view"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BaseMismatch",

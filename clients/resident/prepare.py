@@ -20,8 +20,8 @@ import numpy as np
 
 from deltaboard.board import codec
 from deltaboard.board.contract.schemas import BlobRef, Manifest, TensorEntry
+from deltaboard.clients.resident.errors import ResidentError
 from deltaboard.clients.resident.patch import HotPatch, TensorPatch
-from deltaboard.clients.resident.view import ResidentError
 
 ReadBlob = Callable[[BlobRef], memoryview | bytes]
 BaseBytes = Callable[[str], np.ndarray]

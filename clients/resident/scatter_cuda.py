@@ -1,10 +1,10 @@
 """The commit's kernels on CUDA: check, then store, by absolute address (Triton).
 
-The same contract as `scatter.swap` on the host: all or nothing. A first kernel counts
-the elements whose memory is not the staged old value; only when there are none does a
+The same contract as `scatter.swap` on the host: all or nothing. A first kernel finds the
+first element whose memory is not the staged old value; only when there is none does a
 second kernel store the new values. One launch per element width covers every tensor,
 so a model of twenty thousand tensors costs what its changed elements cost. The one
-synchronisation (reading the count) is the only host round trip in the pause.
+synchronisation (reading that index) is the only host round trip in the pause.
 
 Triton ships with the CUDA builds of torch; a CUDA resident view without it is refused.
 """
@@ -22,13 +22,14 @@ _ELEMENTS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _count_mismatches(addrs, expect, n, bad, ELEMENT: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+def _first_mismatch(addrs, expect, n, first, ELEMENT: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     address = tl.load(addrs + offsets, mask=inside, other=0)
     current = tl.load(address.to(tl.pointer_type(ELEMENT)), mask=inside, other=0)
     wanted = tl.load(expect + offsets, mask=inside, other=0)
-    tl.atomic_add(bad, tl.sum((inside & (current != wanted)).to(tl.int32), axis=0))
+    candidates = tl.where(inside & (current != wanted), offsets, n)
+    tl.atomic_min(first, tl.min(candidates, axis=0))
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -40,15 +41,16 @@ def _store(addrs, values, n, ELEMENT: tl.constexpr, BLOCK: tl.constexpr):  # typ
 
 
 def swap(addrs: torch.Tensor, expect: torch.Tensor, put: torch.Tensor, width: int) -> int:
-    """-1 when every element held `expect` and now holds `put`; else 0 (some element did
-    not hold `expect`) with nothing written."""
+    """-1 when every element held `expect` and now holds `put`; else the index of the
+    first element that did not, with nothing written."""
     n = addrs.numel()
     if n == 0:
         return -1
     grid: Any = (triton.cdiv(n, _BLOCK),)
-    bad = torch.zeros(1, dtype=torch.int32, device=addrs.device)
-    _count_mismatches[grid](addrs, expect, n, bad, ELEMENT=_ELEMENTS[width], BLOCK=_BLOCK)
-    if int(bad.item()):
-        return 0
+    first = torch.full((1,), n, dtype=torch.int64, device=addrs.device)
+    _first_mismatch[grid](addrs, expect, n, first, ELEMENT=_ELEMENTS[width], BLOCK=_BLOCK)
+    found = int(first.item())
+    if found < n:
+        return found
     _store[grid](addrs, put, n, ELEMENT=_ELEMENTS[width], BLOCK=_BLOCK)
     return -1

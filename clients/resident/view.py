@@ -35,23 +35,12 @@ import numpy as np
 import torch
 
 from deltaboard.clients.resident import scatter
+from deltaboard.clients.resident.errors import BaseMismatch, ResidentError, StagingFull
 from deltaboard.clients.resident.patch import HotPatch, WidthGroup
 
 DEFAULT_MAX_STAGED_BYTES = 2 * 2**30
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
-class ResidentError(RuntimeError):
-    """A hot update cannot be applied to the resident view; the view is unchanged."""
-
-
-class StagingFull(ResidentError):
-    """The patch needs more staging memory than allowed: apply it by a reload instead."""
-
-
-class BaseMismatch(ResidentError):
-    """The live weights are not the patch's base at a changed element: nothing was written."""
 
 
 @dataclass(frozen=True)
@@ -130,9 +119,17 @@ class ResidentView:
         for (_, end, a), (start, _, b) in itertools.pairwise(spans):
             if start < end:
                 raise ValueError(f"tensors {a!r} and {b!r} share memory: bind only one of them")
+        device = next(iter(devices)) if devices else torch.device("cpu")
+        if device.type == "cuda":
+            try:
+                from deltaboard.clients.resident import scatter_cuda  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"a CUDA resident view needs triton ({exc})") from exc
+        elif device.type != "cpu":
+            raise ValueError(f"a resident view lives on the CPU or a CUDA device, not {device}")
         with self._lock:
             self._tensors = dict(tensors)
-            self._device = next(iter(devices)) if devices else torch.device("cpu")
+            self._device = device
             self._version = version
             self._generation += 1
             for w in {t.element_size() for t in tensors.values()}:

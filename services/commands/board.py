@@ -8,9 +8,88 @@ CLI must start without FastAPI, boto3 or torch loaded.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+from deltaboard.services.commands.failures import UserError
+
+if TYPE_CHECKING:
+    from deltaboard.board.server.settings import Settings
+
+SCOPES = "read, publish or admin"
+
+
+def setting(what: str, default: str) -> Any:
+    """A flag that, unset, falls through to DELTABOARD_<FLAG> and then to `default`."""
+    return typer.Option(None, help=f"{what} (default: {default})", show_default=False)
+
+
+def check_tokens(specs: str) -> None:
+    """Say in one line what is wrong with a `scope:token[:run-glob]` the board would refuse
+    (the board itself reports it as a validation error of the token grant)."""
+    from pydantic import ValidationError
+
+    from deltaboard.board.server.auth import AuthConfig
+
+    for spec in filter(None, (s.strip() for s in specs.split(","))):
+        scope, colon, rest = spec.partition(":")
+        if not colon:
+            raise UserError(f"a token needs its scope: --token SCOPE:TOKEN, with SCOPE one of {SCOPES}")
+        try:
+            AuthConfig.parse_grants([spec])
+        except ValidationError as exc:
+            for error in exc.errors():
+                if error["loc"] == ("scope",):
+                    raise UserError(f"unknown token scope {scope!r}: use {SCOPES}") from exc
+                if error["type"] == "string_too_short":
+                    need, length = error["ctx"]["min_length"], len(rest.partition(":")[0])
+                    raise UserError(
+                        f"tokens need at least {need} characters; the {scope} token has {length}"
+                    ) from exc
+            raise
+
+
+def warn_without_tokens(settings: Settings) -> None:
+    """A board without tokens refuses every publish (and every read, unless reads are
+    anonymous): almost certainly not what the person starting it meant."""
+    from deltaboard.board.server.auth import AuthConfig
+
+    config = AuthConfig.load(settings.auth_config) if settings.auth_config else AuthConfig()
+    if not config.tokens and not settings.tokens.strip():
+        refused = "every publish" if settings.anonymous_read or config.anonymous_read else "every request"
+        typer.secho(
+            f"warning: no tokens: the board refuses {refused}; add --token publish:TOKEN "
+            "(and read:TOKEN for the rollout nodes)",
+            fg="yellow",
+            err=True,
+        )
+
+
+def announce_when_listening(settings: Settings) -> None:
+    """Print the board's URL once the board answers on it (its own `/healthz`, recognised
+    by the instance nonce): a URL printed before would promise a board that may never come
+    up (a port taken, a store out of reach)."""
+    import threading
+    import time
+
+    import httpx
+
+    host = settings.host
+    probe = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    url, probe_url = (f"http://{f'[{h}]' if ':' in h else h}:{settings.port}" for h in (host, probe))
+
+    def wait() -> None:
+        while True:
+            try:
+                if httpx.get(f"{probe_url}/healthz", timeout=1.0).json().get("instance") == settings.instance:
+                    typer.echo(f"deltaboard board listening on {url} (data {settings.data_dir})")
+                    return
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass
+            time.sleep(0.05)
+
+    threading.Thread(target=wait, name="announce", daemon=True).start()
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -20,25 +99,38 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @board.command("serve")
     def serve(
-        data_dir: Path | None = typer.Option(None, help="Data directory (local store, temp uploads)."),
-        host: str | None = typer.Option(None, help="Bind address [127.0.0.1]."),
-        port: int | None = typer.Option(None, help="Port [8080]."),
-        store: str | None = typer.Option(
-            None, help="s3://bucket/prefix (default: local store in the data dir)."
+        data_dir: Path | None = setting("Data directory (local store, temp uploads).", "./deltaboard-data"),
+        host: str | None = setting("Address to listen on.", "127.0.0.1"),
+        port: int | None = setting("Port to listen on.", "8080"),
+        store: str | None = setting(
+            "s3://bucket/prefix: an S3 store.", "a local store in the data directory"
         ),
-        s3_endpoint: str | None = typer.Option(None, help="S3 endpoint URL (SeaweedFS, MinIO, ...)."),
-        s3_public_endpoint: str | None = typer.Option(None, help="S3 endpoint for presigned URLs (clients)."),
-        s3_region: str | None = typer.Option(None, help="S3 region."),
-        redis: str | None = typer.Option(
-            None, help="redis://host:port/db: shared index for several replicas."
+        s3_endpoint: str | None = setting("S3 endpoint URL (SeaweedFS, MinIO, ...).", "AWS's"),
+        s3_public_endpoint: str | None = setting(
+            "S3 endpoint in the presigned URLs clients get.", "the S3 endpoint"
         ),
-        auth_config: Path | None = typer.Option(None, help="Token file (YAML or JSON)."),
-        token: list[str] | None = typer.Option(None, help="scope:token[:run-glob], repeatable."),
-        anonymous_read: bool | None = typer.Option(None, "--anonymous-read/--no-anonymous-read"),
-        log_level: str | None = typer.Option(None, help="debug, info, warning [warning]."),
+        s3_region: str | None = setting("S3 region.", "us-east-1"),
+        redis: str | None = setting(
+            "redis://host:port/db: a shared index for several replicas.", "an in-process index"
+        ),
+        auth_config: Path | None = setting("Token file (YAML or JSON).", "none"),
+        token: list[str] | None = setting(
+            f"scope:token[:run-glob], repeatable; scope is {SCOPES}, a token has at least 8 characters.",
+            "none",
+        ),
+        anonymous_read: bool | None = typer.Option(
+            None,
+            "--anonymous-read/--no-anonymous-read",
+            help="Let requests without a token read every run (default: no).",
+            show_default=False,
+        ),
+        log_level: str | None = setting("debug, info, warning or error.", "warning"),
     ) -> None:
-        """Serve the board (embedded defaults: local directory, in-process index, 127.0.0.1:8080)."""
-        from deltaboard.board.server.api import serve as serve_board
+        """Serve the board (embedded defaults: local directory, in-process index,
+        127.0.0.1:8080). Each flag can also be set as DELTABOARD_<FLAG> (DELTABOARD_PORT,
+        DELTABOARD_TOKENS comma-separated, ...)."""
+        import secrets
+
         from deltaboard.board.server.settings import Settings
 
         given: dict[str, Any] = {
@@ -56,7 +148,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             "log_level": log_level,
         }
         settings = Settings(**{k: v for k, v in given.items() if v is not None})
-        typer.echo(f"deltaboard board on http://{settings.host}:{settings.port} (data {settings.data_dir})")
+        check_tokens(settings.tokens)
+        warn_without_tokens(settings)
+        if not settings.instance:
+            settings = settings.model_copy(update={"instance": secrets.token_hex(8)})
+        from deltaboard.board.server.api import serve as serve_board  # FastAPI: after the checks
+
+        announce_when_listening(settings)
         serve_board(settings)
 
     @bench.command("board")

@@ -7,6 +7,15 @@ from pathlib import Path
 
 import typer
 
+from deltaboard.services.commands.options import (
+    board_option,
+    checkpoint_dir,
+    dir_option,
+    elapsed,
+    hidden_argument,
+    token_option,
+)
+
 DEFAULT_CACHE = Path.home() / ".cache" / "deltaboard" / "publish"
 
 
@@ -15,58 +24,44 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @app.command("publish")
     def publish(
-        directory: Path = typer.Argument(
-            ..., exists=True, file_okay=False, help="A safetensors HF checkpoint."
-        ),
+        directory: Path | None = dir_option("A Hugging Face checkpoint directory of safetensors files."),
+        positional: Path | None = hidden_argument(),
         run: str = typer.Option(..., "--run", help="The run to publish to (created if absent)."),
-        board: str = typer.Option("http://127.0.0.1:8080", envvar="DELTABOARD_URL", help="Board URL."),
-        token: str | None = typer.Option(None, envvar="DELTABOARD_TOKEN", help="A publish-scope token."),
+        board: str = board_option(),
+        token: str | None = token_option("publish"),
         dtype: str = typer.Option("bf16", help="Served dtype of floating tensors: bf16, fp16 or fp32."),
         keyframe_every: int = typer.Option(50, help="A keyframe whenever version % K == 0."),
-        cache: Path = typer.Option(DEFAULT_CACHE, help="Where the previous version's view is kept."),
+        cache: Path = typer.Option(
+            DEFAULT_CACHE, help="Where the previous version's view is kept (a follower directory per run)."
+        ),
     ) -> None:
-        """Publish DIR as the run's next version: a delta against the previous one."""
-        from rich.console import Console
-        from rich.progress import (
-            DownloadColumn,
-            Progress,
-            SpinnerColumn,
-            TimeElapsedColumn,
-            TransferSpeedColumn,
-        )
-
+        """Publish the directory as the run's next version: a delta against the previous one."""
         from deltaboard.board.contract.schemas import ViewSpec
         from deltaboard.clients.board_client import BoardClient
         from deltaboard.publisher.checkpoint_dir import publish_directory
+        from deltaboard.services.commands.progress import BYTES, Bars, make_console
 
+        source = checkpoint_dir(directory, positional, must_exist=True)
         if dtype not in ("bf16", "fp16", "fp32"):
-            raise typer.BadParameter("dtype must be bf16, fp16 or fp32")
-        console = Console()
-        columns = (
-            SpinnerColumn(),
-            *Progress.get_default_columns()[:1],
-            DownloadColumn(),
-            TransferSpeedColumn(),
-        )
-        with (
-            BoardClient(board, token) as client,
-            Progress(*columns, TimeElapsedColumn(), console=console) as bar,
-        ):
-            task = bar.add_task(f"publishing {directory.name} to {run}", total=None)
+            raise typer.BadParameter("dtype must be bf16, fp16 or fp32", param_hint="'--dtype'")
+        console = make_console()
+        with BoardClient(board, token) as client, Bars(console) as bars:
+            # The upload's size is known only once the delta is encoded: the bar counts up.
+            bars.phase("upload", f"publishing {source} to {run} (bytes uploaded)", BYTES, None)
             result = publish_directory(
-                directory,
+                source,
                 client,
                 run,
                 spec=ViewSpec(default_dtype=dtype),
                 cache_dir=cache / run,
                 keyframe_every=keyframe_every,
-                on_uploaded=lambda n: bar.advance(task, n),
+                on_uploaded=lambda n: bars.advance("upload", n),
+                cache_progress=bars.follower(f"cache of {run}: "),
             )
-            bar.update(task, total=bar.tasks[0].completed)
         console.print(
             f"[bold]{run}[/] version {result.version} ({result.kind}): {result.changed_elements:,} of "
             f"{result.total_elements:,} elements changed, {result.encoded_bytes:,} bytes uploaded "
-            f"in {result.e2e_s:.2f} s"
+            f"(done in {elapsed():.2f} s)"
         )
 
     @bench.command("publish")

@@ -4,88 +4,84 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
-if TYPE_CHECKING:
-    from rich.console import Console
-    from rich.progress import Progress, TaskID
+from deltaboard.services.commands.options import (
+    board_option,
+    checkpoint_dir,
+    dir_option,
+    elapsed,
+    hidden_alias,
+    hidden_argument,
+    token_option,
+)
 
+if TYPE_CHECKING:
     from deltaboard.clients.board_client import BoardClient
     from deltaboard.clients.follower import Follower
+    from deltaboard.services.commands.progress import Bars
 
-BOARD = typer.Option("http://127.0.0.1:8080", "--board", envvar="DELTABOARD_URL", help="Board URL.")
-TOKEN = typer.Option(None, "--token", envvar="DELTABOARD_TOKEN", help="A read-scope token.")
 RUN = typer.Option(..., "--run", help="The run to follow.")
-TO = typer.Option(..., "--to", help="The checkpoint directory to keep (created if absent).")
-NODE = typer.Option(None, "--node-id", help="This node's id in the board's fleet (default: host:pid).")
+DIR = "The checkpoint directory to keep (created if absent)."
+NODE = typer.Option(
+    None,
+    "--node-id",
+    help="This node's id in the board's fleet (default: host:pid).",
+    show_default=False,
+)
 WORKERS = typer.Option(4, "--workers", min=1, max=32, help="Parallel blob downloads.")
-
-
-class RichProgress:
-    """The follower's progress phases as rich progress bars (one task per phase)."""
-
-    def __init__(self, bar: Progress) -> None:
-        self.bar = bar
-        self.tasks: dict[str, TaskID] = {}
-
-    def start(self, phase: str, total: int) -> None:
-        label = {"fetch": "downloading", "apply": "applying tensors", "copy": "copying the served slot"}
-        task = self.tasks.get(phase)
-        if task is None:
-            self.tasks[phase] = self.bar.add_task(label.get(phase, phase), total=total)
-        else:
-            self.bar.reset(task, total=total)
-
-    def advance(self, phase: str, n: int) -> None:
-        if phase in self.tasks:
-            self.bar.advance(self.tasks[phase], n)
 
 
 def _follower(
     client: BoardClient,
     run: str,
-    to: Path,
+    directory: Path,
     node_id: str | None,
     workers: int,
-    bar: Progress,
+    bars: Bars,
     on_version: Callable[[int], None] | None = None,
 ) -> Follower:
     from deltaboard.clients.follower import Follower
 
     node = node_id or f"{os.uname().nodename}:{os.getpid()}"
-    progress = RichProgress(bar)
     return Follower(
-        client, run, to, node_id=node, engine="cli", progress=progress, workers=workers, on_version=on_version
+        client,
+        run,
+        directory,
+        node_id=node,
+        engine="cli",
+        progress=bars.follower(),
+        workers=workers,
+        on_version=on_version,
     )
 
 
-@contextmanager
-def _failures(console: Console) -> Iterator[None]:
-    """Turn the follower's and the board's errors into one red line and exit status 1: an
-    operator needs what went wrong (integrity, auth, unknown run), not a traceback."""
-    from deltaboard.board.contract.errors import BoardError
-    from deltaboard.clients.follower import FollowerError
+def stop_on_interrupt(bars: Bars) -> None:
+    """Make Ctrl-C stop the command at once, as a kill would, and say how to go on.
 
-    try:
-        yield
-    except (FollowerError, BoardError) as exc:
-        # A board error names its code in the message: say only which family it is.
-        kind = "BoardError" if isinstance(exc, BoardError) else type(exc).__name__
-        console.print(f"[red]{kind}: {exc}[/]")
-        raise typer.Exit(1) from exc
+    Nothing is waited for (downloads in flight, the tensor being written): the follower's
+    directory is consistent at every instant, since it survives `kill -9` anywhere
+    (`tests/clients/test_kill.py`), and the next run resumes from its journal and from
+    the partial downloads in its cache.
+    """
+    import signal
+
+    from rich.console import Console
+
+    def interrupted(signum: int, frame: object) -> None:
+        bars.stop()
+        Console(stderr=True).print("interrupted; run the same command again to resume", style="yellow")
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, interrupted)
 
 
-def _bar(console: Console) -> Progress:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn(), console=console
-    )
+def _served(version: int | None) -> str:
+    return "nothing yet" if version is None else f"version {version}"
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -94,89 +90,93 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command("pull")
     def pull(
         run: str = RUN,
-        to: Path = TO,
+        directory: Path | None = dir_option(DIR),
+        to: Path | None = hidden_alias("--to"),
         version: int | None = typer.Option(
-            None, "--version", min=0, help="The version to reach (default: head)."
+            None, "--version", min=0, help="The version to reach (default: head).", show_default=False
         ),
-        board: str = BOARD,
-        token: str | None = TOKEN,
+        board: str = board_option(),
+        token: str | None = token_option("read"),
         node_id: str | None = NODE,
         workers: int = WORKERS,
     ) -> None:
-        """Bring DIR to a version of the run once (bootstrap or catch up), then exit."""
-        import time
-
-        from rich.console import Console
-
+        """Bring the directory to a version of the run once (bootstrap or catch up), then
+        exit. Ctrl-C stops at once; the same command resumes."""
         from deltaboard.clients.board_client import BoardClient
+        from deltaboard.services.commands.progress import Bars, make_console
 
-        console = Console()
-        started = time.perf_counter()
-        with (
-            _failures(console),
-            BoardClient(board, token) as client,
-            _bar(console) as bar,
-            _follower(client, run, to, node_id, workers, bar) as follower,
-        ):
-            before = follower.version
-            held = follower.sync(version)
-        console.print(f"[bold]{run}[/] {before} -> {held} in {to} ({time.perf_counter() - started:.2f} s)")
+        target = checkpoint_dir(directory, to, must_exist=False)
+        console = make_console()
+        with BoardClient(board, token) as client, Bars(console) as bars:
+            stop_on_interrupt(bars)
+            with _follower(client, run, target, node_id, workers, bars) as follower:
+                before = follower.version
+                held = follower.sync(version)
+        change = f"already at version {held}" if before == held else f"{_served(before)} -> version {held}"
+        console.print(f"[bold]{run}[/]: {change} in {target} (done in {elapsed():.2f} s)")
 
     @app.command("follow")
     def follow(
         run: str = RUN,
-        to: Path = TO,
-        board: str = BOARD,
-        token: str | None = TOKEN,
+        directory: Path | None = dir_option(DIR),
+        to: Path | None = hidden_alias("--to"),
+        board: str = board_option(),
+        token: str | None = token_option("read"),
         node_id: str | None = NODE,
         workers: int = WORKERS,
     ) -> None:
-        """Keep DIR at the run's head (long-poll) until interrupted (Ctrl-C or SIGTERM)."""
+        """Keep the directory at the run's head (long-poll) until stopped: SIGTERM stops
+        after the update in progress, Ctrl-C at once (the same command resumes). A sidecar
+        runs its own follower: do not run both on one directory."""
         import signal
         import threading
 
-        from rich.console import Console
-
         from deltaboard.clients.board_client import BoardClient
+        from deltaboard.services.commands.progress import Bars, make_console
 
-        console = Console()
+        target = checkpoint_dir(directory, to, must_exist=False)
+        console = make_console()
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        with _failures(console), BoardClient(board, token) as client, _bar(console) as bar:
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        with BoardClient(board, token) as client, Bars(console) as bars:
+            stop_on_interrupt(bars)
             announce = lambda v: console.print(f"[bold]{run}[/] serving version {v}")  # noqa: E731
-            with _follower(client, run, to, node_id, workers, bar, announce) as follower:
-                console.print(f"following {run} into {to} (holding {follower.version})")
+            with _follower(client, run, target, node_id, workers, bars, announce) as follower:
+                console.print(f"following {run} into {target} (serving {_served(follower.version)})")
                 follower.follow(stop)
         console.print("stopped")
 
     @app.command("verify")
     def verify(
-        directory: Path = typer.Argument(..., exists=True, file_okay=False, help="A follower directory."),
+        directory: Path | None = dir_option("The follower directory to check."),
+        positional: Path | None = hidden_argument(),
         board: str | None = typer.Option(
             None,
             "--board",
             envvar="DELTABOARD_URL",
-            help="Check against the board's manifest (default: cached).",
+            help="Check against this board's manifest (default: the copy cached in the directory).",
+            show_default=False,
         ),
-        token: str | None = TOKEN,
+        token: str | None = token_option("read"),
     ) -> None:
-        """Re-hash every served tensor of DIR against its version's manifest."""
-        from rich.console import Console
-
+        """Re-hash every served tensor of the directory against its version's manifest."""
         from deltaboard.clients.board_client import BoardClient
+        from deltaboard.clients.follower.patcher import read_placements
         from deltaboard.clients.follower.verify import served, verify_directory
+        from deltaboard.services.commands.progress import BYTES, Bars, make_console
 
-        console = Console()
-        with _failures(console):
-            now = served(directory)
-            manifest = None
-            if board is not None:
-                with BoardClient(board, token) as client:
-                    manifest = client.manifest(now.run, now.version)
-        with _bar(console) as bar:
-            task = bar.add_task(f"hashing {now.run}@{now.version}", total=None)
-            report = verify_directory(directory, manifest, lambda n: bar.advance(task, n))
+        target = checkpoint_dir(directory, positional, must_exist=True)
+        console = make_console()
+        now = served(target)
+        manifest = None
+        if board is not None:
+            with BoardClient(board, token) as client:
+                manifest = client.manifest(now.run, now.version)
+        shards = sorted(now.slot_dir.glob("*.safetensors"))
+        total = sum(p.nbytes for shard in shards for p in read_placements(shard).values())
+        with Bars(console) as bars:
+            bars.phase("hash", f"hashing {now.run}@{now.version}", BYTES, total)
+            report = verify_directory(target, manifest, lambda n: bars.advance("hash", n))
         for name in report.bad_tensors:
             console.print(f"[red]tensor {name} does not hash to its recorded digest[/]")
         for problem in report.problems:

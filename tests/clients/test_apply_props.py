@@ -1,6 +1,7 @@
 """Property tests of the follower's write path, without a board: materialise a slot from a
 keyframe, patch it in place through the mapping, replay the same changes into a second
-slot, and read both back with safetensors (an independent reader)."""
+slot, and read both back with safetensors (an independent reader); and the checks of the
+base a patch or a replay is written over."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from hypothesis import strategies as st
 
 from deltaboard.board import codec
 from deltaboard.board.contract.schemas import BlobRef, Manifest, ManifestStats, TensorEntry, ViewSpec
-from deltaboard.clients.follower.apply import BadBlob, Written, apply_step, replay
+from deltaboard.clients.follower.apply import BadBlob, Written, apply_step, check_base, replay
+from deltaboard.clients.follower.errors import CorruptBase
 from deltaboard.clients.follower.fetch import BlobCache, BlobReader
 from deltaboard.clients.follower.layout import materialize
 from deltaboard.clients.follower.patcher import ShardMaps
@@ -119,33 +121,80 @@ def test_keyframe_then_delta_in_place_and_replayed(specs, seed, fraction):
             maps.close()
         assert digests == d1
         other = ShardMaps(b, writable=True)
-        assert replay(other, written, POOL)
+        assert check_base(other, written, POOL) == []
+        replay(other, written, POOL)
         other.close()
         for slot in (a, b):
             assert_view(slot, new)
 
 
-def test_wrong_base_or_corrupt_patch_is_a_bad_blob_and_writes_nothing(tmp_path):
-    cache = BlobCache(tmp_path / "blobs")
-    cache.directory.mkdir()
+ENTRY = dict(name="x", dtype="U8", shape=(256,), file="model.safetensors", changed=0)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    blobs = BlobCache(tmp_path / "blobs")
+    blobs.directory.mkdir()
+    return blobs
+
+
+def one_tensor_slot(tmp_path: Path, cache: BlobCache, data: np.ndarray) -> tuple[ShardMaps, dict[str, str]]:
+    """A slot holding `data` as U8 tensor "x" (from a keyframe), mapped writable."""
+    digest = codec.digest(data, "U8")
+    [ref] = store(cache, [codec.keyframe(data, "U8")])
+    key = manifest(0, "full", [TensorEntry(blob=ref, digest=digest, **ENTRY)], {"x": digest})
+    materialize(tmp_path, key, {})
+    maps, digests = ShardMaps(tmp_path, writable=True), dict[str, str]()
+    with BlobReader(cache) as reader:
+        apply_step(maps, key, reader, digests, POOL)
+    return maps, digests
+
+
+def test_wrong_base_or_corrupt_patch_is_a_bad_blob_and_writes_nothing(tmp_path, cache):
     data = np.arange(256, dtype=np.uint8)
     other = data.copy()
     other[::7] ^= 1
-    d0, d1 = codec.digest(data, "U8"), codec.digest(other, "U8")
-    [ref0] = store(cache, [codec.keyframe(data, "U8")])
+    d1 = codec.digest(other, "U8")
+    maps, digests = one_tensor_slot(tmp_path, cache, data)
     patch = bytearray(codec.encode(data, other, "U8"))
     patch[-1] ^= 0xFF  # corrupted in the cache after it was verified
     [ref1] = store(cache, [bytes(patch)])
-    entry = dict(name="x", dtype="U8", shape=(256,), file="model.safetensors", changed=0)
-    key = manifest(0, "full", [TensorEntry(blob=ref0, digest=d0, **entry)], {"x": d0})
-    delta = manifest(1, "delta", [TensorEntry(blob=ref1, digest=d1, **entry)], {"x": d1})
-    materialize(tmp_path, key, {})
-    digests: dict[str, str] = {}
-    with BlobReader(cache) as reader:
-        maps = ShardMaps(tmp_path, writable=True)
-        apply_step(maps, key, reader, digests, POOL)
-        with pytest.raises(BadBlob) as err:
-            apply_step(maps, delta, reader, digests, POOL)
-        assert err.value.sha == ref1.sha256
-        assert bytes(maps.tensor("x")) == data.tobytes()
-        maps.close()
+    delta = manifest(1, "delta", [TensorEntry(blob=ref1, digest=d1, **ENTRY)], {"x": d1})
+    with BlobReader(cache) as reader, pytest.raises(BadBlob) as err:
+        apply_step(maps, delta, reader, digests, POOL)
+    assert err.value.sha == ref1.sha256
+    assert bytes(maps.tensor("x")) == data.tobytes()
+    maps.close()
+
+
+def test_a_damaged_base_is_corrupt_base_not_a_bad_blob_and_writes_nothing(tmp_path, cache):
+    data = np.arange(256, dtype=np.uint8)
+    new = data.copy()
+    new[::7] ^= 1
+    maps, digests = one_tensor_slot(tmp_path, cache, data)
+    [ref] = store(cache, [codec.encode(data, new, "U8")])
+    d1 = codec.digest(new, "U8")
+    delta = manifest(1, "delta", [TensorEntry(blob=ref, digest=d1, **ENTRY)], {"x": d1})
+    maps.tensor("x")[14] ^= 0x80  # bit rot at a position the patch changes (14 = 2 x 7)
+    damaged = bytes(maps.tensor("x"))
+    with BlobReader(cache) as reader, pytest.raises(CorruptBase, match="does not hash") as err:
+        apply_step(maps, delta, reader, dict(digests), POOL)
+    assert err.value.tensors == ["x"] and bytes(maps.tensor("x")) == damaged
+    maps.close()
+
+
+def test_check_base_compares_each_position_with_its_first_old_bits(tmp_path, cache):
+    v0 = np.arange(256, dtype=np.uint8)
+    v1, v2 = v0.copy(), v0.copy()
+    v1[::5] ^= 1
+    v2[:] = v1
+    v2[::3] ^= 2  # overlaps v1's changes at multiples of 15
+    written = [Written("x", codec.diff(v0, v1, "U8")), Written("x", codec.diff(v1, v2, "U8"))]
+    maps, _ = one_tensor_slot(tmp_path, cache, v0)
+    assert check_base(maps, written, POOL) == []
+    maps.tensor("x")[30] ^= 0x40  # changed by both versions: its first old bits no longer hold
+    assert check_base(maps, written, POOL) == ["x"]
+    maps.tensor("x")[30] ^= 0x40
+    replay(maps, written, POOL)
+    assert bytes(maps.tensor("x")) == v2.tobytes()
+    maps.close()

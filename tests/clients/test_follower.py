@@ -11,9 +11,12 @@ import httpx
 import numpy as np
 import pytest
 
+from deltaboard.board.contract.errors import Unauthorized, UnknownRun
 from deltaboard.board.contract.schemas import RetentionPolicy
-from deltaboard.clients.follower import DirectoryError, Follower, FollowerError, IntegrityError
+from deltaboard.clients.follower import CorruptBase, DirectoryError, Follower, FollowerError, IntegrityError
 from deltaboard.clients.follower.journal import Journal, SlotName, SlotRecord
+from deltaboard.clients.follower.patcher import read_placements
+from deltaboard.clients.follower.slots import Slots, other
 from deltaboard.clients.follower.verify import served, verify_directory
 from tests.clients.support import assert_view, publish_states, read_dir
 from tests.support.servers import VENV_BIN
@@ -128,7 +131,7 @@ def test_follow_tracks_head_until_stopped(board, tmp_path):
             done.set()
 
     follower = Follower(board.client(board.read_token), "f", d, node_id="fw", on_version=seen, poll_s=1.0)
-    thread = threading.Thread(target=follower.follow, args=(stop,))
+    thread = threading.Thread(target=follower.follow, args=(stop,), kwargs={"run_wait_s": 30})
     thread.start()
     views = []
     with Publisher(
@@ -292,3 +295,103 @@ def test_downloads_are_retried_with_backoff(board, tmp_path):
         assert f.sync(1) == 1
     assert flaky.failed == 3
     assert_view(tmp_path / "model", views[1])
+
+
+def changed_elements(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """Indices of the bf16 elements whose bits differ between two views of a tensor."""
+    return np.flatnonzero(before.view(np.uint16) != after.view(np.uint16))
+
+
+def flip(slot_dir, name: str, element: int) -> None:
+    """Bit rot: flip the low bit of one bf16 element of a tensor, in the slot's file."""
+    placement = read_placements(slot_dir / "model.safetensors")[name]
+    with open(slot_dir / "model.safetensors", "r+b") as fh:
+        fh.seek(placement.offset + 2 * element)
+        byte = fh.read(1)
+        fh.seek(placement.offset + 2 * element)
+        fh.write(bytes([byte[0] ^ 1]))
+
+
+def slot_of(d, name: SlotName):
+    return d / ".deltaboard" / "slots" / name
+
+
+def served_slot(d) -> SlotName:
+    name = Slots(d).current()
+    assert name is not None
+    return name
+
+
+NAME = "layers.0.weight"
+
+
+def test_a_damaged_served_slot_is_refused_before_it_spreads_and_repaired(board, tmp_path):
+    views = publish_states(board.client(board.publish_token), "cs", SIZES, 4)
+    d = tmp_path / "model"
+    with Follower(board.client(board.read_token), "cs", d, node_id="n") as f:
+        f.sync(1)
+        current = served_slot(d)
+        flip(slot_of(d, current), NAME, int(changed_elements(views[1][NAME], views[2][NAME])[0]))
+        with pytest.raises(CorruptBase, match=f"served slot {current} does not hold version 1") as err:
+            f.sync(2)
+        assert err.value.tensors == [NAME] and "--repair" in str(err.value)
+        assert f.version == 1  # nothing committed
+        assert f.repair() == {current: [NAME]}
+        assert f.version == 1 and verify_directory(d).ok
+        assert_view(d, views[1])  # rebuilt from the intact other slot
+        assert f.repair() == {}
+        assert f.sync(3) == 3
+        assert_view(d, views[3])
+
+
+def test_damage_no_update_reads_is_found_by_verify_and_repaired_from_the_board(board, tmp_path):
+    views = publish_states(board.client(board.publish_token), "cu", SIZES, 3)
+    d = tmp_path / "model"
+    with Follower(board.client(board.read_token), "cu", d, node_id="n") as f:
+        f.sync(1)
+        current = served_slot(d)
+        unchanged = np.setdiff1d(np.arange(64 * 64), changed_elements(views[1][NAME], views[2][NAME]))
+        # the served slot at a position the next delta leaves alone, the other slot everywhere
+        flip(slot_of(d, current), NAME, int(unchanged[0]))
+        for shard in slot_of(d, other(current)).glob("*.safetensors"):
+            shard.write_bytes(b"\0" * shard.stat().st_size)
+        report = verify_directory(d)
+        assert not report.ok and report.bad_tensors == [NAME]
+        damage = f.repair(2)  # both slots damaged: version 2 comes from a keyframe chain
+        assert damage[current] == [NAME] and sorted(damage[other(current)]) == sorted(SIZES)
+        assert f.version == 2 and verify_directory(d).ok
+        assert_view(d, views[2])
+        assert f.repair() == {}
+
+
+def test_a_damaged_staging_slot_is_corrupt_base_not_a_bad_blob(board, tmp_path):
+    views = publish_states(board.client(board.publish_token), "cg", SIZES, 3)
+    d = tmp_path / "model"
+    with Follower(board.client(board.read_token), "cg", d, node_id="n") as f:
+        f.sync(1)
+        staging = other(served_slot(d))
+        flip(slot_of(d, staging), NAME, int(changed_elements(views[1][NAME], views[2][NAME])[0]))
+        with pytest.raises(CorruptBase, match=f"slots/{staging}: tensor '{NAME}' does not hash"):
+            f.sync(2)
+        assert f.version == 1
+        assert f.repair() == {}  # the failed update left that slot dirty: it is copied back
+        assert f.sync(2) == 2
+        assert_view(d, views[2])
+
+
+def test_follow_fails_fast_on_what_retrying_cannot_fix(board, tmp_path):
+    publish_states(board.client(board.publish_token), "ff", SIZES, 1)
+    stop = threading.Event()
+    refused = Follower(board.client("not-a-token"), "ff", tmp_path / "a", node_id="n", poll_s=0.2)
+    with refused, pytest.raises(Unauthorized):
+        refused.follow(stop)
+    with Follower(board.client(board.read_token), "nope", tmp_path / "b", node_id="n", poll_s=0.2) as f:
+        with pytest.raises(UnknownRun):
+            f.follow(stop)  # no wait asked for: a misspelt run fails at once
+        waited = threading.Thread(target=f.follow, args=(stop,), kwargs={"run_wait_s": 60})
+        waited.start()
+        waited.join(1.0)
+        assert waited.is_alive()  # waiting for the run to appear
+        stop.set()
+        waited.join(10)
+        assert not waited.is_alive()

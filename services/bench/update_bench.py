@@ -1,0 +1,220 @@
+"""`deltaboard bench update`: from a commit on the board to the engine serving it.
+
+Three rollout nodes follow the same run from a real board process on loopback, each
+with an engine's weights in memory (torch tensors on `--device`, loaded from the node's
+checkpoint directory as an engine loads them):
+
+* **hot** (`hot_*`): the resident view. Per version: fetch the delta, check sha256,
+  decode it against the served slot (`Follower.hot_patch`), stage it next to the
+  weights (`ResidentView.stage`), then the commit, the only time the engine cannot
+  generate (`hot_pause_ms`). The disk slot follows afterwards, off the critical path
+  (`hot_disk_s`).
+* **disk slot + reload** (`disk_*`): today's path. The follower applies the version to
+  its other disk slot and swaps it, then the engine reloads the whole checkpoint from
+  disk (read every shard, copy into its parameters); it cannot generate during the
+  reload.
+* **full reload** (`reload_*`): a plain full reload of the same checkpoint from disk,
+  the floor of any reload-based path.
+
+`*_ready_s` runs from the moment the publisher's commit returned to the engine serving
+the new version; medians over the measured versions. The view is the synthetic one of
+`bench follow` (bf16 N(0, 0.02) weights changed with the per-exponent rates and ULP steps
+of a recorded AdamW trajectory), in `--tensors` tensors.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from deltaboard.clients.board_client import BoardClient
+from deltaboard.clients.follower import Follower
+from deltaboard.clients.resident import ResidentView
+from deltaboard.services.bench import follow_bench
+from deltaboard.services.bench.publish_bench import board_process
+
+RUN = follow_bench.RUN
+Status = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    view_gb: float = 1.0
+    device: str = "cpu"
+    changed_fraction: float = 0.01
+    versions: int = 4  # measured versions after the keyframe
+    tensors: int = 256
+    seed: int = 0
+
+
+def quick(device: str) -> BenchConfig:
+    return BenchConfig(view_gb=0.25 if device == "cpu" else 2.0, device=device, versions=2, tensors=64)
+
+
+def load_engine(directory: Path, device: str) -> dict[str, Any]:
+    """The weights an engine holds after loading `directory` (every shard, on `device`)."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, Any] = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        weights.update(load_file(shard, device=device))
+    return weights
+
+
+def reload_into(engine: dict[str, Any], directory: Path, device: str) -> None:
+    """What a reload costs an engine: read every shard and copy it into the parameters."""
+    import torch
+
+    for name, tensor in load_engine(directory, device).items():
+        engine[name].copy_(tensor)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _follower(client: BoardClient, directory: Path, name: str) -> Follower:
+    return Follower(client, RUN, directory, node_id=name, engine="bench")
+
+
+def run(config: BenchConfig, status: Status) -> dict[str, Any]:
+    elements = max(4096, round(config.view_gb * 1e9 / 2 / config.tensors) // 4096 * 4096)
+    follow_config = follow_bench.BenchConfig(
+        view_gb=config.view_gb,
+        changed_fraction=config.changed_fraction,
+        tensor_elements=elements,
+        seed=config.seed,
+    )
+    with tempfile.TemporaryDirectory(prefix="deltaboard-bench-update-") as tmp_name:
+        tmp = Path(tmp_name)
+        (tmp / "board").mkdir()
+        status("measuring the change statistics of a recorded AdamW trajectory")
+        stats = follow_bench.trajectory_stats()
+        status("generating the view")
+        trainer = follow_bench.SyntheticTrainer(follow_config, stats)
+        with board_process(tmp / "board") as (url, token), BoardClient(url, token) as client:
+            from deltaboard.publisher.publisher import Publisher
+
+            with Publisher(client, RUN, keyframe_every=10**6, lease_ttl_s=300, assets={}) as pub:
+                status("publishing the keyframe")
+                pub.publish(trainer.state).result()
+                nodes = {kind: _follower(client, tmp / kind, kind) for kind in ("hot", "disk")}
+                for kind, follower in nodes.items():
+                    status(f"bootstrapping the {kind} node and loading its engine")
+                    follower.sync(0)
+                engines = {kind: load_engine(f.model_dir, config.device) for kind, f in nodes.items()}
+                view = ResidentView(engines["hot"], 0)
+                rows: list[dict[str, float]] = []
+                for v in range(1, config.versions + 1):
+                    status(f"version {v}/{config.versions}: publishing")
+                    trainer.step()
+                    result = pub.publish(trainer.state).result()
+                    committed = time.perf_counter()
+
+                    status(f"version {v}: hot path")
+                    patch = nodes["hot"].hot_patch(v)
+                    report = view.commit(view.stage(patch))
+                    hot_ready = time.perf_counter() - committed
+                    started = time.perf_counter()
+                    nodes["hot"].sync(v)  # the background copy on disk, for restarts
+                    hot_disk = time.perf_counter() - started
+
+                    status(f"version {v}: disk slot + reload")
+                    started = time.perf_counter()
+                    nodes["disk"].sync(v)
+                    synced = time.perf_counter()
+                    reload_into(engines["disk"], nodes["disk"].model_dir, config.device)
+                    done = time.perf_counter()
+
+                    status(f"version {v}: full reload")
+                    started_reload = time.perf_counter()
+                    reload_into(engines["disk"], nodes["disk"].model_dir, config.device)
+                    reload_s = time.perf_counter() - started_reload
+                    rows.append(
+                        {
+                            "changed": result.changed_elements / max(1, result.total_elements),
+                            "hot_pause_s": report.pause_s,
+                            "hot_ready_s": hot_ready,
+                            "hot_disk_s": hot_disk,
+                            "disk_ready_s": done
+                            - started,  # as if it had started at the commit, like the hot path
+                            "disk_pause_s": done - synced,
+                            "reload_s": reload_s,
+                        }
+                    )
+                exact = all(
+                    bool((engines["hot"][name].view(-1).cpu() == trainer.state[name].view(-1)).all())
+                    for name in trainer.state
+                )
+                for follower in nodes.values():
+                    follower.close()
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    hot_pause_ms, reload_pause_ms = median("hot_pause_s") * 1e3, median("reload_s") * 1e3
+    return {
+        "view_gb": trainer.nbytes / 1e9,
+        "device": config.device,
+        "tensors": len(trainer.state),
+        "changed_fraction": median("changed"),
+        "hot_pause_ms": hot_pause_ms,
+        "hot_ready_s": median("hot_ready_s"),
+        "hot_disk_s": median("hot_disk_s"),
+        "disk_ready_s": median("disk_ready_s"),
+        "disk_pause_ms": median("disk_pause_s") * 1e3,
+        "reload_ready_s": median("reload_s"),
+        "reload_pause_ms": reload_pause_ms,
+        "pause_ratio": reload_pause_ms / hot_pause_ms if hot_pause_ms else float("inf"),
+        "hot_bit_exact": exact,
+        "versions": rows,
+    }
+
+
+def run_shapes(config: BenchConfig, many: int, status: Status) -> dict[str, Any]:
+    """The same view in `config.tensors` tensors and in `many`: the commit's cost must
+    follow changed elements, not tensor count."""
+    few = run(config, status)
+    if not many:
+        return few
+    status(f"the same bytes in {many} tensors")
+    spread = run(replace(config, tensors=many), status)
+    few["many_tensors"] = {
+        k: spread[k] for k in ("tensors", "hot_pause_ms", "hot_ready_s", "changed_fraction")
+    }
+    few["many_tensors_pause_ratio"] = spread["hot_pause_ms"] / few["hot_pause_ms"]
+    return few
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    table = Table(
+        title=(
+            f"bench update: {report['view_gb']:.2f} GB bf16 view in {report['tensors']} tensors on "
+            f"{report['device']}, {report['changed_fraction']:.2%} changed per version"
+        )
+    )
+    table.add_column("path")
+    table.add_column("commit -> serving", justify="right")
+    table.add_column("engine paused", justify="right")
+    table.add_row("hot (resident view)", f"{report['hot_ready_s']:.3f} s", f"{report['hot_pause_ms']:.1f} ms")
+    table.add_row(
+        "disk slot + reload", f"{report['disk_ready_s']:.3f} s", f"{report['disk_pause_ms']:.1f} ms"
+    )
+    table.add_row("full reload", f"{report['reload_ready_s']:.3f} s", f"{report['reload_pause_ms']:.1f} ms")
+    console.print(table)
+    console.print(
+        f"hot pause {report['pause_ratio']:.1f}x shorter than a full reload's; the disk copy follows "
+        f"in {report['hot_disk_s']:.3f} s after the swap; bit-exact: {report['hot_bit_exact']}"
+    )
+    if "many_tensors" in report:
+        many = report["many_tensors"]
+        console.print(
+            f"{many['tensors']} tensors: hot pause {many['hot_pause_ms']:.1f} ms "
+            f"({report['many_tensors_pause_ratio']:.2f}x the {report['tensors']}-tensor view's)"
+        )

@@ -79,11 +79,12 @@ def encode_rank(
     slots = {s.name: s for s in layout.slots}
     tensors = tuple((s.name, s.dtype, s.shape) for s in layout.slots)
     total = sum(s.numel for s in layout.slots)
-    digests = dict(base_digests)
+    digests: dict[str, str] = {}  # a keyframe's are its own tensors' (names may have changed)
     if base is None:
         keyframes: list[Task] = [(s, s.numel, partial(_keyframe, buffer, s)) for s in layout.slots]
         _encode_in_order(keyframes, encoders, window, packer, digests)
         return RankVersion(tensors, tuple(packer.finish()), digests, total, total, layout.view_bytes, 0, 0.0)
+    digests.update(base_digests)
     changed = host_bytes = hint_bytes = 0
     diff_s = 0.0
     started = time.perf_counter()

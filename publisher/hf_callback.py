@@ -1,5 +1,9 @@
-"""A Hugging Face `TrainerCallback` that publishes the policy after optimizer steps.
+"""A Hugging Face `TrainerCallback` that publishes the policy as training starts and after
+optimizer steps.
 
+`on_train_begin` publishes the starting policy: the first rollouts need it, and a trainer
+resumed from a checkpoint it had published holds the board's head, which the publisher
+then takes as the base of its deltas (nothing is committed, no keyframe is sent).
 `on_step_end` runs right after the optimizer step (and zero_grad), which is when the
 weights a rollout engine should serve have just changed; the callback snapshots them
 and returns to the Trainer while the version travels in the background. Only the world's
@@ -23,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class DeltaboardCallback(TrainerCallback):
-    """Publish every `every` optimizer steps; keeps the last future in `last`."""
+    """Publish at the start and every `every` optimizer steps; keeps the last future in `last`."""
 
     def __init__(self, publisher: Publisher, every: int = 1, close_at_end: bool = False) -> None:
         if every < 1:
@@ -34,15 +38,19 @@ class DeltaboardCallback(TrainerCallback):
         self.last: Future[PublishResult] | None = None
         self.failures = 0
 
-    def on_step_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: Any = None,
-        **kwargs: Any,
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if model is None or not state.is_world_process_zero or state.global_step % self.every:
+        self._publish(state, kwargs.get("model"))
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if state.global_step % self.every == 0:
+            self._publish(state, kwargs.get("model"))
+
+    def _publish(self, state: TrainerState, model: Any) -> None:
+        if model is None or not state.is_world_process_zero:
             return
         meta = {"epoch": state.epoch, "source": "transformers.Trainer"}
         self.last = self.publisher.publish(model, step=state.global_step, meta=meta)

@@ -5,7 +5,9 @@ so a restarted or duplicated trainer cannot fork a run. The keeper renews the le
 a background thread at a third of its TTL; once the board answers that our epoch is
 stale (someone else took the run), or the lease could not be renewed before it expired,
 the publisher is *fenced*: every pending and later publish fails with `FencedError`,
-which says so plainly instead of surfacing as an opaque 409.
+which says so plainly instead of surfacing as an opaque 409. Taking a lease another
+writer still holds (a trainer restarted before its old lease ran out) is `LeaseHeld`,
+which says how long the lease has left and what `steal_lease=True` would do.
 """
 
 from __future__ import annotations
@@ -29,6 +31,23 @@ class LeaseClient(Protocol):
     def release_lease(self, run: str, holder: str, epoch: int) -> None: ...
 
 
+def held_message(run: str, exc: LeaseHeld) -> str:
+    """`LeaseHeld` in words: who holds the run, for how long yet, and the two ways on."""
+    holder = exc.extra.get("holder", "another writer")
+    expires_at = exc.extra.get("expires_at")
+    left = (
+        "a while"
+        if not isinstance(expires_at, int | float)
+        else f"{max(0.0, expires_at - time.time()):.0f} s more"
+    )
+    return (
+        f"run {run!r} is held by writer {holder!r}, whose lease lasts {left} unless it renews it "
+        f"(a crashed or stopped trainer's lease runs out on its own). Wait and try again, or pass "
+        f"steal_lease=True to take the run now: the other writer is fenced off, and its next "
+        f"commit fails."
+    )
+
+
 class LeaseKeeper:
     """Holds and renews one run's lease; `check()` raises once fenced."""
 
@@ -42,7 +61,10 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._fenced: FencedError | None = None
         self._lock = threading.Lock()
-        lease = client.acquire_lease(run, holder, ttl_s, steal=steal)
+        try:
+            lease = client.acquire_lease(run, holder, ttl_s, steal=steal)
+        except LeaseHeld as exc:
+            raise LeaseHeld(held_message(run, exc), http_status=exc.http_status, **exc.extra) from exc
         self.epoch = lease.epoch
         self._expires_at = time.monotonic() + ttl_s
         self._thread = threading.Thread(target=self._renew_loop, name=f"deltaboard-lease-{run}", daemon=True)

@@ -13,6 +13,10 @@ buffer first; when every buffer is in flight (uploads fell behind) it waits: tha
 is the back-pressure, and it is the only way publishing can slow the trainer beyond the
 copy itself.
 
+When the tensors change (names added or dropped, a shape changed: a new layout), the
+pipeline waits for the versions in flight, drops the base and allocates buffers for the
+new layout: the next version is a keyframe.
+
 Versions are processed strictly in order by one worker. On success the job's buffer
 becomes the base and the old base returns to the pool; on failure the job's buffer
 returns to the pool, the base stays, and the next job diffs against the last committed
@@ -32,7 +36,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from deltaboard.board.contract.schemas import ViewSpec
-from deltaboard.publisher.snapshot import ViewBuffer, ViewLayout
+from deltaboard.publisher.snapshot import LayoutChange, ViewBuffer, ViewLayout
 
 R = TypeVar("R")
 
@@ -44,6 +48,8 @@ class Job(Generic[R]):
     meta: Mapping[str, Any]
     future: Future[R]
     called_at: float
+    change: LayoutChange | None  # the tensors changed since the last version: a keyframe
+    assets: Mapping[str, bytes]  # run assets to upload with this version
     blocked_s: float = 0.0
 
 
@@ -76,17 +82,32 @@ class SnapshotPipeline(Generic[R]):
         """The documented bound on view-buffer memory: (1 + max_in_flight) copies of the view."""
         return 0 if self.layout is None else (1 + self.max_in_flight) * self.layout.nbytes
 
+    def layout_change(self, state: Mapping[str, torch.Tensor]) -> LayoutChange | None:
+        """How `state` differs from the layout of the versions before it (None: it does
+        not, or nothing was snapshot yet)."""
+        return None if self.layout is None else self.layout.change(state, self._spec)
+
     def submit(
-        self, state: Mapping[str, torch.Tensor], step: int | None, meta: Mapping[str, Any]
+        self,
+        state: Mapping[str, torch.Tensor],
+        step: int | None,
+        meta: Mapping[str, Any],
+        *,
+        change: LayoutChange | None = None,
+        assets: Mapping[str, bytes] | None = None,
     ) -> Future[R]:
-        """Snapshot `state` into a free buffer (waiting for one if all are in flight), queue it."""
+        """Snapshot `state` into a free buffer (waiting for one if all are in flight), queue it.
+
+        `change` is `layout_change(state)`: with one, the versions in flight finish first
+        and the buffers are allocated anew for the new layout, with no base.
+        """
         called = time.perf_counter()
         if self._closed:
             raise RuntimeError("the publisher is closed")
-        if self.layout is None:
+        if self.layout is None or change is not None:
+            self.flush()
+            self._free, self.base = [], None  # the old buffers go before the new ones come
             self._allocate(ViewLayout.of(state, self._spec))
-        else:
-            self.layout.check(state)
         buffer = self._take_buffer()
         try:
             buffer.fill(state)
@@ -94,7 +115,8 @@ class SnapshotPipeline(Generic[R]):
             self._give_back(buffer)
             raise
         future: Future[R] = Future()
-        job = Job(buffer, step, dict(meta), future, called, time.perf_counter() - called)
+        blocked = time.perf_counter() - called
+        job = Job(buffer, step, dict(meta), future, called, change, dict(assets or {}), blocked)
         with self._cond:
             self._pending += 1
         self._jobs.put(job)

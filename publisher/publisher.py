@@ -1,13 +1,20 @@
 """`Publisher`: one call after each optimizer step; the version reaches the board behind it.
 
-    pub = Publisher("http://board:8000", "run-1", token=..., assets="path/to/hf_dir")
+    pub = Publisher("http://board:8000", "run-1", token=...)
     fut = pub.publish(model, step=step)   # blocks only for the snapshot copy
     ...
     pub.close()                           # flush, then give the writer lease back
 
 The first version this publisher commits is a keyframe (with the run's assets, so that a
-materialized directory is a loadable Hugging Face checkpoint); later ones are deltas
-against the last committed view, with a keyframe whenever `version % keyframe_every == 0`.
+materialized directory is a loadable Hugging Face checkpoint: the model's own config and
+generation config unless `assets=` names others); later ones are deltas against the last
+committed view, with a keyframe whenever `version % keyframe_every == 0` and whenever the
+tensors change (names added or dropped, a shape changed: the result says which).
+
+A restarted trainer continues the run with deltas: when the first view a publisher sees
+is the board's head (the trainer resumed from the checkpoint it last published; the
+state digests agree), that view becomes the base and nothing is committed for it. So
+publish the policy as training starts, as well as after each step.
 
 Memory, in bytes (documented bound, see `memory_bound_bytes`):
   device: (1 + max_in_flight) * view_bytes   view buffers (`pipeline`), plus the diff's
@@ -50,18 +57,24 @@ from deltaboard.board import codec
 from deltaboard.board.contract.errors import BoardError, NotHead, StaleEpoch
 from deltaboard.board.contract.schemas import Manifest, ViewSpec
 from deltaboard.clients.board_client import BoardClient
-from deltaboard.publisher.assets import read_assets
+from deltaboard.publisher.assets import describe_view, model_assets, read_assets
 from deltaboard.publisher.encode import RankVersion, encode_rank
 from deltaboard.publisher.lease import FencedError, LeaseKeeper
 from deltaboard.publisher.manifest import Proposal, build_manifest
 from deltaboard.publisher.packer import BlobPacker
 from deltaboard.publisher.pipeline import Job, SnapshotPipeline
 from deltaboard.publisher.ranks import RankCoordinator, RankReport, SingleRank, Verdict
-from deltaboard.publisher.snapshot import ViewBuffer
+from deltaboard.publisher.snapshot import LayoutChange, ViewBuffer
+from deltaboard.publisher.tied import ModelOrState, state_of
 
 MiB = 1 << 20
-ModelOrState = torch.nn.Module | Mapping[str, torch.Tensor]
 Progress = Callable[[int], None]
+NO_ASSETS = (
+    "publish() was given a state dict and the Publisher no assets=: the directory a follower "
+    "materializes would have no config.json, and from_pretrained could not load it. Publish the "
+    "model itself (its config and generation config are taken), pass assets= (a checkpoint "
+    "directory or {name: bytes}), or assets={} to publish the weights alone."
+)
 
 
 class PublishError(RuntimeError):
@@ -84,10 +97,9 @@ class PublishResult:
     diff_s: float  # the device diff (part of encode_s)
     encode_s: float  # diff, encode and upload of this rank's part
     commit_s: float  # gathering the ranks' parts and committing
-
-
-def state_of(obj: ModelOrState) -> Mapping[str, torch.Tensor]:
-    return obj.state_dict() if isinstance(obj, torch.nn.Module) else obj
+    manifest_bytes: int  # the committed manifest's JSON (what every follower reads), 0 if none
+    layout_change: LayoutChange | None  # the tensors changed: this version is a keyframe
+    resumed: bool  # the view was already `version` (a restarted trainer's): nothing committed
 
 
 def default_holder() -> str:
@@ -99,6 +111,11 @@ class Publisher:
 
     From one process by default; with `ranks` (see `ranks` and `distributed`), one
     `Publisher` per rank, each publishing its part of every version.
+
+    `assets`: the files a follower's directory needs besides the weights (a checkpoint
+    directory, or {name: bytes}); by default the published model's config. `config.json`
+    is rewritten to say the view's dtype. `steal_lease=True` takes the run from a writer
+    whose lease is still live, which fences that writer off.
     """
 
     def __init__(
@@ -129,7 +146,10 @@ class Publisher:
         self.run = run
         self.spec = spec or ViewSpec()
         self.keyframe_every = keyframe_every
-        self._assets = dict(read_assets(assets)) if assets is not None else {}
+        # None: the published model's own, taken at its first publish (`_assets_due`)
+        self._given_assets = None if assets is None else describe_view(read_assets(assets), self.spec)
+        self._first_publish = True
+        self._pending_assets: dict[str, bytes] = {}  # the worker's: uploaded with the next commit
         self._blob_max = blob_max_bytes
         self._max_pending = max_pending_blob_bytes
         self._on_uploaded = on_uploaded
@@ -141,6 +161,8 @@ class Publisher:
         )
         self._digests: dict[str, str] = {}
         self._ranks = ranks or SingleRank()
+        # a lone publisher's first view may be the head's (`_resume`)
+        self._may_resume = self._ranks.world_size == 1
         self._lease: LeaseKeeper | None = None  # the leader's only
         self._fenced: FencedError | None = None  # a verdict said so
         try:
@@ -173,7 +195,7 @@ class Publisher:
         if self._fenced is not None:
             raise self._fenced
 
-    def _settle(self, proposal: Proposal, outcome: RankVersion | BaseException) -> None:
+    def _settle(self, proposal: Proposal, outcome: RankVersion | BaseException) -> Verdict:
         """Commit the version if every rank's part is uploaded; raise on every rank if not.
 
         The rank that failed raises its own error, the leader the error of its commit;
@@ -185,7 +207,7 @@ class Publisher:
             self._pipeline.forget_base()
         self.next_version = verdict.next_version
         if verdict.status == "ok":
-            return
+            return verdict
         if verdict.status == "fenced":
             self._fenced = FencedError(verdict.message)
         if isinstance(outcome, BaseException):
@@ -209,7 +231,7 @@ class Publisher:
             message = f"version {proposal.version} not committed: {'; '.join(failures)}"
             return Verdict("failed", message, proposal.version, False)
         try:
-            self._commit(proposal, [r for r in reports if isinstance(r, RankVersion)])
+            manifest_bytes = self._commit(proposal, [r for r in reports if isinstance(r, RankVersion)])
         except FencedError as exc:
             errors.append(exc)
             return Verdict("fenced", str(exc), proposal.version, False)
@@ -217,7 +239,7 @@ class Publisher:
             errors.append(exc)
             resynced = self.next_version != proposal.version
             return Verdict("failed", str(exc), self.next_version, resynced)
-        return Verdict("ok", "", proposal.version + 1, False)
+        return Verdict("ok", "", proposal.version + 1, False, manifest_bytes)
 
     # ---- public API ----
 
@@ -240,8 +262,8 @@ class Publisher:
         if version != self.next_version - 1:
             raise ValueError(f"version {version} is not the head ({self.next_version - 1})")
         buffer = self._pipeline.adopt_base(view)
-        digests = {s.name: codec.digest(buffer.host_bytes(s), s.dtype) for s in buffer.layout.slots}
-        if codec.state_digest(digests.items()) != self.client.manifest(self.run, version).state_digest:
+        digests = self._digests_if(buffer, self.client.manifest(self.run, version))
+        if digests is None:
             self._pipeline.forget_base()
             raise ValueError(f"the given view is not version {version} of run {self.run!r}")
         self._digests = digests
@@ -263,7 +285,31 @@ class Publisher:
             raise RuntimeError("publish() after close()")
         self._check_open()
         state = self._ranks.local_state(state_of(model_or_state_dict))
-        return self._pipeline.submit(state, step, meta or {})
+        change = self._pipeline.layout_change(state)
+        if change is not None and self._ranks.world_size > 1:
+            raise ValueError(
+                f"the tensors changed since the last version ({change}): ranks publishing together "
+                "cannot change their tensors within a run; start a new run"
+            )
+        assets = self._assets_due(model_or_state_dict, change)
+        return self._pipeline.submit(state, step, meta or {}, change=change, assets=assets)
+
+    def _assets_due(self, published: ModelOrState, change: LayoutChange | None) -> dict[str, bytes]:
+        """The assets to upload with this version (the leader's): the given ones or the
+        model's own with the first publish, and the model's own again when its tensors
+        changed (`resize_token_embeddings` changes its config too). Every rank checks
+        alike, so that all refuse a state dict without assets, not the leader alone."""
+        first = self._first_publish
+        assets: dict[str, bytes] = {}
+        if self._given_assets is not None:
+            assets = self._given_assets if first else {}
+        elif first or change is not None:
+            found = model_assets(published)
+            if found is None and first:
+                raise ValueError(NO_ASSETS)
+            assets = {} if found is None else describe_view(found, self.spec)
+        self._first_publish = False
+        return assets if self._ranks.rank == 0 else {}
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every published version is committed or failed."""
@@ -292,6 +338,12 @@ class Publisher:
 
     def _process(self, job: Job[PublishResult], base: ViewBuffer | None) -> PublishResult:
         version = self.next_version
+        self._pending_assets.update(job.assets)
+        if self._may_resume:
+            self._may_resume = False
+            resumed = self._resume(job) if base is None and version > 0 else None
+            if resumed is not None:
+                return resumed
         full = base is None or version % self.keyframe_every == 0
         proposal = Proposal(version, "full" if full else "delta", job.step, job.meta)
         outcome: RankVersion | BaseException
@@ -312,7 +364,7 @@ class Publisher:
         except Exception as exc:
             outcome = exc
         encoded = time.perf_counter()
-        self._settle(proposal, outcome)
+        verdict = self._settle(proposal, outcome)
         assert isinstance(outcome, RankVersion)
         committed = time.perf_counter()
         self._digests = dict(outcome.digests)
@@ -330,7 +382,49 @@ class Publisher:
             diff_s=outcome.diff_s,
             encode_s=encoded - started,
             commit_s=committed - encoded,
+            manifest_bytes=verdict.manifest_bytes,
+            layout_change=job.change,
+            resumed=False,
         )
+
+    def _resume(self, job: Job[PublishResult]) -> PublishResult | None:
+        """The first view of a publisher over a run with a head: when it is the head's view
+        (a trainer restarted from the checkpoint it had published), it becomes the base of
+        the next delta and nothing is committed; else None (a keyframe follows)."""
+        started = time.perf_counter()
+        head = self.next_version - 1
+        manifest = self.client.manifest(self.run, head)
+        job.buffer.wait_ready()
+        digests = self._digests_if(job.buffer, manifest)
+        if digests is None:
+            return None
+        self._digests = digests
+        done = time.perf_counter()
+        return PublishResult(
+            version=head,
+            kind=manifest.kind,
+            step=job.step,
+            changed_elements=0,
+            total_elements=sum(s.numel for s in job.buffer.layout.slots),
+            encoded_bytes=0,
+            host_bytes=0,
+            blocked_s=job.blocked_s,
+            e2e_s=done - job.called_at,
+            diff_s=0.0,
+            encode_s=done - started,
+            commit_s=0.0,
+            manifest_bytes=0,
+            layout_change=None,
+            resumed=True,
+        )
+
+    def _digests_if(self, buffer: ViewBuffer, manifest: Manifest) -> dict[str, str] | None:
+        """The view's tensor digests if it is `manifest`'s version (same view spec, same
+        state digest), else None."""
+        if manifest.view != self.spec:
+            return None
+        digests = {s.name: codec.digest(buffer.host_bytes(s), s.dtype) for s in buffer.layout.slots}
+        return digests if codec.state_digest(digests.items()) == manifest.state_digest else None
 
     def _packer(self) -> BlobPacker:
         return BlobPacker(
@@ -346,15 +440,16 @@ class Publisher:
         self.client.upload_blob(self.run, data, sha)
 
     def _commit(self, proposal: Proposal, ranks: list[RankVersion]) -> int:
-        """Upload the assets if still due, then commit the manifest (the leader's job)."""
+        """Upload the assets still due, then commit the manifest (the leader's job);
+        returns the manifest's size in bytes."""
         assert self._lease is not None
         self._lease.check()
-        for name, data in list(self._assets.items()):
+        for name, data in list(self._pending_assets.items()):
             self.client.put_asset(self.run, name, data)
-            del self._assets[name]
+            del self._pending_assets[name]
         try:
             try:
-                self._send(proposal, ranks)
+                manifest = self._send(proposal, ranks)
             except NotHead:
                 if self._board_next_version() != proposal.version:
                     raise
@@ -362,11 +457,11 @@ class Publisher:
                 # our own earlier attempt, whose manifest landed but whose head CAS did not
                 # (a board crash in between, then retries given up). A new epoch replaces it.
                 self._lease.take_new_epoch()
-                self._send(proposal, ranks)
+                manifest = self._send(proposal, ranks)
         except NotHead as exc:
             self._resync()
             raise PublishError(f"version {proposal.version} was not committed: {exc}") from exc
-        return proposal.version
+        return len(manifest.model_dump_json().encode())
 
     def _send(self, proposal: Proposal, ranks: list[RankVersion]) -> Manifest:
         """Commit the manifest under the current epoch; `NotHead` is left to the caller."""

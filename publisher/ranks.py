@@ -36,6 +36,7 @@ class Verdict:
     message: str  # why not "ok"
     next_version: int  # the version every rank proposes next
     resynced: bool  # the leader moved to the board's head: every rank drops its base
+    manifest_bytes: int = 0  # the committed manifest's size ("ok" only)
 
 
 Decide = Callable[[Sequence[RankReport]], Verdict]

@@ -17,6 +17,7 @@ import itertools
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -86,17 +87,43 @@ class ViewLayout:
     def view_bytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
 
-    def check(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Refuse a state dict whose tensors differ from the layout's (a new model needs a new run)."""
-        if list(state) != [s.name for s in self.slots]:
-            raise ValueError("the state dict's tensor names changed since the first publish")
-        for slot in self.slots:
-            tensor = state[slot.name]
-            if tuple(tensor.shape) != slot.shape or str(tensor.device) != slot.device:
-                raise ValueError(
-                    f"tensor {slot.name!r} changed shape or device since the first publish "
-                    f"({slot.shape} on {slot.device} -> {tuple(tensor.shape)} on {tensor.device})"
-                )
+    @cached_property
+    def names(self) -> frozenset[str]:
+        return frozenset(s.name for s in self.slots)
+
+    def change(self, state: Mapping[str, torch.Tensor], spec: ViewSpec) -> LayoutChange | None:
+        """None when `state` holds this layout's tensors (in any order) with their shapes and
+        devices; else what differs, which a new layout (and a keyframe) must follow."""
+        if state.keys() == self.names and all(
+            tuple(state[s.name].shape) == s.shape and str(state[s.name].device) == s.device
+            for s in self.slots
+        ):
+            return None
+        old = {s.name: (s.shape, s.device) for s in self.slots}
+        new = {s.name: (s.shape, s.device) for s in ViewLayout.of(state, spec).slots}
+        return LayoutChange(
+            added=tuple(n for n in new if n not in old),
+            dropped=tuple(n for n in old if n not in new),
+            reshaped=tuple(n for n in new if n in old and new[n] != old[n]),
+        )
+
+
+@dataclass(frozen=True)
+class LayoutChange:
+    """How a state dict's tensors differ from the layout of the versions before it: names
+    added or dropped, tensors whose shape or device changed (`resize_token_embeddings`)."""
+
+    added: tuple[str, ...]
+    dropped: tuple[str, ...]
+    reshaped: tuple[str, ...]
+
+    def __str__(self) -> str:
+        parts = [
+            f"{what} {', '.join(names[:5])}{f' and {len(names) - 5} more' if len(names) > 5 else ''}"
+            for what, names in (("added", self.added), ("dropped", self.dropped), ("reshaped", self.reshaped))
+            if names
+        ]
+        return "; ".join(parts)
 
 
 _PIECE_BYTES = 1 << 23

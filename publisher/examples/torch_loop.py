@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
 
 
-def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0, *, tied: bool = False) -> LlamaForCausalLM:
+    """`tied`: the output head shares the input embeddings (`tie_word_embeddings`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -33,6 +34,7 @@ def tiny_model(seed: int = 0) -> LlamaForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
     return LlamaForCausalLM(config)
 
@@ -60,8 +62,7 @@ def main() -> None:
     parser.add_argument("--token", default=None)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    config = tiny_model().config.to_json_string(use_diff=False).encode()
-    with Publisher(args.board, args.run, token=args.token, assets={"config.json": config}) as pub:
+    with Publisher(args.board, args.run, token=args.token) as pub:  # assets: the model's config
         for fut in train(pub, args.steps):
             r = fut.result()
             print(

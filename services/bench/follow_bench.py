@@ -270,7 +270,7 @@ def publish(
 
     results = []
     base: dict[str, np.ndarray] = {}
-    with Publisher(client, RUN, keyframe_every=10**6, lease_ttl_s=300) as pub:
+    with Publisher(client, RUN, keyframe_every=10**6, lease_ttl_s=300, assets={}) as pub:
         for v in range(versions):
             status(f"publishing version {v}/{versions - 1}")
             if v == versions - 1:

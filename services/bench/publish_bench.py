@@ -82,9 +82,7 @@ def board_process(data_dir: Path) -> Iterator[tuple[str, str]]:
         deadline = time.monotonic() + 60
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(
-                    f"the board exited ({proc.returncode}); see {data_dir / 'board.log'}"
-                )
+                raise RuntimeError(f"the board exited ({proc.returncode}); see {data_dir / 'board.log'}")
             try:
                 if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
                     break
@@ -139,7 +137,7 @@ def _publish_series(
     from deltaboard.publisher.publisher import Publisher
 
     out = []
-    with Publisher(url, run, token=token, keyframe_every=keyframe_every, lease_ttl_s=120) as pub:
+    with Publisher(url, run, token=token, keyframe_every=keyframe_every, lease_ttl_s=120, assets={}) as pub:
         for v in versions:
             view.set_version(v)
             t0 = time.perf_counter()

@@ -226,10 +226,13 @@ def test_device_context_hint_matches_codec(device, pair, rank_chunk):
     assert np.array_equal(codec.apply(old_bytes, patch), new_bytes)
 
 
-def test_layout_refuses_a_different_state():
-    state = {"w": torch.zeros(4)}
-    layout = ViewLayout.of(state, ViewSpec())
-    layout.check({"w": torch.ones(4)})
-    for bad in ({"w": torch.zeros(5)}, {"v": torch.zeros(4)}, {"w": torch.zeros(4), "v": torch.zeros(1)}):
-        with pytest.raises(ValueError, match="changed"):
-            layout.check(bad)
+def test_layout_change_names_what_changed_and_ignores_order():
+    layout = ViewLayout.of({"w": torch.zeros(4), "u": torch.zeros(2)}, ViewSpec())
+    assert layout.change({"u": torch.ones(2), "w": torch.ones(4)}, ViewSpec()) is None
+    cases = {
+        "reshaped w": {"w": torch.zeros(5), "u": torch.zeros(2)},
+        "added v; dropped u": {"w": torch.zeros(4), "v": torch.zeros(4)},
+        "added v": {"w": torch.zeros(4), "u": torch.zeros(2), "v": torch.zeros(1)},
+    }
+    for said, state in cases.items():
+        assert str(layout.change(state, ViewSpec())) == said

@@ -53,7 +53,7 @@ def _rank_main(
     client = BoardClient(url, token, transport=transport, retries=1, backoff_s=0.01)
     outcomes: list[dict[str, Any]] = []
     ranks = TorchDistributedRanks(partition=partition_by_name if world == 2 else None)
-    with Publisher(client, run, keyframe_every=100, ranks=ranks) as pub:
+    with Publisher(client, run, keyframe_every=100, ranks=ranks, assets={}) as pub:
         for i in range(VERSIONS):
             failing = rank == fail_rank and i == FAIL_AT
             transport.rule = (

@@ -22,12 +22,11 @@ class CopyTask(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return {"input_ids": ids, "labels": ids}
 
 
-def test_trainer_callback_publishes_each_optimizer_step(board, tmp_path):
+def test_trainer_callback_publishes_the_start_and_each_optimizer_step(board, tmp_path):
     from transformers import Trainer, TrainingArguments
 
     model = tiny_model()
-    model.config.save_pretrained(tmp_path / "assets")
-    pub = Publisher(board.client(board.publish_token), "hf", assets=tmp_path / "assets")
+    pub = Publisher(board.client(board.publish_token), "hf")  # the model's own config
     callback = DeltaboardCallback(pub, close_at_end=True)
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
@@ -42,11 +41,11 @@ def test_trainer_callback_publishes_each_optimizer_step(board, tmp_path):
     )
     Trainer(model=model, args=args, train_dataset=CopyTask(), callbacks=[callback]).train()
     assert callback.failures == 0 and callback.last is not None
-    assert callback.last.result().version == 2
+    assert callback.last.result().version == 3
     reader = board.client(board.read_token)
-    assert [reader.manifest("hf", v).meta["step"] for v in range(3)] == [1, 2, 3]
-    assert [reader.manifest("hf", v).kind for v in range(3)] == ["full", "delta", "delta"]
-    assert_same_view(materialize(reader, "hf", 2), view_bytes(model.state_dict()))
+    assert [reader.manifest("hf", v).meta["step"] for v in range(4)] == [0, 1, 2, 3]
+    assert [reader.manifest("hf", v).kind for v in range(4)] == ["full", "delta", "delta", "delta"]
+    assert_same_view(materialize(reader, "hf", 3), view_bytes(model.state_dict()))
     assert json.loads(reader.get_asset("hf", "config.json"))["model_type"] == "llama"
 
 

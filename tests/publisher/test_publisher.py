@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 
+import httpx
 import pytest
 import torch
 
 from deltaboard.board import codec
+from deltaboard.board.contract.errors import LeaseHeld
 from deltaboard.board.contract.schemas import ViewRule, ViewSpec
 from deltaboard.publisher.lease import FencedError
 from deltaboard.publisher.publisher import Publisher, PublishError
@@ -68,7 +72,8 @@ def test_keyframe_then_deltas_rebuild_every_version(board, device):
             assert 0 < results[v].changed_elements < results[v].total_elements / 10
         assert {t.name: t.dtype for t in manifest.tensors}.get("norm.weight", "F32") == "F32"
         assert_same_view(materialize(reader, "run-a", v), want)
-    assert reader.get_asset("run-a", "config.json") == b'{"a": 1}'
+    # the config says what is served (the view's dtype), not what the trainer holds
+    assert json.loads(reader.get_asset("run-a", "config.json")) == {"a": 1, "dtype": "bfloat16"}
     # close() released the lease: a new publisher takes it without stealing
     with Publisher(client, "run-a") as again:
         assert again.next_version == 5
@@ -78,7 +83,7 @@ def test_failed_publish_surfaces_and_next_diffs_against_committed(board):
     transport = FaultyTransport()
     client = board.client(board.publish_token, transport=transport, retries=1, backoff_s=0.01)
     state = make_state(1)
-    with Publisher(client, "run-f", keyframe_every=100) as pub:
+    with Publisher(client, "run-f", keyframe_every=100, assets={}) as pub:
         pub.publish(state).result()
         train_step(state, 1)
         transport.rule = lambda r: error(400, "Injected") if is_blob_put(r) else None
@@ -101,7 +106,7 @@ def test_transient_upload_errors_are_retried(board):
     failures = iter([error(503, "Unavailable"), error(503, "Unavailable")])
     transport.rule = lambda r: next(failures, None) if is_blob_put(r) else None
     state = make_state(2)
-    with Publisher(client, "run-r") as pub:
+    with Publisher(client, "run-r", assets={}) as pub:
         result = pub.publish(state).result()
     assert result.version == 0
     assert transport.blob_puts >= 3
@@ -110,9 +115,11 @@ def test_transient_upload_errors_are_retried(board):
 
 def test_fenced_publisher_stops_with_a_clear_error(board):
     state = make_state(3)
-    old = Publisher(board.client(board.publish_token), "run-x", holder="trainer-a")
+    old = Publisher(board.client(board.publish_token), "run-x", holder="trainer-a", assets={})
     old.publish(state).result()
-    new = Publisher(board.client(board.publish_token), "run-x", holder="trainer-b", steal_lease=True)
+    new = Publisher(
+        board.client(board.publish_token), "run-x", holder="trainer-b", steal_lease=True, assets={}
+    )
     train_step(state, 1)
     with pytest.raises(FencedError, match="fenced"):
         old.publish(state).result()
@@ -130,7 +137,7 @@ def test_back_pressure_bounds_versions_in_flight(board):
     transport = FaultyTransport()
     client = board.client(board.publish_token, transport=transport)
     state = make_state(4)
-    pub = Publisher(client, "run-b", max_in_flight=2)
+    pub = Publisher(client, "run-b", max_in_flight=2, assets={})
     transport.rule = lambda r: (gate.wait(30), None)[1] if is_blob_put(r) else None
     first = pub.publish(state)  # allocates buffer 1, the worker holds it while uploads wait
     second = pub.publish(state)  # buffer 2
@@ -157,18 +164,16 @@ def test_lease_is_renewed_in_the_background(board):
     import time
 
     state = make_state(5)
-    with Publisher(board.client(board.publish_token), "run-l", lease_ttl_s=0.6) as pub:
+    with Publisher(board.client(board.publish_token), "run-l", lease_ttl_s=0.6, assets={}) as pub:
         pub.publish(state).result()
         time.sleep(1.5)  # longer than the TTL: only renewal keeps the lease
         train_step(state, 1)
         assert pub.publish(state).result().version == 1
 
 
-def test_publish_refuses_another_model_and_after_close(board):
-    with Publisher(board.client(board.publish_token), "run-m") as pub:
+def test_publish_refuses_after_close(board):
+    with Publisher(board.client(board.publish_token), "run-m", assets={}) as pub:
         pub.publish(make_state()).result()
-        with pytest.raises(ValueError, match="changed"):
-            pub.publish({"other": torch.zeros(3)})
     with pytest.raises(RuntimeError, match="close"):
         pub.publish(make_state())
     assert PublishError.__mro__[1] is RuntimeError
@@ -176,13 +181,13 @@ def test_publish_refuses_another_model_and_after_close(board):
 
 def test_adopted_base_is_checked_against_the_board(board):
     state = make_state(6)
-    with Publisher(board.client(board.publish_token), "run-c") as pub:
+    with Publisher(board.client(board.publish_token), "run-c", assets={}) as pub:
         pub.publish(state).result()
-    with Publisher(board.client(board.publish_token), "run-c") as pub:
+    with Publisher(board.client(board.publish_token), "run-c", assets={}) as pub:
         wrong = dict(state, **{"layer.0.bias": torch.ones(32)})
         with pytest.raises(ValueError, match="not version 0"):
             pub.adopt_base(0, wrong)
-    with Publisher(board.client(board.publish_token), "run-c") as pub:
+    with Publisher(board.client(board.publish_token), "run-c", assets={}) as pub:
         pub.adopt_base(0, state)
         train_step(state, 1)
         result = pub.publish(state).result()
@@ -213,7 +218,7 @@ def test_context_encoding_default_and_choice_rebuild_exactly(board, device):
     for context in (False, True, None):
         run = f"ctx-{context}"
         state = {k: v.clone().to(device) for k, v in base.items()}
-        with Publisher(client, run, context=context) as pub:
+        with Publisher(client, run, context=context, assets={}) as pub:
             pub.publish(state, step=0).result()
             state["w"].add_(3e-8)  # moves the bf16 bits of the smallest weights only
             result = pub.publish(state, step=1).result()
@@ -225,3 +230,94 @@ def test_context_encoding_default_and_choice_rebuild_exactly(board, device):
         sizes[context] = result.encoded_bytes
     assert sizes[True] < sizes[False]
     assert sizes[None] == sizes[device == "cpu"]
+
+
+def test_reordered_names_are_a_delta_and_a_changed_layout_a_keyframe(board):
+    state = make_state(8)
+    reader = board.client(board.read_token)
+    with Publisher(board.client(board.publish_token), "run-t", assets={}) as pub:
+        pub.publish(state).result()
+        train_step(state, 1)
+        reordered = dict(reversed(state.items()))
+        same = pub.publish(reordered).result()
+        views = {1: view_bytes(state)}
+        grown = dict(state, **{"embed.weight": torch.randn(80, 32) * 0.02, "extra.bias": torch.zeros(4)})
+        del grown["norm.weight"]
+        changed = pub.publish(grown).result()
+        train_step(grown, 2)
+        after = pub.publish(grown).result()
+        views[3] = view_bytes(grown)
+    assert (same.kind, same.layout_change) == ("delta", None)
+    assert changed.kind == "full" and changed.layout_change is not None
+    assert str(changed.layout_change) == "added extra.bias; dropped norm.weight; reshaped embed.weight"
+    assert changed.layout_change.reshaped == ("embed.weight",)
+    assert (after.kind, after.layout_change) == ("delta", None)
+    for version, want in views.items():
+        assert_same_view(materialize(reader, "run-t", version), want)
+
+
+def test_a_restarted_trainer_continues_with_deltas(board):
+    state = make_state(9)
+    client = board.client(board.publish_token)
+    with Publisher(client, "run-s", assets={}) as pub:
+        pub.publish(state).result()
+        train_step(state, 1)
+        pub.publish(state).result()
+    # a new process resumed from the checkpoint of version 1: its view is the head's
+    with Publisher(client, "run-s", assets={}) as pub:
+        resumed = pub.publish(state).result()
+        train_step(state, 2)
+        after = pub.publish(state).result()
+    assert (resumed.version, resumed.resumed, resumed.encoded_bytes) == (1, True, 0)
+    assert (after.version, after.kind, after.resumed) == (2, "delta", False)
+    reader = board.client(board.read_token)
+    assert reader.head("run-s").version == 2
+    assert_same_view(materialize(reader, "run-s", 2), view_bytes(state))
+    # a trainer whose view is not the head's starts over with a keyframe
+    train_step(state, 3)
+    with Publisher(client, "run-s", assets={}) as pub:
+        other = pub.publish(state).result()
+    assert (other.version, other.kind, other.resumed) == (3, "full", False)
+
+
+def test_a_held_lease_is_explained_in_words(board):
+    client = board.client(board.publish_token)
+    client.create_run("run-h")
+    client.acquire_lease("run-h", "crashed-trainer", ttl_s=120)  # never released
+    with pytest.raises(LeaseHeld) as caught:
+        Publisher(client, "run-h", assets={})
+    message = str(caught.value)
+    assert re.search(r"'crashed-trainer', whose lease lasts 1[12]\d s more", message), message
+    assert "steal_lease=True to take the run now: the other writer is fenced off" in message
+    with Publisher(client, "run-h", assets={}, steal_lease=True) as pub:
+        assert pub.publish(make_state()).result().version == 0
+
+
+class WireRecorder(httpx.HTTPTransport):
+    """A real transport that records each answer's body as it came over the wire."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wire: dict[str, tuple[str, int]] = {}  # path -> (content-encoding, bytes)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        assert isinstance(response.stream, httpx.SyncByteStream)
+        raw = b"".join(response.stream)
+        self.wire[request.url.path] = (response.headers.get("content-encoding", ""), len(raw))
+        return httpx.Response(response.status_code, headers=response.headers, content=raw, request=request)
+
+
+def test_manifests_are_counted_and_travel_compressed(board):
+    state = make_state(10)
+    with Publisher(board.client(board.publish_token), "run-w", assets={}) as pub:
+        results = [pub.publish(state).result()]
+        train_step(state, 1)
+        results.append(pub.publish(state).result())
+    recorder = WireRecorder()
+    reader = board.client(board.read_token, transport=recorder)
+    for result in results:
+        manifest = reader.manifest("run-w", result.version)
+        assert result.manifest_bytes == len(manifest.model_dump_json().encode()) > 0
+        encoding, wire = recorder.wire[f"/v1/runs/run-w/manifests/{result.version}"]
+        assert encoding == "gzip" and wire < result.manifest_bytes / 2, (encoding, wire)

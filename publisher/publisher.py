@@ -70,7 +70,8 @@ from deltaboard.publisher.tied import ModelOrState, state_of
 MiB = 1 << 20
 Progress = Callable[[int], None]
 NO_ASSETS = (
-    "publish() was given a state dict and the Publisher no assets=: the directory a follower "
+    "publish() was given no Hugging Face model (a state dict, or a module without a config) "
+    "and the Publisher no assets=: the directory a follower "
     "materializes would have no config.json, and from_pretrained could not load it. Publish the "
     "model itself (its config and generation config are taken), pass assets= (a checkpoint "
     "directory or {name: bytes}), or assets={} to publish the weights alone."

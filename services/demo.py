@@ -385,10 +385,26 @@ def demo(
     step_delay: float = typer.Option(
         0.0, min=0.0, help="seconds between steps (pace a long-running trainer)"
     ),
-    board: str | None = typer.Option(None, help="publish to this board instead of starting one"),
-    token: str | None = typer.Option(None, envvar="DELTABOARD_TOKEN", help="publish token for --board"),
-    workdir: Path | None = typer.Option(None, help="keep board data, node directories and logs here"),
-    json_path: Path | None = typer.Option(None, "--json", help="write the summary as JSON"),
+    board: str | None = typer.Option(
+        None,
+        envvar="DELTABOARD_URL",
+        help="publish to this board instead of starting one (default: start one)",
+        show_default=False,
+    ),
+    token: str | None = typer.Option(
+        None,
+        envvar="DELTABOARD_TOKEN",
+        help="publish token for --board (default: none)",
+        show_default=False,
+    ),
+    workdir: Path | None = typer.Option(
+        None,
+        help="keep board data, node directories and logs here (default: a temporary directory)",
+        show_default=False,
+    ),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="write the summary as JSON (default: no)", show_default=False
+    ),
 ) -> None:
     """Train, publish, follow and serve pinned completions end to end on embedded defaults."""
     from rich.console import Console
@@ -401,14 +417,26 @@ def demo(
     with contextlib.ExitStack() as stack:
         root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="deltaboard-demo-")))
         (root / "logs").mkdir(parents=True, exist_ok=True)
+        # Said before anything slow (starting processes, loading torch), so that the
+        # person who typed the command sees at once what it does and where its logs go.
+        where = "a board" if board is None else f"the board at {board}"
+        console.print(
+            f"deltaboard demo: {where}, {nodes} rollout node(s) and a trainer of {steps} steps; "
+            f"logs in {root / 'logs'}",
+            highlight=False,
+        )
         stack.enter_context(logs_to_file(root / "logs" / "nodes.log"))
         processes = Processes(root / "logs")
         stack.callback(processes.stop)
         if board is None:
             board, token, read_token = start_board(processes, root)
+            console.print(f"board on {board}", highlight=False)
         else:
             read_token = token or ""
+        if nodes:
+            console.print(f"starting {nodes} engine(s) and sidecar(s) (each engine loads torch)")
         fleet = start_nodes(processes, root, nodes, board, read_token, mode)
+        console.print("training; each step is published as a new version")
         for node in fleet:
             stack.callback(node.server.stop)
         state = DemoState(steps)

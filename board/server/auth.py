@@ -102,4 +102,4 @@ class Authorizer:
                 run is None or any(fnmatch.fnmatchcase(target, p) for p in grant.runs)
             ):
                 return
-        raise Forbidden(f"token lacks scope {scope!r} on run {run!r}")
+        raise Forbidden(f"token lacks scope {scope!r}" + ("" if run is None else f" on run {run!r}"))

@@ -16,13 +16,19 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     @bench.command("codec")
     def bench_codec(
         quick: bool = typer.Option(False, "--quick", help="Fewer settings and pairs: under a minute."),
-        json_path: Path | None = typer.Option(None, "--json", help="Write {'results': [...]} here."),
+        json_path: Path | None = typer.Option(
+            None, "--json", help="Write {'results': [...]} here (default: nowhere)."
+        ),
         size: str = typer.Option("bench", help="Model size of the trajectories: bench (~27M) or tiny."),
         regime: list[str] = typer.Option([], help="fp32-master and/or bf16 (default: both)."),
         lr: list[float] = typer.Option([], help="Learning rates (default 1e-6 3e-6; quick 1e-6)."),
         k: list[int] = typer.Option([], help="Version distances (default 1 8 32; quick 1 4)."),
-        pairs: int | None = typer.Option(None, help="Version pairs per setting (medians over them)."),
-        warmup: int | None = typer.Option(None, help="Warm-up steps at 1e-3 before the measured steps."),
+        pairs: int | None = typer.Option(
+            None, help="Version pairs per setting, medians over them (default: 4; quick 2)."
+        ),
+        warmup: int | None = typer.Option(
+            None, help="Warm-up steps at 1e-3 before the measured steps (default: 16; quick 6)."
+        ),
         encoding: list[str] = typer.Option(
             [],
             help="Encodings (default: full coo32 pulse xor-zstd deltaboard; also deltaboard-sparse).",

@@ -18,14 +18,18 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         ),
         device: str = typer.Option("cpu", help="Where the engine's weights live: cpu or cuda."),
         view_gb: float | None = typer.Option(
-            None, help="Size of the bf16 view in GB (default 1 on cpu, 8 on cuda)."
+            None, help="Size of the bf16 view in GB (default: 1 on cpu, 8 on cuda)."
         ),
-        tensors: int | None = typer.Option(None, help="Tensors the view is cut into (default 256)."),
+        tensors: int | None = typer.Option(None, help="Tensors the view is cut into (default: 256)."),
         many_tensors: int = typer.Option(
             0, help="Also run the same bytes in this many tensors (an MoE-shaped view, e.g. 20000)."
         ),
-        versions: int | None = typer.Option(None, help="Versions measured (medians over them)."),
-        json_path: Path | None = typer.Option(None, "--json", help="Write the figures here."),
+        versions: int | None = typer.Option(
+            None, help="Versions measured, medians over them (default: 4; quick 2)."
+        ),
+        json_path: Path | None = typer.Option(
+            None, "--json", help="Write the figures here (default: nowhere)."
+        ),
     ) -> None:
         """From a commit to the engine serving it: hot path, disk slot + reload, full reload."""
         from dataclasses import replace

@@ -37,6 +37,7 @@ FOLLOWER_PHASES = {
     "apply": ("applying", "tensors"),
     "copy": ("copying the served slot", "slots"),
     "mirror": ("bringing the other slot up to date", "slots"),
+    "verify": ("re-hashing a slot", BYTES),
 }
 
 
@@ -109,7 +110,7 @@ class Bars:
             self._tasks[key] = self.progress.add_task(label, total=total, unit=unit)
         else:
             self.progress.reset(task, total=total, description=label, unit=unit)
-        if not self.console.is_terminal:
+        if not self.console.is_terminal and total != 0:  # a phase with nothing to do is not news
             size = "" if total is None else f" {amount(total, unit)}"
             self.console.print(f"{label}{size}", highlight=False, soft_wrap=True)
 

@@ -67,9 +67,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     @bench.command("publish")
     def bench_publish(
         quick: bool = typer.Option(False, "--quick", help="A 62.5 MB view: under a minute on 2 cores."),
-        json_path: Path | None = typer.Option(None, "--json", help="Write the figures here."),
+        json_path: Path | None = typer.Option(
+            None, "--json", help="Write the figures here (default: nowhere)."
+        ),
         view_gb: float | None = typer.Option(
-            None, help="Size of the bf16 view in GB (default 1; quick 0.0625)."
+            None, help="Size of the bf16 view in GB (default: 1; quick 0.0625)."
         ),
         link_gbit: list[float] = typer.Option([], help="Emulated link speeds in Gbit/s (default 1 10)."),
         device: str = typer.Option("cpu", help="Where the trainer's tensors live: cpu or cuda."),

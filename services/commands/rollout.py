@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from deltaboard.services.commands.options import (
+    DEFAULT_BOARD,
     board_option,
     checkpoint_dir,
     dir_option,
@@ -21,8 +22,11 @@ from deltaboard.services.commands.options import (
 )
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from deltaboard.clients.board_client import BoardClient
     from deltaboard.clients.follower import Follower
+    from deltaboard.clients.follower.journal import SlotName
     from deltaboard.services.commands.progress import Bars
 
 RUN = typer.Option(..., "--run", help="The run to follow.")
@@ -33,7 +37,14 @@ NODE = typer.Option(
     help="This node's id in the board's fleet (default: host:pid).",
     show_default=False,
 )
-WORKERS = typer.Option(4, "--workers", min=1, max=32, help="Parallel blob downloads.")
+WORKERS_DEFAULT = 4
+WORKERS = typer.Option(WORKERS_DEFAULT, "--workers", min=1, max=32, help="Parallel blob downloads.")
+REPAIR = typer.Option(
+    False,
+    "--repair",
+    help="First re-hash both copies the directory keeps and rebuild any damaged one "
+    "(from the other copy, or from the board).",
+)
 
 
 def _follower(
@@ -66,22 +77,37 @@ def stop_on_interrupt(bars: Bars) -> None:
     Nothing is waited for (downloads in flight, the tensor being written): the follower's
     directory is consistent at every instant, since it survives `kill -9` anywhere
     (`tests/clients/test_kill.py`), and the next run resumes from its journal and from
-    the partial downloads in its cache.
+    the partial downloads in its cache. The handler only starts a thread that does the
+    rest: it runs in the main thread, between two of its bytecodes, maybe in the middle
+    of a write to the same stdout, which a second write from there would break.
     """
     import signal
+    import threading
 
     from rich.console import Console
 
-    def interrupted(signum: int, frame: object) -> None:
+    def stop_now() -> None:
         bars.stop()
         Console(stderr=True).print("interrupted; run the same command again to resume", style="yellow")
         os._exit(130)
+
+    def interrupted(signum: int, frame: object) -> None:
+        threading.Thread(target=stop_now, name="interrupted", daemon=True).start()
 
     signal.signal(signal.SIGINT, interrupted)
 
 
 def _served(version: int | None) -> str:
     return "nothing yet" if version is None else f"version {version}"
+
+
+def _say_repaired(console: Console, damage: dict[SlotName, list[str]]) -> None:
+    """One line per damaged slot that `Follower.repair` rebuilt."""
+    for slot, tensors in sorted(damage.items()):
+        named = ", ".join(tensors[:3]) + (f" and {len(tensors) - 3} more" if len(tensors) > 3 else "")
+        console.print(f"[yellow]repaired slot {slot}: {named} did not hash to the recorded digest[/]")
+    if not damage:
+        console.print("nothing to repair: both slots hash to their recorded digests")
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -99,6 +125,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         token: str | None = token_option("read"),
         node_id: str | None = NODE,
         workers: int = WORKERS,
+        repair: bool = REPAIR,
     ) -> None:
         """Bring the directory to a version of the run once (bootstrap or catch up), then
         exit. Ctrl-C stops at once; the same command resumes."""
@@ -111,6 +138,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             stop_on_interrupt(bars)
             with _follower(client, run, target, node_id, workers, bars) as follower:
                 before = follower.version
+                if repair:
+                    goal = version if version is not None else client.head(run).version
+                    _say_repaired(console, follower.repair(goal))
                 held = follower.sync(version)
         change = f"already at version {held}" if before == held else f"{_served(before)} -> version {held}"
         console.print(f"[bold]{run}[/]: {change} in {target} (done in {elapsed():.2f} s)")
@@ -158,6 +188,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             show_default=False,
         ),
         token: str | None = token_option("read"),
+        repair: bool = REPAIR,
     ) -> None:
         """Re-hash every served tensor of the directory against its version's manifest."""
         from deltaboard.clients.board_client import BoardClient
@@ -168,6 +199,14 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         target = checkpoint_dir(directory, positional, must_exist=True)
         console = make_console()
         now = served(target)
+        if repair:
+            with (
+                BoardClient(board or DEFAULT_BOARD, token) as client,
+                Bars(console) as bars,
+                _follower(client, now.run, target, None, WORKERS_DEFAULT, bars) as follower,
+            ):
+                _say_repaired(console, follower.repair())
+            now = served(target)
         manifest = None
         if board is not None:
             with BoardClient(board, token) as client:
@@ -182,6 +221,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         for problem in report.problems:
             console.print(f"[red]{problem}[/]")
         if not report.ok:
+            console.print(f"[red]run `deltaboard verify --repair --dir {target}` to rebuild it[/]")
             raise typer.Exit(1)
         source = "the board's" if manifest is not None else "the cached"
         console.print(
@@ -191,9 +231,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     @bench.command("follow")
     def bench_follow(
         quick: bool = typer.Option(False, "--quick", help="A smaller view: under a minute on 2 cores."),
-        json_path: Path | None = typer.Option(None, "--json", help="Write the figures here."),
+        json_path: Path | None = typer.Option(
+            None, "--json", help="Write the figures here (default: nowhere)."
+        ),
         view_gb: float | None = typer.Option(
-            None, help="Size of the bf16 view in GB (default 1; quick 0.125)."
+            None, help="Size of the bf16 view in GB (default: 1; quick 0.125)."
         ),
     ) -> None:
         """Per-version apply+verify vs a full write, bootstrap time, and a node 32 behind."""

@@ -7,55 +7,71 @@ from pathlib import Path
 
 import typer
 
+from deltaboard.services.commands.options import (
+    board_option,
+    checkpoint_dir,
+    dir_option,
+    hidden_alias,
+    token_option,
+)
+
 
 def engine(
-    model: Path = typer.Option(
-        ..., "--model", help="Hugging Face checkpoint directory (may be empty until a reload)"
+    directory: Path | None = dir_option(
+        "The Hugging Face checkpoint directory to serve (may be empty until a reload)."
     ),
-    host: str = typer.Option("127.0.0.1", help="address to listen on"),
-    port: int = typer.Option(8000, help="port to listen on"),
+    model: Path | None = hidden_alias("--model"),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
     weight_version: int | None = typer.Option(
-        None, help="the version the directory holds at start, if known"
+        None, help="The version the directory holds at start, if known (default: none).", show_default=False
     ),
     name: str | None = typer.Option(
-        None, help="model name reported by the API (default: the directory name)"
+        None, help="Model name reported by the API (default: the directory's name).", show_default=False
     ),
-    threads: int = typer.Option(
-        1, help="torch CPU threads (1 keeps several engines from fighting over cores)"
-    ),
+    threads: int = typer.Option(1, help="torch CPU threads (1: several engines do not fight over cores)."),
 ) -> None:
     """Serve the reference engine: OpenAI-compatible completions over transformers on CPU."""
     import torch
-    import uvicorn
 
-    from deltaboard.services.engine.app import EngineState, create_app
+    from deltaboard.services.engine.serve import serve_engine
 
+    served = checkpoint_dir(directory, model, must_exist=False)
     torch.set_num_threads(threads)
-    state = EngineState(name or model.resolve().name)
-    if (model / "config.json").is_file():
-        state.reload(model, weight_version)
-    uvicorn.run(create_app(state), host=host, port=port, log_level="warning")
+    serve_engine(
+        served, host=host, port=port, weight_version=weight_version, name=name or served.resolve().name
+    )
 
 
 def sidecar(
-    board: str = typer.Option(..., "--board", help="board URL"),
-    run: str = typer.Option(..., "--run", help="run name"),
-    directory: Path = typer.Option(..., "--dir", help="the follower's checkpoint directory"),
-    engine_url: str = typer.Option(..., "--engine", help="engine base URL"),
-    engine_kind: str = typer.Option("reference", "--engine-kind", help="reference, sglang or vllm"),
-    mode: str = typer.Option("quiesce", help="commit mode: quiesce (drain, swap) or in_place (pause, swap)"),
-    host: str = typer.Option("127.0.0.1", help="address to listen on"),
-    port: int = typer.Option(8100, help="port to listen on"),
-    node_id: str | None = typer.Option(None, help="node id in the board's fleet (default: host name)"),
-    token: str | None = typer.Option(None, envvar="DELTABOARD_TOKEN", help="board read token"),
-    default_wait: float = typer.Option(30.0, help="seconds a constrained request waits by default"),
-    max_wait: float = typer.Option(300.0, help="upper bound on any request's wait"),
-    poll: float = typer.Option(5.0, min=0.1, max=60.0, help="seconds per long-poll of the board's head"),
+    board: str = board_option(),
+    run: str = typer.Option(..., "--run", help="The run to follow."),
+    directory: Path | None = dir_option(
+        "The checkpoint directory the sidecar's own follower keeps (no other follower may hold it)."
+    ),
+    engine_url: str = typer.Option(..., "--engine", help="The engine's base URL."),
+    engine_kind: str = typer.Option("reference", "--engine-kind", help="reference, sglang or vllm."),
+    mode: str = typer.Option("quiesce", help="Commit mode: quiesce (drain, swap) or in_place (pause, swap)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8100, help="Port to listen on."),
+    node_id: str | None = typer.Option(
+        None, help="This node's id in the board's fleet (default: the host name).", show_default=False
+    ),
+    token: str | None = token_option("read"),
+    default_wait: float = typer.Option(30.0, help="Seconds a constrained request waits by default."),
+    max_wait: float = typer.Option(300.0, help="Upper bound on any request's wait, in seconds."),
+    poll: float = typer.Option(5.0, min=0.1, max=60.0, help="Seconds per long-poll of the board's head."),
+    run_wait: float = typer.Option(
+        600.0,
+        min=0.0,
+        help="Seconds to wait for a run that does not exist yet (its trainer creates it); a run "
+        "that existed and is gone, or a token the board refuses, stops the sidecar at once.",
+    ),
 ) -> None:
-    """Serve the version-aware proxy in front of an engine, following the run's versions."""
-    import uvicorn
-
-    from deltaboard.services.sidecar.node import Sidecar, SidecarConfig
+    """Serve the version-aware proxy in front of an engine; it runs its own follower, which
+    keeps the directory at the run's head and reloads the engine."""
+    from deltaboard.services.commands.failures import UserError
+    from deltaboard.services.sidecar.node import Sidecar, SidecarConfig, SidecarFailed
 
     if engine_kind not in ("reference", "sglang", "vllm"):
         raise typer.BadParameter("--engine-kind must be reference, sglang or vllm")
@@ -64,7 +80,7 @@ def sidecar(
     config = SidecarConfig(
         board_url=board,
         run=run,
-        directory=directory,
+        directory=checkpoint_dir(directory, None, must_exist=False),
         engine_url=engine_url,
         engine_kind=engine_kind,
         mode="quiesce" if mode == "quiesce" else "in_place",
@@ -73,8 +89,12 @@ def sidecar(
         default_wait_s=default_wait,
         max_wait_s=max_wait,
         poll_s=poll,
+        run_wait_s=run_wait,
     )
-    uvicorn.run(Sidecar(config).app, host=host, port=port, log_level="warning")
+    try:
+        Sidecar(config).serve(host, port)
+    except SidecarFailed as exc:
+        raise UserError(str(exc)) from exc
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from deltaboard.board.server.api import blobs, ops, runs, versions
 from deltaboard.board.server.api.errors import install_error_handlers
@@ -61,7 +62,9 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None) -> 
                     await task
             await service.close()
 
-    app = FastAPI(
+    # /docs and /redoc from assets shipped in a package, not a CDN: a board often runs
+    # where nothing outside can be reached, and /openapi.json is the reference anyway.
+    app = FastAPIOffline(
         title="deltaboard board",
         version="1",
         description="Versioned bulletin board of lossless rollout-view deltas (docs/contract.md section 4).",

@@ -249,6 +249,12 @@ class Follower:
                 self._mirror(current, None, None)
             return damage
 
+    def fetch(self, target: int) -> None:
+        """Download what reaching `target` from the served version needs into the cache
+        (verified by sha256; a later `sync` or `hot_patch` finds it there)."""
+        with self._lock:
+            self._chain(self.version, target)
+
     def hot_patch(self, target: int) -> HotPatch:
         """The verified changes from the served version to `target`, for a resident view.
 
@@ -267,8 +273,13 @@ class Follower:
                 raise FollowerError(f"version {target} is not one delta after {held}: reload it instead")
             digests = self._state.slot(current).digests
             maps = self._mapped(current)
-            with BlobReader(self._blobs) as reader:
-                return prepare_patch(chain[0], reader.read, maps.tensor, digests, self._pool)
+            # Decoding is all of the engine's wait once the blobs are here: every core, not
+            # the few the disk apply uses (that one is bound by page faults, this one is not).
+            with (
+                BlobReader(self._blobs) as reader,
+                ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="deltaboard-decode") as pool,
+            ):
+                return prepare_patch(chain[0], reader.read, maps.tensor, digests, pool)
 
     # ---- planning and fetching -------------------------------------------------------
 

@@ -122,7 +122,7 @@ class ResidentView:
         device = next(iter(devices)) if devices else torch.device("cpu")
         if device.type == "cuda":
             try:
-                from deltaboard.clients.resident import scatter_cuda  # noqa: F401
+                from deltaboard.clients.resident import scatter_cuda
             except ImportError as exc:
                 raise ValueError(f"a CUDA resident view needs triton ({exc})") from exc
         elif device.type != "cpu":
@@ -132,9 +132,13 @@ class ResidentView:
             self._device = device
             self._version = version
             self._generation += 1
-            for w in {t.element_size() for t in tensors.values()}:
-                if self._device.type == "cpu" and w in _SIGNED:
+            for w in {t.element_size() for t in tensors.values()} & set(_SIGNED):
+                if device.type == "cpu":
                     scatter.warm_up(np.dtype(f"<u{w}"))
+                else:
+                    from deltaboard.clients.resident import scatter_cuda
+
+                    scatter_cuda.warm_up(device, w)
 
     def stage(self, patch: HotPatch) -> StagedPatch:
         """Check `patch` against the bound tensors and stage it for `commit` (no write)."""
@@ -150,6 +154,8 @@ class ResidentView:
                 f"staging, above the {self.max_staged_bytes:,} allowed"
             )
         groups = tuple(self._stage_group(g) for g in patch.groups)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)  # staged means on the device: none of it in the pause
         tensors = sum(len(g.names) for g in patch.groups)
         return StagedPatch(
             patch.base_version, patch.version, generation, groups, patch.changed, tensors, patch.nbytes
@@ -169,20 +175,23 @@ class ResidentView:
             ptrs[i] = t.data_ptr()
         _check_positions(group)
         counts = group.counts
-        offsets = group.positions * group.width
         old = np.ascontiguousarray(group.old_bits)
         new = np.ascontiguousarray(group.new_bits)
         ends = np.cumsum(counts)
         if self._device.type == "cpu":
-            addrs = np.repeat(ptrs, counts) + offsets
+            addrs = np.repeat(ptrs, counts) + group.positions * group.width
             return _Staged(group.width, group.names, ends, addrs, old, new)
+        # On the device: the positions travel once, the addresses are computed there.
+        device = self._device
+        addrs = torch.repeat_interleave(_to_device(ptrs, device), _to_device(counts, device))
+        addrs += _to_device(group.positions, device) * group.width
         return _Staged(
             group.width,
             group.names,
             ends,
-            _to_device(np.repeat(ptrs, counts) + offsets, self._device),
-            _to_device(old.view(_SIGNED[group.width]), self._device),
-            _to_device(new.view(_SIGNED[group.width]), self._device),
+            addrs,
+            _to_device(old.view(_SIGNED[group.width]), device),
+            _to_device(new.view(_SIGNED[group.width]), device),
         )
 
     def commit(self, staged: StagedPatch) -> CommitReport:

@@ -4,10 +4,10 @@ Three rollout nodes follow the same run from a real board process on loopback, e
 with an engine's weights in memory (torch tensors on `--device`, loaded from the node's
 checkpoint directory as an engine loads them):
 
-* **hot** (`hot_*`): the resident view. Per version: fetch the delta, check sha256,
-  decode it against the served slot (`Follower.hot_patch`), stage it next to the
-  weights (`ResidentView.stage`), then the commit, the only time the engine cannot
-  generate (`hot_pause_ms`). The disk slot follows afterwards, off the critical path
+* **hot** (`hot_*`): the resident view. Per version: fetch the delta and check sha256
+  (`hot_fetch_s`), decode and verify it against the served slot (`Follower.hot_patch`,
+  `hot_decode_s`), stage it next to the weights (`ResidentView.stage`, `hot_stage_s`),
+  then the commit, the only time the engine cannot generate (`hot_pause_ms`). The disk slot follows afterwards, off the critical path
   (`hot_disk_s`).
 * **disk slot + reload** (`disk_*`): today's path. The follower applies the version to
   its other disk slot and swaps it, then the engine reloads the whole checkpoint from
@@ -118,8 +118,13 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
                     committed = time.perf_counter()
 
                     status(f"version {v}: hot path")
+                    nodes["hot"].fetch(v)
+                    fetched = time.perf_counter()
                     patch = nodes["hot"].hot_patch(v)
-                    report = view.commit(view.stage(patch))
+                    decoded = time.perf_counter()
+                    staged = view.stage(patch)
+                    staged_at = time.perf_counter()
+                    report = view.commit(staged)
                     hot_ready = time.perf_counter() - committed
                     started = time.perf_counter()
                     nodes["hot"].sync(v)  # the background copy on disk, for restarts
@@ -141,6 +146,9 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
                             "changed": result.changed_elements / max(1, result.total_elements),
                             "hot_pause_s": report.pause_s,
                             "hot_ready_s": hot_ready,
+                            "hot_fetch_s": fetched - committed,
+                            "hot_decode_s": decoded - fetched,
+                            "hot_stage_s": staged_at - decoded,
                             "hot_disk_s": hot_disk,
                             "disk_ready_s": done
                             - started,  # as if it had started at the commit, like the hot path
@@ -166,6 +174,9 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
         "changed_fraction": median("changed"),
         "hot_pause_ms": hot_pause_ms,
         "hot_ready_s": median("hot_ready_s"),
+        "hot_fetch_s": median("hot_fetch_s"),
+        "hot_decode_s": median("hot_decode_s"),
+        "hot_stage_s": median("hot_stage_s"),
         "hot_disk_s": median("hot_disk_s"),
         "disk_ready_s": median("disk_ready_s"),
         "disk_pause_ms": median("disk_pause_s") * 1e3,
@@ -208,6 +219,10 @@ def render(report: dict[str, Any], console: Console) -> None:
     )
     table.add_row("full reload", f"{report['reload_ready_s']:.3f} s", f"{report['reload_pause_ms']:.1f} ms")
     console.print(table)
+    console.print(
+        f"hot path: fetch {report['hot_fetch_s']:.3f} s, decode + verify {report['hot_decode_s']:.3f} s, "
+        f"stage {report['hot_stage_s']:.3f} s, commit {report['hot_pause_ms']:.1f} ms"
+    )
     console.print(
         f"hot pause {report['pause_ratio']:.1f}x shorter than a full reload's; the disk copy follows "
         f"in {report['hot_disk_s']:.3f} s after the swap; bit-exact: {report['hot_bit_exact']}"

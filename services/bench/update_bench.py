@@ -7,8 +7,8 @@ checkpoint directory as an engine loads them):
 * **hot** (`hot_*`): the resident view. Per version: fetch the delta and check sha256
   (`hot_fetch_s`), decode and verify it against the served slot (`Follower.hot_patch`,
   `hot_decode_s`), stage it next to the weights (`ResidentView.stage`, `hot_stage_s`),
-  then the commit, the only time the engine cannot generate (`hot_pause_ms`). The disk slot follows afterwards, off the critical path
-  (`hot_disk_s`).
+  then the commit, the only time the engine cannot generate (`hot_pause_ms`). The disk
+  slot follows afterwards, off the critical path (`hot_disk_s`).
 * **disk slot + reload** (`disk_*`): today's path. The follower applies the version to
   its other disk slot and swaps it, then the engine reloads the whole checkpoint from
   disk (read every shard, copy into its parameters); it cannot generate during the

@@ -74,7 +74,10 @@ class Slots:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
-            raise DirectoryError(f"another follower process holds {self.root}") from None
+            raise DirectoryError(
+                f"another follower process holds {self.root} (a `deltaboard follow`, a `pull` or a"
+                " sidecar, which runs its own follower): stop it, or give this one another directory"
+            ) from None
         self._lock_file = lock
 
     def close(self) -> None:

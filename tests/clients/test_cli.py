@@ -68,6 +68,8 @@ def test_pull_follow_verify_say_what_they_did(board, tmp_path):
     follow = Watched([*CLI, "follow", "--run", "cli", "--to", str(d)], env=env)  # --to: the old name
     assert follow.wait_for_line(lambda line: "serving version 1" in line) is not None
     assert_view(d, views[1])
+    line = one_red_line(["pull", "--run", "cli", "--dir", str(d)], env)  # while `follow` holds it
+    assert "another follower process holds" in line and "sidecar" in line and "stop it" in line
     assert follow.stop(signal.SIGTERM) == 0
     assert "following cli into" in follow.output() and "(serving version 0)" in follow.output()
     assert "stopped" in follow.output()

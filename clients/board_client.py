@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import httpx
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from deltaboard.board.contract.errors import (
     BoardError,
     BoardUnavailable,
     ErrorCode,
     Forbidden,
+    InvalidResponse,
     NotFound,
     NotHead,
     Unauthorized,
@@ -89,10 +90,12 @@ _BY_STATUS: dict[int, type[BoardError]] = {401: Unauthorized, 403: Forbidden, 40
 
 def error_from(status: int, code: str, message: str, /, **extra: Any) -> BoardError:
     """The typed error for an error answer: the class of its code (`error_class`), or
-    `BoardUnavailable` for any 5xx, which callers retry; `http_status` is `status`."""
+    `BoardUnavailable` for any 5xx (or its own subclass, e.g. `StoreUnavailable`), which
+    callers retry; `http_status` is `status`."""
     cls: type[BoardError]
     if status >= 500:
-        cls = BoardUnavailable
+        known = error_class(code)
+        cls = known if issubclass(known, BoardUnavailable) else BoardUnavailable
     elif code == ErrorCode.HTTP_ERROR:
         cls = _BY_STATUS.get(status, BoardError)
     else:
@@ -110,6 +113,21 @@ def _error_from(response: httpx.Response) -> BoardError:
     return error_from(response.status_code, code, message, **extra)
 
 
+@contextlib.contextmanager
+def _contract(method: str, path: str, status: int) -> Iterator[None]:
+    """An answer that does not match its schema is `InvalidResponse`, not a raw pydantic
+    error: a stored record the board cannot vouch for, or a board of another version."""
+    try:
+        yield
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the body"
+        raise InvalidResponse(
+            f"the board's answer to {method} {path} breaks the contract: {where}: {first['msg']}",
+            http_status=status,
+        ) from None
+
+
 class _Partial:
     """The bytes of a download already on disk: their count and running sha256; `progress`
     is told every change of the count."""
@@ -120,12 +138,16 @@ class _Partial:
         self.digest = hashlib.sha256()
 
     def reset(self) -> None:
+        if self.progress is not None and self.size:
+            self.progress(-self.size)
         self.size = 0
         self.digest = hashlib.sha256()
 
     def add(self, chunk: bytes) -> None:
         self.size += len(chunk)
         self.digest.update(chunk)
+        if self.progress is not None:
+            self.progress(len(chunk))
 
 
 class BoardClient:
@@ -138,16 +160,12 @@ class BoardClient:
         *,
         timeout: float = 30.0,
         retries: int = 5,
-        if self.progress is not None and self.size:
-            self.progress(-self.size)
         backoff_s: float = 0.2,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
-        if self.progress is not None:
-            self.progress(len(chunk))
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=32)
         self._http = httpx.Client(
@@ -194,10 +212,14 @@ class BoardClient:
         return self._retrying(lambda: self._http.request(method, path, **kwargs))
 
     def _json(self, method: str, path: str, model: type[M], **kwargs: Any) -> M:
-        return model.model_validate_json(self._request(method, path, **kwargs).content)
+        response = self._request(method, path, **kwargs)
+        with _contract(method, path, response.status_code):
+            return model.model_validate_json(response.content)
 
     def _list(self, path: str, item: type[T]) -> list[T]:
-        return TypeAdapter(list[item]).validate_json(self._request("GET", path).content)  # type: ignore[valid-type]
+        response = self._request("GET", path)
+        with _contract("GET", path, response.status_code):
+            return TypeAdapter(list[item]).validate_json(response.content)  # type: ignore[valid-type]
 
     @staticmethod
     def _body(model: BaseModel) -> dict[str, Any]:

@@ -10,22 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from deltaboard.board.codec.errors import PatchError
+from deltaboard.board.contract.view_spec import DTYPE_WIDTHS
 
-WIDTHS: dict[str, int] = {
-    "BF16": 2,
-    "F16": 2,
-    "F32": 4,
-    "F64": 8,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "I16": 2,
-    "I32": 4,
-    "I64": 8,
-}
-# Wire codes: the position in this tuple. Append only, never reorder.
+WIDTHS: dict[str, int] = DTYPE_WIDTHS
+# Wire codes: the position in this tuple (the contract's order, append only).
 DTYPE_NAMES: tuple[str, ...] = tuple(WIDTHS)
 _UINTS: dict[int, np.dtype[np.unsignedinteger]] = {
     1: np.dtype("<u1"),

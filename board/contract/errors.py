@@ -32,10 +32,14 @@ The classes, by what the caller does about them:
     │   ├── NoLease             take a lease before committing
     │   ├── LeaseHeld           another holder's lease is live: wait for it or steal it
     │   └── Contended           a record kept changing: retry
-    └── BoardUnavailable        the board failed (5xx after the client's retries): retry later
-        └── IndexUnavailable    the board cannot reach its index (Redis): retry later
+    ├── BoardUnavailable        the board failed (5xx after the client's retries): retry later
+    │   ├── StoreUnavailable    the board cannot reach its object store: retry later
+    │   └── IndexUnavailable    the board cannot reach its index (Redis): retry later
+    └── InvalidResponse         the board's answer breaks the contract (a stored record
+                                it cannot read): retrying does not help, report it
 
-A code the client does not know (a newer board) becomes a plain `BoardError`.
+A code the client does not know (a newer board) becomes a plain `BoardError`. Two codes
+are never sent by a board: the client assigns them (`CLIENT_CODES`).
 """
 
 from __future__ import annotations
@@ -83,10 +87,17 @@ class ErrorCode(StrEnum):
     CONTENDED = "Contended"
     # the board failed
     INTERNAL = "Internal"
+    STORE_UNAVAILABLE = "StoreUnavailable"
     INDEX_UNAVAILABLE = "IndexUnavailable"
-    # an HTTP failure without a board code of its own (an unusual status from the
-    # framework, or a body that is not the board's JSON)
+    # assigned by the client, never sent: an HTTP failure without a board code of its own
+    # (an unusual status from the framework, or a body that is not the board's JSON), and
+    # an answer that does not match the contract's schema
     HTTP_ERROR = "HTTPError"
+    INVALID_RESPONSE = "InvalidResponse"
+
+
+# The codes a client assigns to what it received; no board sends them.
+CLIENT_CODES = frozenset({ErrorCode.HTTP_ERROR, ErrorCode.INVALID_RESPONSE})
 
 
 class BoardError(Exception):
@@ -271,12 +282,30 @@ class BoardUnavailable(BoardError):
     default_code = ErrorCode.INTERNAL
 
 
+class StoreUnavailable(BoardUnavailable):
+    """The board cannot reach its object store (down, frozen, timing out): nothing was
+    changed by this request; retry after the answer's `Retry-After`."""
+
+    default_code = ErrorCode.STORE_UNAVAILABLE
+
+
 class IndexUnavailable(BoardUnavailable):
     """The board cannot reach its shared index (Redis down or restarting): retry after
     the answer's `Retry-After`. The index is a cache of the store, rebuilt when it comes
     back, so nothing is lost; a commit the store took is answered as committed."""
 
     default_code = ErrorCode.INDEX_UNAVAILABLE
+
+
+# ---- the answer breaks the contract ----------------------------------------------------
+
+
+class InvalidResponse(BoardError):
+    """The board answered with a body that does not match the contract's schema: a stored
+    record it cannot read (written by an older, laxer board), or a board of an incompatible
+    version. Raised by the client; retrying the same request gets the same answer."""
+
+    default_code = ErrorCode.INVALID_RESPONSE
 
 
 # ---- code -> class ---------------------------------------------------------------------
@@ -304,7 +333,9 @@ _OWN_CODE: tuple[type[BoardError], ...] = (
     LeaseHeld,
     Contended,
     BoardUnavailable,
+    StoreUnavailable,
     IndexUnavailable,
+    InvalidResponse,
 )
 
 # Codes that no caller tells apart: their family's class carries them.

@@ -3,34 +3,87 @@
 Everything that crosses a process boundary (manifests in the object store, HTTP bodies
 between publisher, board and followers) is one of these models. They are the contract:
 change them only together with docs/contract.md.
+
+Numbers are strict: a boolean is not a number (`"version": false` is refused, not read as
+0), and floats are finite everywhere, in free-form `meta` too: JSON has no NaN or
+infinity, so a non-finite value could only be stored as `null` and break every reader of
+the record afterwards. Free-form strings must be encodable as UTF-8 (no lone surrogates),
+for the same reason.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 MANIFEST_FORMAT: Literal["deltaboard/manifest/v1"] = "deltaboard/manifest/v1"
 
 # Names that end up in object-store keys and file paths: no traversal, no separators.
+# Check them with `fullmatch` (`$` alone also matches before a trailing newline); the
+# patterns keep their anchors for JSON Schema, where `$` is the end of the text.
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+# The codec's tensor digest (`board.codec.digest`): two 64-bit lanes in hex.
+DIGEST_RE = re.compile(r"^[0-9a-f]{32}$")
 # Asset names may live in one sub-folder level (e.g. "tokenizer/vocab.json") but never climb out.
 ASSET_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?$")
 
+
+def _not_bool(value: object) -> object:
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    return value
+
+
+def _json_object(value: dict[str, Any]) -> dict[str, Any]:
+    """Refuse what JSON cannot carry back: non-finite floats and unencodable strings."""
+    pending: list[tuple[str, Any]] = [("", value)]
+    while pending:
+        where, item = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{where} is {item}: numbers must be finite")
+        if isinstance(item, str):
+            _encodable(item, where)
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                inside = f"{where}.{key}" if where else str(key)
+                _encodable(str(key), inside)
+                pending.append((inside, inner))
+        elif isinstance(item, list | tuple):
+            pending.extend((f"{where}[{i}]", inner) for i, inner in enumerate(item))
+    return value
+
+
+def _encodable(text: str, where: str) -> None:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        shown = where.encode("utf-8", "backslashreplace").decode()  # the message must encode
+        raise ValueError(f"{shown} is not valid UTF-8 (a lone surrogate?)") from None
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]  # finite: `Strict` sets allow_inf_nan=False
+NonNegative = Annotated[Int, Field(ge=0)]
+# Free-form metadata: any JSON object, with finite numbers and encodable strings.
+Meta = Annotated[dict[str, Any], AfterValidator(_json_object)]
+
 # Versions are positive and bounded so that nobody can ask the board to walk 2**63 keys.
 MAX_VERSION = 10**12
-Version = Annotated[int, Field(ge=0, le=MAX_VERSION)]
+Version = Annotated[Int, Field(ge=0, le=MAX_VERSION)]
 Sha256 = Annotated[str, Field(pattern=SHA256_RE.pattern)]
+Digest = Annotated[str, Field(pattern=DIGEST_RE.pattern)]
 RunName = Annotated[str, Field(pattern=RUN_NAME_RE.pattern)]
 
 
 class Strict(BaseModel):
-    """Base: unknown fields are a client mistake, not something to drop silently."""
+    """Base: unknown fields are a client mistake, not something to drop silently; floats
+    are finite."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ViewRule(Strict):
@@ -50,15 +103,15 @@ class ViewSpec(Strict):
 
     default_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     rules: tuple[ViewRule, ...] = ()
-    shard_max_bytes: int = Field(default=5 * 2**30, gt=0)
+    shard_max_bytes: Int = Field(default=5 * 2**30, gt=0)
 
 
 class BlobRef(Strict):
     """A byte range of a content-addressed blob: many small tensor patches share one blob."""
 
     sha256: Sha256
-    offset: int = Field(ge=0)
-    length: int = Field(ge=0)
+    offset: NonNegative
+    length: NonNegative
 
 
 class TensorEntry(Strict):
@@ -67,23 +120,25 @@ class TensorEntry(Strict):
     `dtype` is the safetensors dtype name of the served bytes (BF16, F16, F32, F8_E4M3,
     I64, ...). `file` is the shard file the tensor lives in. `blob` holds the codec's
     patch (kind delta) or keyframe encoding (kind full); the codec's header says which.
-    `digest` is the codec's digest of the tensor bytes this entry produces.
+    `digest` is the codec's digest of the tensor bytes this entry produces. What a board
+    checks beyond the form (known dtype, sane shape, shard file name, ...) is in
+    `board.contract.manifest_rules`.
     """
 
     name: str = Field(min_length=1, max_length=512)
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
+    dtype: str = Field(max_length=32)
+    shape: tuple[Int, ...]
+    file: str = Field(max_length=128)
     blob: BlobRef
-    digest: str
-    changed: int = Field(ge=0)
+    digest: Digest
+    changed: NonNegative
 
 
 class ManifestStats(Strict):
-    changed_elements: int = Field(ge=0)
-    total_elements: int = Field(ge=0)
-    encoded_bytes: int = Field(ge=0)
-    view_bytes: int = Field(ge=0)
+    changed_elements: NonNegative
+    total_elements: NonNegative
+    encoded_bytes: NonNegative
+    view_bytes: NonNegative
 
 
 class Manifest(Strict):
@@ -96,11 +151,11 @@ class Manifest(Strict):
     parent: Version | None
     kind: Literal["full", "delta"]
     view: ViewSpec
-    epoch: int = Field(ge=0)
-    created_at: float
-    meta: dict[str, Any] = Field(default_factory=dict)
+    epoch: NonNegative
+    created_at: Float
+    meta: Meta = Field(default_factory=dict)
     tensors: tuple[TensorEntry, ...]
-    state_digest: str
+    state_digest: Sha256
     stats: ManifestStats
 
     def blob_shas(self) -> set[str]:
@@ -112,13 +167,13 @@ class Manifest(Strict):
 
 class RunCreate(Strict):
     name: RunName
-    meta: dict[str, Any] = Field(default_factory=dict)
+    meta: Meta = Field(default_factory=dict)
 
 
 class RunInfo(Strict):
     name: RunName
-    created_at: float
-    meta: dict[str, Any]
+    created_at: Float
+    meta: Meta
     head: Version | None
     assets: tuple[str, ...]
 
@@ -127,21 +182,21 @@ class LeaseRequest(Strict):
     """`steal`: take the lease even while another holder's is live (a replacement trainer)."""
 
     holder: str = Field(min_length=1, max_length=256)
-    ttl_s: float = Field(default=60.0, gt=0, le=3600)
+    ttl_s: Float = Field(default=60.0, gt=0, le=3600)
     steal: bool = False
 
 
 class LeaseRenew(Strict):
     holder: str = Field(min_length=1, max_length=256)
-    epoch: int = Field(ge=0)
-    ttl_s: float = Field(default=60.0, gt=0, le=3600)
+    epoch: NonNegative
+    ttl_s: Float = Field(default=60.0, gt=0, le=3600)
 
 
 class Lease(Strict):
     run: RunName
     holder: str
-    epoch: int
-    expires_at: float
+    epoch: Int
+    expires_at: Float
 
 
 class BlobUploadTarget(Strict):
@@ -162,29 +217,48 @@ class Head(Strict):
     run: RunName
     version: Version | None
     kind: Literal["full", "delta"] | None = None
-    epoch: int | None = None
+    epoch: Int | None = None
 
 
 class BlobSize(Strict):
+    """A stored blob (also the answer to a blob upload through the board)."""
+
     sha256: Sha256
-    size: int = Field(ge=0)
+    size: NonNegative
+
+
+class StoredAsset(Strict):
+    """The answer to an asset upload."""
+
+    name: str
+    size: NonNegative
+    sha256: Sha256
 
 
 class PlanStep(Strict):
+    """`manifest_bytes`: the stored (uncompressed) size of the step's manifest."""
+
     version: Version
     kind: Literal["full", "delta"]
     manifest_url: str
     blobs: tuple[BlobSize, ...]
+    manifest_bytes: NonNegative = 0
 
 
 class Plan(Strict):
-    """The cheapest chain from `from_version` (None: nothing held) to `to_version`."""
+    """The cheapest chain from `from_version` (None: nothing held) to `to_version`.
+
+    `total_bytes` counts the steps' blobs (each once), `manifest_bytes` their manifests'
+    stored sizes (what a client that does not accept gzip downloads; less on the wire
+    when it does). The chain chosen is the one with the fewest of both together.
+    """
 
     run: RunName
     from_version: Version | None
     to_version: Version
     steps: tuple[PlanStep, ...]
-    total_bytes: int
+    total_bytes: NonNegative
+    manifest_bytes: NonNegative = 0
     strategy: Literal["deltas", "keyframe+deltas", "noop"]
 
 
@@ -192,20 +266,20 @@ class Heartbeat(Strict):
     node_id: str = Field(min_length=1, max_length=256)
     version: Version | None
     engine: str = Field(default="", max_length=128)
-    meta: dict[str, Any] = Field(default_factory=dict)
+    meta: Meta = Field(default_factory=dict)
 
 
 class FleetNode(Strict):
     node_id: str
     version: Version | None
     engine: str
-    meta: dict[str, Any]
-    last_seen: float
+    meta: Meta
+    last_seen: Float
 
 
 class RetentionPolicy(Strict):
-    keep_last: int = Field(default=64, ge=1)
-    grace_s: float = Field(default=3600.0, ge=0)
+    keep_last: Int = Field(default=64, ge=1)
+    grace_s: Float = Field(default=3600.0, ge=0)
 
 
 class RetentionReport(Strict):
@@ -215,10 +289,15 @@ class RetentionReport(Strict):
 
 
 class ErrorDetail(BaseModel):
+    """`code` (an `ErrorCode`) and `message`, plus fields some codes add (`details`,
+    `missing`, `head`, `holder`, ...)."""
+
     model_config = ConfigDict(extra="allow")
     code: str
     message: str
 
 
 class ErrorBody(BaseModel):
+    """Every error answer of the board: `{"error": {"code", "message", ...}}`."""
+
     error: ErrorDetail

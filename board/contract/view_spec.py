@@ -16,19 +16,22 @@ from deltaboard.board.contract.schemas import ViewSpec
 
 FLOATING = frozenset({"F64", "F32", "F16", "BF16"})
 _SERVED = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
-_WIDTH = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
+# Bytes per element of every dtype the codec handles (safetensors names). The codec's
+# wire code of a dtype is its position here (`board.codec.dtypes`): append only, never
+# reorder.
+DTYPE_WIDTHS: dict[str, int] = {
     "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "F64": 8,
     "F8_E4M3": 1,
     "F8_E5M2": 1,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
     "I8": 1,
     "U8": 1,
     "BOOL": 1,
+    "I16": 2,
+    "I32": 4,
+    "I64": 8,
 }
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,7 +52,7 @@ def served_dtype(name: str, source_dtype: str, spec: ViewSpec) -> str:
 
 
 def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return _WIDTH[dtype] * math.prod(shape)
+    return DTYPE_WIDTHS[dtype] * math.prod(shape)
 
 
 @dataclass(frozen=True)

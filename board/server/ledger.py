@@ -10,6 +10,7 @@ in head.json by compare-and-set too, so a writer fenced off mid-commit loses its
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator, Mapping
 from typing import TypeVar
@@ -27,6 +28,7 @@ from deltaboard.board.contract.schemas import (
 )
 from deltaboard.board.server import rules
 from deltaboard.board.server.clock import Clock, SystemClock
+from deltaboard.board.server.metrics import BoardMetrics
 from deltaboard.board.server.records import HeadRecord, LeaseRecord, RunRecord, VersionRecord
 from deltaboard.board.server.retention import VersionSelection, apply_retention
 from deltaboard.board.server.storage import (
@@ -44,6 +46,8 @@ from deltaboard.board.server.storage import (
 
 M = TypeVar("M", bound=BaseModel)
 
+log = logging.getLogger("deltaboard.board")
+
 CAS_ATTEMPTS = 16
 
 
@@ -52,9 +56,12 @@ def encode(model: BaseModel) -> bytes:
 
 
 class Ledger:
-    def __init__(self, store: ObjectStore, clock: Clock | None = None) -> None:
+    def __init__(
+        self, store: ObjectStore, clock: Clock | None = None, metrics: BoardMetrics | None = None
+    ) -> None:
         self.store = store
         self.clock: Clock = clock or SystemClock()
+        self.metrics = metrics
         self._run_locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -70,6 +77,14 @@ class Ledger:
             yield
 
     # ---- reading records ---------------------------------------------------------------
+
+    def unreadable(self, key: str, error: Exception) -> None:
+        """Report a stored record this board cannot read (logged and counted in
+        `deltaboard_unreadable_records`): the caller skips it, never fails on it."""
+        problem = " ".join(str(error).split())
+        log.warning("skipping %s, a stored record this board cannot read: %s", key, problem)
+        if self.metrics is not None:
+            self.metrics.unreadable_records.inc()
 
     def _read(self, key: str, model: type[M]) -> tuple[M, str] | None:
         found = self.store.read_record(key)
@@ -212,7 +227,7 @@ class Ledger:
     def _commit(self, run: str, manifest: Manifest) -> tuple[HeadRecord, VersionRecord]:
         head, head_tag = self.head(run)
         found = self.lease(run)
-        rules.check_commit(manifest, run, head, None if found is None else found[0].epoch)
+        rules.check_commit(manifest, run, head, None if found is None else found[0], self.clock.now())
         sizes = {sha: self.blob_size(run, sha) for sha in manifest.blob_shas()}
         rules.check_blob_ranges(manifest, sizes)
         new_head = HeadRecord(version=manifest.version, kind=manifest.kind, epoch=manifest.epoch)
@@ -228,7 +243,8 @@ class Ledger:
             if now.epoch > manifest.epoch:
                 raise StaleEpoch(f"epoch {manifest.epoch} was fenced off", current_epoch=now.epoch)
             raise NotHead(f"version {manifest.version} was committed concurrently", head=now.version)
-        return new_head, VersionRecord.of(manifest, {k: v for k, v in sizes.items() if v is not None})
+        stored = {k: v for k, v in sizes.items() if v is not None}
+        return new_head, VersionRecord.of(manifest, stored, len(data))
 
     def _take_manifest_slot(self, run: str, manifest: Manifest, data: bytes, head: HeadRecord) -> None:
         """The manifest's create-if-absent lost. What is there above head is either our own
@@ -256,17 +272,25 @@ class Ledger:
     # ---- rebuilding the index -----------------------------------------------------------
 
     def runs(self) -> list[RunRecord]:
+        """Every run whose record this board can read (the others are reported and skipped)."""
         out = []
         for info in self.store.list("runs/"):
             parts = info.key.split("/")
             if len(parts) == 3 and parts[2] == "run.json":
-                record = self.run(parts[1])
+                try:
+                    record = self.run(parts[1])
+                except ValidationError as e:
+                    self.unreadable(info.key, e)
+                    continue
                 if record is not None:
                     out.append(record)
         return out
 
     def committed_versions(self, run: str, head: int | None, after: int | None = None) -> list[VersionRecord]:
-        """Version records of the committed manifests (above `after`) still stored, for the index."""
+        """Version records of the committed manifests (above `after`) still stored, for the
+        index. A manifest this board cannot read (stored by an older, laxer board, or
+        damaged in the store) is reported (`unreadable`) and left out: plans route around
+        it, and the board still starts and serves every other version."""
         if head is None:
             return []
         records = []
@@ -277,7 +301,11 @@ class Ledger:
             data = self.manifest_bytes(run, version)
             if data is None:
                 continue
-            manifest = Manifest.model_validate_json(data)
+            try:
+                manifest = Manifest.model_validate_json(data)
+            except ValidationError as e:
+                self.unreadable(manifest_key(run, version), e)
+                continue
             sizes = {sha: self.blob_size(run, sha) or 0 for sha in manifest.blob_shas()}
-            records.append(VersionRecord.of(manifest, sizes))
+            records.append(VersionRecord.of(manifest, sizes, len(data)))
         return records

@@ -35,6 +35,11 @@ class BoardMetrics:
         self.heartbeats = Counter(
             "deltaboard_heartbeats", "Fleet heartbeats received", registry=self.registry
         )
+        self.unreadable_records = Counter(
+            "deltaboard_unreadable_records",
+            "Stored records (manifests, run records) the board could not read and skipped",
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

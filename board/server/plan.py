@@ -1,8 +1,9 @@
 """Pure planning: the cheapest chain of versions that takes a node from `a` to `b`.
 
 A node either replays the deltas after the version it holds, or starts over from a
-keyframe at or below `b` and replays the deltas after it. Blobs shared between steps are
-counted once, because a node downloads each blob once.
+keyframe at or below `b` and replays the deltas after it. A chain costs its blobs, each
+counted once because a node downloads each blob once, plus one manifest per step (small
+deltas cost as much in manifest as in blobs).
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ def manifest_url(run: str, version: int) -> str:
     return f"/v1/runs/{run}/manifests/{version}"
 
 
-def _chain_bytes(chain: Iterable[VersionRecord]) -> int:
+def _blob_bytes(chain: Iterable[VersionRecord]) -> int:
     sizes: dict[str, int] = {}
     for record in chain:
         sizes.update(record.blobs)
     return sum(sizes.values())
+
+
+def _chain_bytes(chain: list[VersionRecord]) -> int:
+    """What the chain costs to download: its blobs and its manifests."""
+    return _blob_bytes(chain) + sum(r.manifest_bytes for r in chain)
 
 
 def _chain(versions: Mapping[int, VersionRecord], first: int, last: int) -> list[VersionRecord] | None:
@@ -71,13 +77,14 @@ def plan(
     if not candidates:
         raise NoChain(f"no keyframe chain reaches version {to}")
     # Fewest bytes; on a tie, fewer steps (less work to apply), then the plain delta chain.
-    total, strategy, chain = min(candidates, key=lambda c: (c[0], len(c[2]), c[1] != "deltas"))
+    _, strategy, chain = min(candidates, key=lambda c: (c[0], len(c[2]), c[1] != "deltas"))
     steps = tuple(
         PlanStep(
             version=r.version,
             kind=r.kind,
             manifest_url=manifest_url(run, r.version),
             blobs=tuple(BlobSize(sha256=sha, size=size) for sha, size in r.blobs.items()),
+            manifest_bytes=r.manifest_bytes,
         )
         for r in chain
     )
@@ -86,6 +93,7 @@ def plan(
         from_version=from_version,
         to_version=to,
         steps=steps,
-        total_bytes=total,
+        total_bytes=_blob_bytes(chain),
+        manifest_bytes=sum(r.manifest_bytes for r in chain),
         strategy="deltas" if strategy == "deltas" else "keyframe+deltas",
     )

@@ -52,19 +52,22 @@ class LeaseRecord(Record):
 
 
 class VersionRecord(Record):
-    """What planning and retention need of a committed version: its kind and the sizes of
-    the whole blobs it references (a node downloads whole blobs)."""
+    """What planning and retention need of a committed version: its kind, the sizes of
+    the whole blobs it references (a node downloads whole blobs) and the stored size of
+    its manifest (0 in records cached before it was counted)."""
 
     version: int
     kind: Literal["full", "delta"]
     blobs: dict[str, int]
+    manifest_bytes: int = 0
 
     @classmethod
-    def of(cls, manifest: Manifest, sizes: dict[str, int]) -> VersionRecord:
+    def of(cls, manifest: Manifest, sizes: dict[str, int], manifest_bytes: int) -> VersionRecord:
         return cls(
             version=manifest.version,
             kind=manifest.kind,
             blobs={sha: sizes[sha] for sha in sorted(manifest.blob_shas())},
+            manifest_bytes=manifest_bytes,
         )
 
 

@@ -1,8 +1,10 @@
 """Pure version rules of a commit (no I/O): what the board checks before it writes.
 
 Versions are contiguous and immutable; version 0 is a keyframe; a commit names the head as
-its parent; a commit's epoch must be the epoch of the current lease (fencing); every blob
-range a manifest references must lie inside a stored blob.
+its parent; the manifest satisfies the contract's rules on its own
+(`board.contract.manifest_rules`); a commit's epoch must be the epoch of the current lease,
+which must be live (fencing); every blob range a manifest references must lie inside a
+stored blob.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from deltaboard.board.contract.errors import BadManifest, MissingBlobs, NoLease, NotHead, StaleEpoch
+from deltaboard.board.contract.manifest_rules import check_manifest
 from deltaboard.board.contract.schemas import Manifest
-from deltaboard.board.server.records import HeadRecord
+from deltaboard.board.server.records import HeadRecord, LeaseRecord
 
 
 def check_manifest_shape(manifest: Manifest, run: str) -> None:
@@ -28,16 +31,20 @@ def check_manifest_shape(manifest: Manifest, run: str) -> None:
     names = [t.name for t in manifest.tensors]
     if len(set(names)) != len(names):
         raise BadManifest("duplicate tensor names")
+    check_manifest(manifest)
 
 
 def expected_version(head: HeadRecord) -> int:
     return 0 if head.version is None else head.version + 1
 
 
-def check_fencing(manifest: Manifest, head: HeadRecord, lease_epoch: int | None) -> None:
-    """The writer's epoch must be the current lease's: a lower one was fenced off."""
-    if lease_epoch is None:
+def check_fencing(manifest: Manifest, head: HeadRecord, lease: LeaseRecord | None, now: float) -> None:
+    """The writer's epoch must be the current lease's (a lower one was fenced off), and that
+    lease must be live at `now`: a released or expired lease lets another writer in at any
+    moment, so its holder may no longer commit."""
+    if lease is None:
         raise NoLease("take a lease (POST .../lease) before committing", epoch=manifest.epoch)
+    lease_epoch = lease.epoch
     current = max(lease_epoch, head.epoch)
     if manifest.epoch < current:
         raise StaleEpoch(
@@ -47,6 +54,11 @@ def check_fencing(manifest: Manifest, head: HeadRecord, lease_epoch: int | None)
         )
     if manifest.epoch != lease_epoch:
         raise StaleEpoch(f"epoch {manifest.epoch} was never granted", current_epoch=current)
+    if lease.expires_at <= now:
+        raise NoLease(
+            f"the lease of epoch {lease_epoch} was released or has expired: take a new lease",
+            epoch=manifest.epoch,
+        )
 
 
 def check_succession(manifest: Manifest, head: HeadRecord) -> None:
@@ -74,8 +86,10 @@ def check_blob_ranges(manifest: Manifest, sizes: Mapping[str, int | None]) -> No
             )
 
 
-def check_commit(manifest: Manifest, run: str, head: HeadRecord, lease_epoch: int | None) -> None:
+def check_commit(
+    manifest: Manifest, run: str, head: HeadRecord, lease: LeaseRecord | None, now: float
+) -> None:
     """All rules that do not need blob sizes, in the order a client can act on them."""
     check_manifest_shape(manifest, run)
-    check_fencing(manifest, head, lease_epoch)
+    check_fencing(manifest, head, lease, now)
     check_succession(manifest, head)

@@ -79,7 +79,7 @@ class BoardService:
         self.index = index
         self.metrics = metrics
         self.clock = clock
-        self.ledger = Ledger(store, clock)
+        self.ledger = Ledger(store, clock, metrics)
         self._manifests: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._generation: str | None = None  # the index's, when this process last loaded it
         self._healing: dict[str, asyncio.Future[tuple[RunRecord, Head]]] = {}

@@ -23,6 +23,11 @@ class Settings(BaseSettings):
     s3_region: str = "us-east-1"
     s3_access_key: str | None = None
     s3_secret_key: str | None = None
+    # A store that is down or frozen must cost a request a few seconds, not a hang: each S3
+    # call gives up after s3_attempts tries of these timeouts (then 503 StoreUnavailable).
+    s3_connect_timeout_s: float = Field(default=2.0, gt=0)
+    s3_read_timeout_s: float = Field(default=2.0, gt=0)
+    s3_attempts: int = Field(default=2, ge=1, description="tries per S3 call, the first included")
     presign_expiry_s: int = Field(default=3600, gt=0)
     redis: str | None = Field(default=None, description="redis://host:port/db for several replicas")
     redis_namespace: str = "deltaboard"

@@ -3,6 +3,11 @@
 During an update, the chain's manifests are cached next to its blobs, so that a restart
 after a kill does not fetch them again. Afterwards only the served version's manifest is
 kept: `deltaboard verify` checks the directory against it without a board.
+
+A manifest from the board is checked (`board.contract.manifest_rules.check_entries`)
+before anything sizes a file or writes into one after it: one stored by an older, laxer
+board may name an unknown dtype, a negative shape or a path for a file, and the follower
+then stops with one `FollowerError` saying so.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from deltaboard.board.contract.errors import BadManifest, InvalidResponse
+from deltaboard.board.contract.manifest_rules import check_entries
 from deltaboard.board.contract.schemas import Manifest
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower.errors import FollowerError
@@ -37,7 +44,11 @@ class ManifestCache:
         """The manifest of `version`, from the cache or the board (then cached)."""
         manifest = self.cached(version)
         if manifest is None:
-            manifest = board.manifest(self.run, version)
+            try:
+                manifest = board.manifest(self.run, version)
+                check_entries(manifest)
+            except (InvalidResponse, BadManifest) as e:
+                raise FollowerError(f"the manifest of {self.run}@{version} is unusable: {e.message}") from e
             if (manifest.run, manifest.version) != (self.run, version):
                 raise FollowerError(
                     f"the board answered {manifest.run}@{manifest.version} for {self.run}@{version}"

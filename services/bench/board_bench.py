@@ -112,7 +112,7 @@ def small_manifest(version: int, epoch: int, sha: str, size: int) -> Manifest:
                 changed=size,
             ),
         ),
-        state_digest="0" * 32,
+        state_digest="0" * 64,  # a sha256, as codec.state_digest gives
         stats=ManifestStats(changed_elements=size, total_elements=size, encoded_bytes=size, view_bytes=size),
     )
 

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from deltaboard.board.contract.errors import (
+    CLIENT_CODES,
     ERROR_CLASSES,
     AuthError,
     BoardError,
@@ -21,6 +22,7 @@ from deltaboard.board.contract.errors import (
     InvalidRequest,
     NotFound,
     NotHead,
+    StoreUnavailable,
     Unauthorized,
     UnknownRun,
     error_class,
@@ -36,17 +38,18 @@ FAMILY_STATUSES: dict[type[BoardError], set[int]] = {
     AuthError: {401, 403},
     NotFound: {404},
     Conflict: {409},
-    BoardUnavailable: {500},
+    BoardUnavailable: {500, 503},
 }
 
 
 def test_every_code_has_a_class_and_a_status():
     assert set(ERROR_CLASSES) == set(ErrorCode)
-    # HTTPError names a status the framework chose; every other code has its own.
-    assert set(HTTP_STATUS) == set(ErrorCode) - {ErrorCode.HTTP_ERROR}
+    # The client assigns HTTPError (a status the framework chose) and InvalidResponse (an
+    # answer that breaks its schema); every other code is the board's, with its own status.
+    assert set(HTTP_STATUS) == set(ErrorCode) - CLIENT_CODES
     assert ERROR_CLASSES[ErrorCode.HTTP_ERROR] is BoardError  # deliberately plain
     for code, cls in ERROR_CLASSES.items():
-        if code is ErrorCode.HTTP_ERROR:
+        if code in CLIENT_CODES:
             continue
         family = next(f for f in FAMILY_STATUSES if issubclass(cls, f))
         assert HTTP_STATUS[code] in FAMILY_STATUSES[family], code
@@ -56,12 +59,13 @@ def test_every_code_has_a_class_and_a_status():
         assert HTTP_STATUS[code] == status
 
 
-@pytest.mark.parametrize("code", [c for c in ErrorCode if c is not ErrorCode.HTTP_ERROR])
+@pytest.mark.parametrize("code", sorted(set(ErrorCode) - CLIENT_CODES))
 def test_the_client_rebuilds_what_the_server_sends(code):
     sent = error_class(code)("it failed", code=code, head=3, missing=["a"])
     answer = error_response(sent)
     assert answer.status_code == status_of(sent) == HTTP_STATUS[code]
     assert (answer.headers.get("www-authenticate") == "Bearer") == (code == ErrorCode.UNAUTHORIZED)
+    assert ("retry-after" in answer.headers) == (answer.status_code == 503)
     detail = json.loads(bytes(answer.body))["error"]
     extra = {k: v for k, v in detail.items() if k not in ("code", "message")}
     rebuilt = error_from(answer.status_code, detail["code"], detail["message"], **extra)
@@ -80,6 +84,7 @@ def test_unknown_codes_stay_plain_and_5xx_is_unavailable():
     assert str(plain) == "418 Teapot: short and stout"
     for code in ("NotHead", "Internal", "HTTPError", "Whatever"):
         assert type(error_from(503, code, "busy")) is BoardUnavailable
+    assert type(error_from(503, "StoreUnavailable", "down")) is StoreUnavailable
     assert error_class("NoSuchCode") is BoardError
     # Without the board's body (a HEAD, a proxy's page) the status alone classes a few.
     assert type(error_from(404, "HTTPError", "Not Found")) is NotFound

@@ -7,9 +7,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deltaboard.board.contract.errors import BoardError
-from deltaboard.board.server.records import HeadRecord
+from deltaboard.board.server.records import HeadRecord, LeaseRecord
 from deltaboard.board.server.rules import check_blob_ranges, check_commit
 from tests.support.manifests import manifest
+
+NOW = 1000.0
+
+
+def live(epoch: int) -> LeaseRecord:
+    return LeaseRecord(holder="t", epoch=epoch, expires_at=NOW + 60)
+
+
+def commit_code(m, head: HeadRecord, lease: LeaseRecord | None) -> str | None:
+    return code_of(check_commit, m, "r", head, lease, NOW)
 
 
 def code_of(fn, *args) -> str | None:
@@ -29,7 +39,7 @@ def code_of(fn, *args) -> str | None:
 def test_only_head_plus_one_under_the_current_epoch_commits(head, version, lease_epoch, epoch):
     m = manifest("r", version, epoch, {"w": b"x"})
     record = HeadRecord(version=head, kind=None if head is None else "delta", epoch=lease_epoch)
-    code = code_of(check_commit, m, "r", record, lease_epoch)
+    code = commit_code(m, record, live(lease_epoch))
     expected_version = 0 if head is None else head + 1
     if epoch != lease_epoch:
         assert code == "StaleEpoch"
@@ -41,16 +51,23 @@ def test_only_head_plus_one_under_the_current_epoch_commits(head, version, lease
 
 def test_shape_rules():
     head = HeadRecord(epoch=1)
-    assert code_of(check_commit, manifest("r", 0, 1, {}, kind="delta"), "r", head, 1) == "BadManifest"
-    assert code_of(check_commit, manifest("s", 0, 1, {}), "r", head, 1) == "BadManifest"
+    lease = live(1)
+    assert commit_code(manifest("r", 0, 1, {}, kind="delta"), head, lease) == "BadManifest"
+    assert commit_code(manifest("s", 0, 1, {}), head, lease) == "BadManifest"
     bad_parent = manifest("r", 3, 1, {}).model_copy(update={"parent": 1})
-    assert code_of(check_commit, bad_parent, "r", HeadRecord(version=2, epoch=1), 1) == "BadManifest"
+    assert commit_code(bad_parent, HeadRecord(version=2, epoch=1), lease) == "BadManifest"
     m = manifest("r", 0, 1, {"w": b"a"})
     twice = m.model_copy(update={"tensors": m.tensors * 2})
-    assert code_of(check_commit, twice, "r", head, 1) == "BadManifest"
-    assert code_of(check_commit, manifest("r", 0, 1, {}), "r", head, None) == "NoLease"
+    assert commit_code(twice, head, lease) == "BadManifest"
+    assert commit_code(manifest("r", 0, 1, {}), head, None) == "NoLease"
     # A lease may be newer than the head's epoch, never older: the head epoch fences too.
-    assert code_of(check_commit, manifest("r", 0, 1, {}), "r", HeadRecord(epoch=2), 1) == "StaleEpoch"
+    assert commit_code(manifest("r", 0, 1, {}), HeadRecord(epoch=2), lease) == "StaleEpoch"
+
+
+@pytest.mark.parametrize("expires_at", [0.0, NOW - 1, NOW])
+def test_a_released_or_expired_lease_commits_nothing(expires_at):
+    lease = LeaseRecord(holder="t", epoch=1, expires_at=expires_at)
+    assert commit_code(manifest("r", 0, 1, {}), HeadRecord(epoch=1), lease) == "NoLease"
 
 
 @given(size=st.integers(0, 100), offset=st.integers(0, 120), length=st.integers(0, 120))

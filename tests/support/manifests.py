@@ -44,7 +44,7 @@ def manifest(
         created_at=time.time(),
         meta=meta or {},
         tensors=tensors,
-        state_digest="0" * 32,
+        state_digest="0" * 64,
         stats=ManifestStats(changed_elements=size, total_elements=size, encoded_bytes=size, view_bytes=size),
     )
 

@@ -180,6 +180,8 @@ class S3Server:
     secret_key: str
     region: str = "us-east-1"
     _buckets: int = 0
+    # the `weed` process (master, volume, filer and S3 in one): signal it to freeze or stop the store
+    process: subprocess.Popen[bytes] | None = None
 
     def client(self) -> S3Client:
         import boto3
@@ -272,7 +274,9 @@ def seaweedfs(directory: Path) -> Iterator[S3Server]:
     log = directory / "weed.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=directory)
-    server = S3Server(endpoint=f"http://127.0.0.1:{ports['s3']}", access_key=access, secret_key=secret)
+    server = S3Server(
+        endpoint=f"http://127.0.0.1:{ports['s3']}", access_key=access, secret_key=secret, process=proc
+    )
     try:
 
         def ready() -> bool:

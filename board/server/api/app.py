@@ -10,10 +10,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
+from starlette.middleware.gzip import GZipMiddleware
 
 from deltaboard.board.server.api import blobs, ops, runs, versions
 from deltaboard.board.server.api.errors import install_error_handlers
-from deltaboard.board.server.api.middleware import BoardMiddleware
+from deltaboard.board.server.api.middleware import GZIP_EXCLUDED, GZIP_LEVEL, GZIP_MIN_BYTES, BoardMiddleware
 from deltaboard.board.server.api.state import BoardState
 from deltaboard.board.server.clock import Clock, SystemClock
 from deltaboard.board.server.service import BoardService
@@ -71,13 +72,20 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None) -> 
         lifespan=lifespan,
     )
     app.state.board = state
-    install_error_handlers(app)
+    modules = (runs, blobs, versions, ops)
+    install_error_handlers(app, [route for module in modules for route in module.router.routes])
+    app.add_middleware(
+        GZipMiddleware,
+        minimum_size=GZIP_MIN_BYTES,
+        compresslevel=GZIP_LEVEL,
+        exclude_content_types=GZIP_EXCLUDED,
+    )
     app.add_middleware(
         BoardMiddleware,
         metrics=state.metrics,
         max_body_bytes=settings.max_body_bytes,
         body_idle_s=settings.body_idle_timeout_s,
     )
-    for module in (runs, blobs, versions, ops):
+    for module in modules:
         app.include_router(module.router)
     return app

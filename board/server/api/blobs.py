@@ -8,7 +8,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import anyio
 from fastapi import APIRouter, Query, Request, Response
@@ -17,11 +17,21 @@ from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
 from deltaboard.board.contract.errors import ErrorCode, InvalidRequest, UnknownBlob
-from deltaboard.board.contract.schemas import BlobUploadTarget
-from deltaboard.board.server.api.state import BoardState, Publisher, Reader, check_sha
+from deltaboard.board.contract.schemas import BlobSize, BlobUploadTarget
+from deltaboard.board.server.api.errors import documented
+from deltaboard.board.server.api.routing import BINARY, INPUT_ERRORS, RAW_UPLOAD, RUN_ERRORS, BoardRoute
+from deltaboard.board.server.api.state import BoardState, Publisher, Reader, RunPath, ShaPath, check_sha
 from deltaboard.board.server.api.uploads import receive_to_file
 
-router = APIRouter(prefix="/v1/runs/{run}/blobs")
+router = APIRouter(prefix="/v1/runs/{run}/blobs", route_class=BoardRoute)
+
+DOWNLOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": BINARY, "description": "the blob (HEAD: its size)"},
+    206: {"content": BINARY, "description": "the requested range"},
+    304: {"description": "unchanged (If-None-Match)"},
+    307: {"description": "a presigned URL of the store holds it (S3; GET only)"},
+    **documented(*RUN_ERRORS, 416),
+}
 
 IMMUTABLE = "public, max-age=31536000, immutable"
 
@@ -68,18 +78,20 @@ class BlobFileResponse(FileResponse):
             ) from None
 
 
-@router.post("/{sha256}/upload", response_model=BlobUploadTarget)
+@router.post(
+    "/{sha256}/upload", response_model=BlobUploadTarget, responses=documented(*RUN_ERRORS, *INPUT_ERRORS)
+)
 async def upload_target(
-    run: str, sha256: str, size: int = Query(ge=0), state: BoardState = Publisher
+    run: RunPath, sha256: ShaPath, size: int = Query(ge=0), state: BoardState = Publisher
 ) -> BlobUploadTarget:
     check_sha(sha256)
     return await state.service.upload_target(run, sha256, size)
 
 
-@router.put("/{sha256}", status_code=201)
+@router.put("/{sha256}", response_model=BlobSize, **RAW_UPLOAD)
 async def put_blob(
-    run: str, sha256: str, request: Request, state: BoardState = Publisher
-) -> dict[str, object]:
+    run: RunPath, sha256: ShaPath, request: Request, state: BoardState = Publisher
+) -> BlobSize:
     check_sha(sha256)
     await state.service.require_run(run)
     received = await receive_to_file(request, state.settings.tmp_dir, state.settings.max_blob_bytes)
@@ -87,12 +99,12 @@ async def put_blob(
         await state.service.put_blob(run, sha256, received.path, received.size, received.sha256)
     finally:
         received.path.unlink(missing_ok=True)
-    return {"sha256": sha256, "size": received.size}
+    return BlobSize(sha256=sha256, size=received.size)
 
 
-@router.get("/{sha256}", response_model=None)
-@router.head("/{sha256}", response_model=None, operation_id="head_blob")
-async def get_blob(run: str, sha256: str, request: Request, state: BoardState = Reader) -> Response:
+@router.get("/{sha256}", response_class=Response, responses=DOWNLOAD_RESPONSES)
+@router.head("/{sha256}", response_class=Response, responses=DOWNLOAD_RESPONSES, operation_id="head_blob")
+async def get_blob(run: RunPath, sha256: ShaPath, request: Request, state: BoardState = Reader) -> Response:
     check_sha(sha256)
     await state.service.require_run(run)
     etag = f'"{sha256}"'

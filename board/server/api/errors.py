@@ -2,18 +2,22 @@
 right status; a client mistake never turns into a 500.
 
 This is the one place that knows HTTP statuses: `HTTP_STATUS` maps each error code of
-the contract (`board.contract.errors.ErrorCode`) to its status, and `error_response`
-builds every error body the board sends.
+the contract (`board.contract.errors.ErrorCode`) to its status, `error_response` builds
+every error body the board sends, and `documented` declares them in the OpenAPI schema.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match
+from starlette.types import Scope
 
 from deltaboard.board.contract.errors import (
     BoardError,
@@ -22,6 +26,7 @@ from deltaboard.board.contract.errors import (
     InvalidRequest,
     error_class,
 )
+from deltaboard.board.contract.schemas import ErrorBody
 
 log = logging.getLogger("deltaboard.board")
 
@@ -61,6 +66,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     C.BAD_MANIFEST: 422,
     C.MISSING_BLOBS: 422,
     C.INTERNAL: 500,
+    C.STORE_UNAVAILABLE: 503,
     C.INDEX_UNAVAILABLE: 503,
 }
 
@@ -97,11 +103,36 @@ class RequestBodyError(HTTPException):
         self.error = error
 
 
-def error_response(error: BoardError, status: int | None = None) -> JSONResponse:
-    """The JSON answer for `error`, with its status from the table unless `status` is given."""
+# Seconds a client should wait before retrying a 503 (the board's store or index is out
+# of reach; the client's own backoff also applies).
+RETRY_AFTER_S = 2
+
+
+def error_response(
+    error: BoardError, status: int | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The JSON answer for `error`, with its status from the table unless `status` is given,
+    and the headers its status calls for (`WWW-Authenticate` on 401, `Retry-After` on 503)
+    besides `headers` (e.g. `Allow` on a 405)."""
     status = status_of(error) if status is None else status
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = dict(headers or {})
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    if status == 503:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
     return JSONResponse(error.body(), status_code=status, headers=headers)
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI `responses` of a route's error statuses: each with the error body's
+    schema and the codes it carries."""
+    return {
+        status: {
+            "model": ErrorBody,
+            "description": ", ".join(code for code, s in HTTP_STATUS.items() if s == status) or "error",
+        }
+        for status in statuses
+    }
 
 
 async def _board_error(request: Request, exc: Exception) -> JSONResponse:
@@ -124,12 +155,28 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, HTTPException)
-    if isinstance(exc, RequestBodyError):
-        return error_response(exc.error)
-    code = FRAMEWORK_CODES.get(exc.status_code, C.HTTP_ERROR)
-    return error_response(error_class(code)(str(exc.detail), code=code), exc.status_code)
+def _http_error(routes: Sequence[BaseRoute]) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
+    async def handler(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        if isinstance(exc, RequestBodyError):
+            return error_response(exc.error)
+        code = FRAMEWORK_CODES.get(exc.status_code, C.HTTP_ERROR)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed(routes, request.scope)
+        return error_response(error_class(code)(str(exc.detail), code=code), exc.status_code, headers)
+
+    return handler
+
+
+def _allowed(routes: Sequence[BaseRoute], scope: Scope) -> str:
+    """Every method some route takes on this path (the router names only the first
+    matching route's, and a path may have several: GET and POST .../fleet)."""
+    methods: set[str] = set()
+    for route in routes:
+        if route.matches(scope)[0] is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -137,8 +184,10 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return error_response(BoardUnavailable("internal error"))
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
+    """Answer every failure with the board's JSON; `routes` (every route of the app) name
+    the methods a 405 allows."""
     app.add_exception_handler(BoardError, _board_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(HTTPException, _http_error(routes))
     app.add_exception_handler(Exception, _unexpected)

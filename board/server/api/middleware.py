@@ -1,19 +1,35 @@
-"""ASGI middleware: request metrics; a cap on request bodies other than blob uploads (which
-stream to disk and carry their own, larger cap); and an idle timeout while a body is
-arriving, so a body shorter than its Content-Length gets a 400 instead of a hung request."""
+"""ASGI middleware: request metrics; a path with a control character refused (Starlette
+anchors its route patterns with `$`, which also matches before a trailing newline, so
+`.../assets/config.json%0A` would reach the route of `config.json`); a cap on request
+bodies other than blob uploads (which stream to disk and carry their own, larger cap); and
+an idle timeout while a body is arriving, so a body shorter than its Content-Length gets a
+400 instead of a hung request.
+
+JSON answers are gzipped for clients that accept it (Starlette's `GZipMiddleware` with
+`GZIP_*`): a delta's manifest is mostly digests and names and shrinks several-fold, and
+small deltas cost as much in manifest as in blobs. Blobs and assets
+(`application/octet-stream`: patches are compressed already, and Range answers must stay
+byte ranges of the stored object) and event streams are never compressed.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import re
 
+from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deltaboard.board.contract.errors import BodyTooLarge, ErrorCode, InvalidRequest
+from deltaboard.board.contract.errors import BoardError, BodyTooLarge, ErrorCode, InvalidRequest
 from deltaboard.board.server.api.errors import RequestBodyError, error_response
 from deltaboard.board.server.metrics import BoardMetrics
 
 BLOB_PUT = re.compile(r"^/v1/runs/[^/]+/blobs/[^/]+$")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+GZIP_MIN_BYTES = 1024  # smaller answers (heads, leases) gain less than the work costs
+GZIP_LEVEL = 6
+GZIP_EXCLUDED = (*DEFAULT_EXCLUDED_CONTENT_TYPES, "application/octet-stream")
 
 
 class BoardMiddleware:
@@ -37,20 +53,28 @@ class BoardMiddleware:
                 status = message["status"]
             await send(message)
 
-        cap: int | None = None
-        if not (scope["method"] == "PUT" and BLOB_PUT.match(scope["path"])):
-            cap = self.max_body_bytes
-            declared = dict(scope["headers"]).get(b"content-length")
-            if declared is not None and (not declared.isdigit() or int(declared) > cap):
-                response = error_response(BodyTooLarge(f"bodies are limited to {cap} bytes"))
-                await response(scope, receive, counting_send)
-                self._count(scope, status)
-                return
+        # Blob uploads stream to disk under their own cap (`max_blob_bytes`, in the route).
+        cap = None if scope["method"] == "PUT" and BLOB_PUT.fullmatch(scope["path"]) else self.max_body_bytes
+        refusal = self._refusal(scope, cap)
+        if refusal is not None:
+            await error_response(refusal)(scope, receive, counting_send)
+            self._count(scope, status)
+            return
         limited = self._guard(receive, cap)
         try:
             await self.app(scope, limited, counting_send)
         finally:
             self._count(scope, status)
+
+    @staticmethod
+    def _refusal(scope: Scope, cap: int | None) -> BoardError | None:
+        """Why the request is refused before the app sees it, if it is."""
+        if CONTROL.search(scope["path"]):
+            return InvalidRequest("the path holds a control character")
+        declared = dict(scope["headers"]).get(b"content-length")
+        if cap is not None and declared is not None and (not declared.isdigit() or int(declared) > cap):
+            return BodyTooLarge(f"bodies are limited to {cap} bytes")
+        return None
 
     def _guard(self, receive: Receive, cap: int | None) -> Receive:
         seen = 0

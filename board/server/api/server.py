@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -13,8 +14,28 @@ import time
 from pathlib import Path
 
 import httpx
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from deltaboard.board.contract.errors import InvalidRequest
 from deltaboard.board.server.settings import Settings
+
+
+class JSONErrorsProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol, answering a request its parser refuses before the app runs
+    (a Content-Length beyond 64 bits, a malformed request line or header) with the board's
+    JSON error body, as every other failure, instead of uvicorn's plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(InvalidRequest(f"the HTTP request is malformed: {msg}").body()).encode()
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+        ]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
 
 
 def serve(settings: Settings) -> None:
@@ -33,6 +54,7 @@ def serve(settings: Settings) -> None:
         # Long-polls hold connections for up to a minute; keep idle ones a little longer.
         timeout_keep_alive=75,
         backlog=4096,
+        http=JSONErrorsProtocol,
     )
 
 

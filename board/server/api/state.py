@@ -1,16 +1,23 @@
 """What every route needs: the service (over the store, the index and the ledger), auth
 and metrics, built from the settings once per app, plus the dependencies that authorise
-a request."""
+a request and the path parameters' types.
+
+Names in the path are checked here (400 `BadRunName`, `BadDigest`, `BadAssetName`), not by
+FastAPI (which would answer 422); their patterns are declared in the OpenAPI schema only.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from deltaboard.board.contract.errors import ErrorCode, InvalidRequest
-from deltaboard.board.contract.schemas import RUN_NAME_RE, SHA256_RE
+from deltaboard.board.contract.schemas import ASSET_NAME_RE, RUN_NAME_RE, SHA256_RE
 from deltaboard.board.server.auth import AuthConfig, Authorizer, Scope
 from deltaboard.board.server.clock import Clock
 from deltaboard.board.server.index import Index
@@ -62,9 +69,25 @@ class BoardState:
         return cls(settings=settings, auth=load_auth(settings), metrics=metrics, service=service)
 
 
+def _named(description: str, pattern: re.Pattern[str]) -> Any:
+    return Path(description=description, json_schema_extra={"pattern": pattern.pattern})
+
+
+RunPath = Annotated[str, _named("run name", RUN_NAME_RE)]
+ShaPath = Annotated[str, _named("sha256 of the blob, lowercase hex", SHA256_RE)]
+AssetPath = Annotated[str, _named("asset name: 1-2 path segments", ASSET_NAME_RE)]
+
+
 def check_sha(sha256: str) -> None:
-    if not SHA256_RE.match(sha256):
+    if not SHA256_RE.fullmatch(sha256):
         raise InvalidRequest("blob keys are lowercase hex sha256 digests", code=ErrorCode.BAD_DIGEST)
+
+
+def check_asset_name(name: str) -> None:
+    if not ASSET_NAME_RE.fullmatch(name):
+        raise InvalidRequest(
+            "asset names are 1-2 path segments of [A-Za-z0-9._-], no '..'", code=ErrorCode.BAD_ASSET_NAME
+        )
 
 
 def board_state(request: Request) -> BoardState:
@@ -72,13 +95,19 @@ def board_state(request: Request) -> BoardState:
     return state
 
 
-def authorized(scope: Scope) -> Callable[[Request], Awaitable[BoardState]]:
+# Declares the bearer scheme in the OpenAPI schema; `Authorizer` checks the header itself.
+BEARER = HTTPBearer(auto_error=False, description="a token of scope read, publish or admin")
+
+
+def authorized(scope: Scope) -> Callable[..., Awaitable[BoardState]]:
     """A dependency: validates the `{run}` path parameter, then the bearer token's scope on it."""
 
-    async def dependency(request: Request) -> BoardState:
+    async def dependency(
+        request: Request, _: HTTPAuthorizationCredentials | None = Security(BEARER)
+    ) -> BoardState:
         state = board_state(request)
         run = request.path_params.get("run")
-        if run is not None and not RUN_NAME_RE.match(run):
+        if run is not None and not RUN_NAME_RE.fullmatch(run):
             raise InvalidRequest(
                 "run names are 1-128 of [A-Za-z0-9._-], not starting with . or -", code=ErrorCode.BAD_RUN_NAME
             )

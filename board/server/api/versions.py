@@ -10,14 +10,20 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response, StreamingResponse
 
-from deltaboard.board.contract.schemas import MAX_VERSION, CommitRequest, Head, Plan
-from deltaboard.board.server.api.state import BoardState, Publisher, Reader
+from deltaboard.board.contract.schemas import MAX_VERSION, CommitRequest, Head, Manifest, Plan
+from deltaboard.board.server.api.errors import documented
+from deltaboard.board.server.api.routing import INPUT_ERRORS, RUN_ERRORS, BoardRoute
+from deltaboard.board.server.api.state import BoardState, Publisher, Reader, RunPath
 
-router = APIRouter(prefix="/v1/runs/{run}")
+router = APIRouter(prefix="/v1/runs/{run}", route_class=BoardRoute)
+
+READ_ERRORS = documented(*RUN_ERRORS)
 
 
-@router.post("/commit", status_code=201, response_model=Head)
-async def commit(run: str, body: CommitRequest, state: BoardState = Publisher) -> Head:
+@router.post(
+    "/commit", status_code=201, response_model=Head, responses=documented(*RUN_ERRORS, 409, *INPUT_ERRORS)
+)
+async def commit(run: RunPath, body: CommitRequest, state: BoardState = Publisher) -> Head:
     return await state.service.commit(run, body.manifest)
 
 
@@ -32,9 +38,9 @@ def encoded(head: Head) -> Response:
     return Response(_head_json(head), media_type="application/json")
 
 
-@router.get("/head", response_model=Head)
+@router.get("/head", response_model=Head, responses=READ_ERRORS)
 async def head(
-    run: str,
+    run: RunPath,
     after: int | None = Query(default=None, ge=-1, le=MAX_VERSION),
     wait: float = Query(default=0.0, ge=0, le=60),
     state: BoardState = Reader,
@@ -43,8 +49,15 @@ async def head(
     return encoded(await state.service.wait_for_head(run, after, wait))
 
 
-@router.get("/events", response_class=StreamingResponse)
-async def events(run: str, state: BoardState = Reader) -> StreamingResponse:
+@router.get(
+    "/events",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "heads"},
+        **documented(*RUN_ERRORS),
+    },
+)
+async def events(run: RunPath, state: BoardState = Reader) -> StreamingResponse:
     """Server-sent events: `event: commit` with the head, first the current one. Commits that
     land faster than a client reads coalesce into the latest head."""
     heads = await state.service.heads(run)
@@ -64,9 +77,13 @@ async def events(run: str, state: BoardState = Reader) -> StreamingResponse:
     )
 
 
-@router.get("/manifests/{version}", response_model=None)
+@router.get(
+    "/manifests/{version}",
+    response_class=Response,
+    responses={200: {"model": Manifest, "description": "the manifest, as stored"}, **READ_ERRORS},
+)
 async def manifest(
-    run: str, version: int = Path(ge=0, le=MAX_VERSION), state: BoardState = Reader
+    run: RunPath, version: int = Path(ge=0, le=MAX_VERSION), state: BoardState = Reader
 ) -> Response:
     data = await state.service.manifest(run, version)
     return Response(
@@ -74,9 +91,9 @@ async def manifest(
     )
 
 
-@router.get("/plan", response_model=Plan)
+@router.get("/plan", response_model=Plan, responses=READ_ERRORS)
 async def plan(
-    run: str,
+    run: RunPath,
     from_version: int | None = Query(default=None, alias="from", ge=0, le=MAX_VERSION),
     to_version: int | None = Query(default=None, alias="to", ge=0, le=MAX_VERSION),
     state: BoardState = Reader,

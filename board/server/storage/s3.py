@@ -14,6 +14,11 @@ is never visible (readers take the highest generation), and every decision the b
 re-reads the current records, so such a writer is still fenced off at its next step.
 Presigned uploads sign `x-amz-checksum-sha256`, so the store
 itself rejects bytes that do not hash to the blob's name.
+
+A store that cannot be reached (refused, timed out, closed mid-answer, or answering 5xx)
+is `StoreUnavailable` (503 with `Retry-After` at the API edge), never a raw botocore error;
+every call has bounded timeouts and tries (`Settings.s3_*`), so a frozen store costs a
+request a few seconds.
 """
 
 from __future__ import annotations
@@ -26,9 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+from boto3.exceptions import S3UploadFailedError
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
+from botocore.exceptions import ConnectionError as StoreConnectionError
+from s3transfer.exceptions import RetriesExceededError
 
+from deltaboard.board.contract.errors import StoreUnavailable
 from deltaboard.board.server.settings import Settings
 from deltaboard.board.server.storage import ObjectInfo, ObjectNotFound, PreconditionFailed, write_in_order
 
@@ -37,10 +46,31 @@ GENERATION = "@"
 READ_ATTEMPTS = 4
 KEEP_GENERATIONS = 2
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+# What a store that is down, frozen or overloaded raises (after botocore's own retries).
+OUTAGES = (
+    StoreConnectionError,
+    HTTPClientError,
+    IncompleteReadError,
+    S3UploadFailedError,
+    RetriesExceededError,
+)
 
 
 def _code(error: ClientError) -> str:
     return str(error.response.get("Error", {}).get("Code", ""))
+
+
+@contextlib.contextmanager
+def _reachable() -> Iterator[None]:
+    """Turn the store's outages into `StoreUnavailable` (also usable as a decorator)."""
+    try:
+        yield
+    except OUTAGES as e:
+        raise StoreUnavailable(f"the object store does not answer ({type(e).__name__}): retry later") from e
+    except ClientError as e:
+        if int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)) >= 500:
+            raise StoreUnavailable(f"the object store failed ({_code(e)}): retry later") from e
+        raise
 
 
 class S3Store:
@@ -67,7 +97,12 @@ class S3Store:
                 region_name=settings.s3_region,
                 aws_access_key_id=settings.s3_access_key,
                 aws_secret_access_key=settings.s3_secret_key,
-                config=Config(max_pool_connections=64, retries={"mode": "standard", "max_attempts": 4}),
+                config=Config(
+                    max_pool_connections=64,
+                    connect_timeout=settings.s3_connect_timeout_s,
+                    read_timeout=settings.s3_read_timeout_s,
+                    retries={"mode": "standard", "max_attempts": settings.s3_attempts},
+                ),
             )
 
         public = settings.s3_public_endpoint
@@ -76,6 +111,7 @@ class S3Store:
     def _key(self, key: str) -> str:
         return self.prefix + key
 
+    @_reachable()
     def get(self, key: str) -> bytes:
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
@@ -86,6 +122,7 @@ class S3Store:
         data: bytes = response["Body"].read()
         return data
 
+    @_reachable()
     def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
         extra = {"IfNoneMatch": "*"} if if_none_match else {}
         try:
@@ -98,6 +135,7 @@ class S3Store:
     def _generation_key(self, key: str, generation: int) -> str:
         return f"{key}{GENERATION}{generation:012d}"
 
+    @_reachable()
     def _generations(self, key: str, after: int | None) -> list[int]:
         prefix = self._key(key) + GENERATION
         args = {"Bucket": self.bucket, "Prefix": prefix}
@@ -149,22 +187,25 @@ class S3Store:
         self._remember(key, generation)
         if generation >= KEEP_GENERATIONS:
             # Best effort: a leftover only costs a longer listing for a new process.
-            with contextlib.suppress(ClientError):
+            with contextlib.suppress(ClientError, StoreUnavailable):
                 self.delete(self._generation_key(key, generation - KEEP_GENERATIONS))
         return str(generation)
 
     def write_records(self, writes: Sequence[tuple[str, bytes, str | None]]) -> int:
         return write_in_order(self, writes)
 
+    @_reachable()
     def delete_record(self, key: str) -> None:
         for generation in self._generations(key, None):
             self.delete(self._generation_key(key, generation))
         self._remember(key, None)
 
+    @_reachable()
     def put_file(self, key: str, path: Path) -> None:
         self.client.upload_file(str(path), self.bucket, self._key(key))
         path.unlink(missing_ok=True)
 
+    @_reachable()
     def stat(self, key: str) -> ObjectInfo | None:
         try:
             response = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
@@ -178,14 +219,16 @@ class S3Store:
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
-            for item in page.get("Contents", []):
-                yield ObjectInfo(
-                    key=item["Key"][len(self.prefix) :],
-                    size=int(item["Size"]),
-                    modified=item["LastModified"].timestamp(),
-                )
+        with _reachable():
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
+                for item in page.get("Contents", []):
+                    yield ObjectInfo(
+                        key=item["Key"][len(self.prefix) :],
+                        size=int(item["Size"]),
+                        modified=item["LastModified"].timestamp(),
+                    )
 
+    @_reachable()
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 

@@ -36,6 +36,32 @@ DOWNLOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
 IMMUTABLE = "public, max-age=31536000, immutable"
 
 
+# Threads that read blob chunks for downloads, whatever the number of downloads: each
+# thread that wakes with a chunk must take the GIL back from the event loop, and a thread
+# per download delayed commits (whose store work runs in threads too) and long-poll wakes
+# with them (`bench board --mixed`); two keep the downloads' reads ahead of their sockets.
+READ_THREADS = 2
+
+
+class SharedReadFile(anyio.AsyncFile[bytes]):
+    """An open blob whose reads run on the few `READ_THREADS`."""
+
+    limiter: anyio.CapacityLimiter | None = None
+
+    @classmethod
+    def threads(cls) -> anyio.CapacityLimiter:
+        if cls.limiter is None:
+            cls.limiter = anyio.CapacityLimiter(READ_THREADS)
+        return cls.limiter
+
+    async def read(self, size: int = -1) -> bytes:
+        return await anyio.to_thread.run_sync(self.wrapped.read, size, limiter=self.threads())
+
+    async def seek(self, offset: int, whence: int | None = os.SEEK_SET) -> int:
+        start = os.SEEK_SET if whence is None else whence
+        return await anyio.to_thread.run_sync(self.wrapped.seek, offset, start, limiter=self.threads())
+
+
 class BlobFileResponse(FileResponse):
     """Serves a file opened before the answer starts: retention may delete the blob at any
     moment, and a file reopened by name after the headers went out would break the answer
@@ -52,7 +78,7 @@ class BlobFileResponse(FileResponse):
 
     @contextlib.asynccontextmanager
     async def _open_file(self) -> AsyncIterator[anyio.AsyncFile[bytes]]:
-        yield anyio.wrap_file(self._file)
+        yield SharedReadFile(self._file)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

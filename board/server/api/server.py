@@ -42,12 +42,16 @@ def serve(settings: Settings) -> None:
     import uvicorn
 
     from deltaboard.board.server.api.app import create_app
+    from deltaboard.board.server.api.longpoll import LongPollFastPath
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    app = create_app(settings)
     uvicorn.run(
-        create_app(settings),
+        # Outside every layer of the app, the framework's own included: the pollers'
+        # requests skip them all (`longpoll`).
+        LongPollFastPath(app, state=app.state.board),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),

@@ -27,6 +27,9 @@ async def commit(run: RunPath, body: CommitRequest, state: BoardState = Publishe
     return await state.service.commit(run, body.manifest)
 
 
+MAX_WAIT_S = 60  # a long-poll's longest wait (the board's own cap is `Settings.max_wait_s`)
+
+
 @functools.lru_cache(maxsize=256)
 def _head_json(head: Head) -> bytes:
     return head.model_dump_json().encode()
@@ -42,7 +45,7 @@ def encoded(head: Head) -> Response:
 async def head(
     run: RunPath,
     after: int | None = Query(default=None, ge=-1, le=MAX_VERSION),
-    wait: float = Query(default=0.0, ge=0, le=60),
+    wait: float = Query(default=0.0, ge=0, le=MAX_WAIT_S),
     state: BoardState = Reader,
 ) -> Response:
     """Answer at once if head > `after`; otherwise wait up to `wait` seconds for a commit."""

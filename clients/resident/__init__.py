@@ -8,7 +8,7 @@ A new version reaches a serving engine in two phases:
   changed positions, their old bits and their new bits, verified by the codec against the
   held and the manifest's digests. The engine *stages* it (`ResidentView.stage`): bounds
   checks, one absolute address per changed element, and the arrays moved next to the
-  weights (pinned host memory, then the device, for CUDA).
+  weights (copied to the device for CUDA, where the addresses are computed).
 - **commit**, between two forward passes (`ResidentView.commit`): every staged old value
   must be what the live memory holds (else nothing is written), the new values are
   scattered, and read back; a read-back mismatch restores the old values. The cost follows

@@ -246,6 +246,6 @@ def _check_positions(group: WidthGroup) -> None:
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Through pinned host memory, so that the copy runs at the link's speed."""
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    return host.pin_memory().to(device, non_blocking=True)
+    """A plain copy: pinning a fresh buffer per version (cudaHostAlloc) costs more than the
+    pageable copy it would speed up (measured on the H200: stage 0.5 s for 40M changes)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)

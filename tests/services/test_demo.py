@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -56,22 +57,32 @@ def test_demo_refuses_an_unknown_commit_mode(tmp_path):
 
 
 def test_demo_as_a_trainer_for_an_existing_board(board, tmp_path):
-    """What the compose file's trainer runs: publish to a board, no local nodes."""
+    """What the compose file's trainer runs: publish to a board (found through
+    DELTABOARD_URL, as every command finds it), no local nodes. It says what it does before
+    it loads anything slow: its first line comes before torch is imported (`-X importtime`
+    reports each import as it happens, on the same stream)."""
     summary = tmp_path / "summary.json"
     command = [
         sys.executable,
+        "-X",
+        "importtime",
         "-c",
         "from deltaboard.services.cli import main; main()",
         "demo",
-        f"--board={board.url}",
         "--nodes=0",
         "--steps=2",
         "--warmup=0",
         f"--json={summary}",
     ]
-    env = {**os.environ, "DELTABOARD_TOKEN": board.publish_token}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    env = {**os.environ, "DELTABOARD_URL": board.url, "DELTABOARD_TOKEN": board.publish_token}
+    done = subprocess.run(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240, env=env
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    lines = done.stdout.splitlines()
+    said = next(i for i, line in enumerate(lines) if line.startswith("deltaboard demo: "))
+    assert f"the board at {board.url}" in lines[said]
+    assert said < next(i for i, line in enumerate(lines) if re.search(r"\|\s+torch$", line))
     report = json.loads(summary.read_text())
     assert report["versions"] == 3 and report["nodes"] == [] and report["pinned_requests"] == 0
     assert board.client(board.read_token).head("demo").version == 2

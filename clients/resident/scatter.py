@@ -25,7 +25,8 @@ from numba.extending import intrinsic
 
 # Below this many elements a second thread costs more than it saves.
 _SPLIT_MIN = 1 << 16
-_THREADS = max(1, min(4, os.cpu_count() or 1))
+# The cores this process may run on (a taskset or a container limit), not the machine's.
+_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
 _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="deltaboard-scatter")
 
 

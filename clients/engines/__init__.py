@@ -1,12 +1,13 @@
 """Engine adapters: how a rollout sidecar makes an inference engine load a new version.
 
 `EngineAdapter` (in `base`) is the port; `sglang`, `vllm` and `reference` drive each
-engine's own weight-reload routes. `make_adapter(kind, url)` picks one by name.
+engine's own weight-reload routes, name its inference routes and read what it holds
+(`EngineStamp`). `make_adapter(kind, url)` picks one by name.
 """
 
 from __future__ import annotations
 
-from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError
+from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError, EngineStamp
 from deltaboard.clients.engines.reference import ReferenceAdapter
 from deltaboard.clients.engines.sglang import SGLangAdapter
 from deltaboard.clients.engines.vllm import VLLMAdapter
@@ -26,4 +27,4 @@ def make_adapter(kind: str, url: str, timeout_s: float = 600.0) -> EngineAdapter
     return adapter(url, timeout_s=timeout_s)
 
 
-__all__ = ["ADAPTERS", "CommitMode", "EngineAdapter", "EngineAdapterError", "make_adapter"]
+__all__ = ["ADAPTERS", "CommitMode", "EngineAdapter", "EngineAdapterError", "EngineStamp", "make_adapter"]

@@ -8,26 +8,70 @@ prefix cache after the reload (its KV was computed with the old weights); in `in
 mode requests are still running and the engine must hold them between two steps while
 the weights change under them, keeping their cache.
 
+An adapter also says what the sidecar may show clients and how to tell what the engine
+holds:
+
+- `inference_routes`: the (method, path) pairs the sidecar proxies; every other route of
+  the engine (its reload and pause controls above all) stays out of clients' reach;
+- `EngineStamp`: what the engine reports it holds, read from `stamp_path` (`loaded()`),
+  returned by `reload`, and, for engines that stamp their responses, read from a
+  response's headers (`stamp_of`). The sidecar compares it with what it loaded itself
+  before it stamps a response with a version.
+
 Adapters are synchronous (httpx.Client): they run on the follower's thread, never on
-the proxy's event loop.
+the proxy's event loop (the proxy asks `stamp_path` with its own client).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import httpx
 
 CommitMode = Literal["quiesce", "in_place"]
+Route = tuple[str, str]
+
+# What every OpenAI-compatible engine serves for inference.
+OPENAI_ROUTES: frozenset[Route] = frozenset(
+    {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")}
+)
 
 
 class EngineAdapterError(RuntimeError):
     """The engine refused or failed a control call (or could not be reached)."""
 
 
+@dataclass(frozen=True)
+class EngineStamp:
+    """What an engine reports it holds. Equal stamps mean the same load as far as the
+    engine can say: `loads` (a counter of loads, where the engine keeps one) tells two
+    loads of one version apart; `source` (the path it loaded, where it reports one) tells
+    weights from another directory under the same version label apart."""
+
+    version: str | None
+    loads: int | None = None
+    source: str | None = None
+
+    def follows(self, previous: EngineStamp | None) -> bool:
+        """Whether this can be the load right after `previous`: with a counter, exactly one
+        more; without one nothing can be told, so yes."""
+        if previous is None or self.loads is None or previous.loads is None:
+            return True
+        return self.loads == previous.loads + 1
+
+
 class EngineAdapter:
     kind = "abstract"
+    inference_routes: ClassVar[frozenset[Route]] = OPENAI_ROUTES
+    # The GET route that reports what the engine holds, as a JSON object with its
+    # `weight_version`, a load counter `loads` where `counts_loads`, and the path it loaded
+    # under `source_field` where it reports one.
+    stamp_path: ClassVar[str] = "/health"
+    counts_loads: ClassVar[bool] = False
+    source_field: ClassVar[str | None] = None
 
     def __init__(self, url: str, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
@@ -56,21 +100,43 @@ class EngineAdapter:
         except httpx.HTTPError:
             return False
 
-    def holds(self, version: int) -> bool:
-        """Whether the engine still serves `version` (False after it restarted empty).
+    def parse_stamp(self, body: Any) -> EngineStamp:
+        """The stamp in the engine's answer to `stamp_path` (ValueError if there is none)."""
+        if not isinstance(body, dict):
+            raise ValueError(f"expected a JSON object, got {type(body).__name__}")
+        loads = body.get("loads")
+        if self.counts_loads and not isinstance(loads, int):
+            raise ValueError("no load counter ('loads') in the answer")
+        version = body.get("weight_version")
+        return EngineStamp(
+            None if version is None else str(version),  # a number or a string, by engine
+            loads if self.counts_loads else None,
+            None if self.source_field is None else body.get(self.source_field),
+        )
 
-        Engines that cannot say are taken at their health check: an engine that went
-        away and came back is reloaded once it answers again.
-        """
-        return self.healthy()
+    def stamp_of(self, headers: Mapping[str, str]) -> EngineStamp | None:
+        """The stamp a response carries in its headers; None: this engine stamps no
+        responses, ask `stamp_path`."""
+        return None
+
+    def loaded(self) -> EngineStamp:
+        """What the engine says it holds now."""
+        answer = self._call("GET", self.stamp_path)
+        try:
+            return self.parse_stamp(answer.json())
+        except ValueError as exc:
+            raise EngineAdapterError(
+                f"{self.kind} engine at {self.url}: GET {self.stamp_path}: {exc}"
+            ) from exc
 
     def pause(self, mode: CommitMode) -> None:
         """Hold generation for an in-place swap (a drained engine needs nothing)."""
         if mode == "in_place":
             self._hold()
 
-    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> None:
-        """Load `version` from `model_dir`; after a `quiesce` swap, also drop stale caches."""
+    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> EngineStamp:
+        """Load `version` from `model_dir`; after a `quiesce` swap, also drop stale caches.
+        Returns what the engine holds afterwards."""
         raise NotImplementedError
 
     def resume(self, mode: CommitMode) -> None:

@@ -12,23 +12,54 @@ SGLang ("SGLang for RL Systems", docs.sglang.io/advanced_features/sglang_for_rl,
 - `POST /continue_generation {}`: resume after a pause;
 - `POST /flush_cache` (also GET): drop the radix cache, which a drained engine must do
   after new weights (prefix KV computed with old weights is stale); 400 while requests run;
+- `GET /get_model_info`: `model_path` (set by every successful `update_weights_from_disk`)
+  and `weight_version` (set when the update names one): the adapter's `EngineStamp`;
 - `GET /health`.
+
+SGLang keeps no load counter, so the stamp tells loads apart by version label and path:
+a foreign load from another directory or under another label shows, a reload of the same
+directory under the same label (the same bytes) does not. The sidecar asks
+`/get_model_info` after each response (SGLang's responses carry no stamp).
+
+Inference routes (what the sidecar proxies), from the same file: the OpenAI-compatible
+`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/v1/embeddings`,
+`/v1/classify`, `/v1/score`, `/v1/rerank`, `/v1/responses`, `/v1/tokenize`,
+`/v1/detokenize`, and the native `/generate`, `/encode`, `/classify`, `/tokenize`,
+`/detokenize`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError
+from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError, EngineStamp
+
+INFERENCE_POSTS = (
+    "/v1/embeddings",
+    "/v1/classify",
+    "/v1/score",
+    "/v1/rerank",
+    "/v1/responses",
+    "/v1/tokenize",
+    "/v1/detokenize",
+    "/generate",
+    "/encode",
+    "/classify",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 class SGLangAdapter(EngineAdapter):
     kind = "sglang"
+    inference_routes = EngineAdapter.inference_routes | {("POST", path) for path in INFERENCE_POSTS}
+    stamp_path = "/get_model_info"
+    source_field = "model_path"
 
     def _hold(self) -> None:
         self._call("POST", "/pause_generation", json={"mode": "in_place"})
 
-    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> None:
+    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> EngineStamp:
         body = {
             "model_path": str(model_dir),
             "weight_version": str(version),
@@ -40,6 +71,7 @@ class SGLangAdapter(EngineAdapter):
             raise EngineAdapterError(f"sglang refused the update: {answer.get('message', answer)}")
         if mode == "quiesce":
             self._call("POST", "/flush_cache")
+        return self.loaded()
 
     def _release(self) -> None:
         self._call("POST", "/continue_generation", json={})

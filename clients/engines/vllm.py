@@ -12,7 +12,18 @@ docs.vllm.ai "RLHF Http" examples):
   disk;
 - `POST /update_weight_version {"new_version": "N"}`: tag the served version;
 - `POST /reset_prefix_cache`: drop prefix-cache KV computed with the old weights;
+- `GET /weight_info`: `{"weight_version"}`, the adapter's `EngineStamp`;
 - `POST /resume`, `GET /health`.
+
+vLLM keeps no load counter and always loads the path it was started with, so the stamp
+is the version label alone: a foreign `update_weight_version` shows, a foreign
+`reload_weights` (which re-reads the follower's directory, the same bytes) does not. The
+sidecar asks `/weight_info` after each response (vLLM's responses carry no stamp).
+
+Inference routes (what the sidecar proxies), from `vllm/entrypoints/openai` and
+`vllm/entrypoints/serve`: `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+`/v1/embeddings`, `/v1/responses`, `/pooling`, `/classify`, `/score`, `/v1/score`,
+`/rerank`, `/v1/rerank`, `/v2/rerank`, `/tokenize`, `/detokenize`.
 
 (vLLM's `/sleep` / `/wake_up` release GPU memory for colocated training and NCCL
 `/update_weights` streams tensors from a trainer; neither fits a node that loads from its
@@ -23,16 +34,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError
+from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError, EngineStamp
+
+INFERENCE_POSTS = (
+    "/v1/embeddings",
+    "/v1/responses",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/tokenize",
+    "/detokenize",
+)
 
 
 class VLLMAdapter(EngineAdapter):
     kind = "vllm"
+    inference_routes = EngineAdapter.inference_routes | {("POST", path) for path in INFERENCE_POSTS}
+    stamp_path = "/weight_info"
 
     def _hold(self) -> None:
         self._call("POST", "/pause", params={"mode": "keep"})
 
-    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> None:
+    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> EngineStamp:
         # `model_dir` is not sent: vLLM re-reads the path it was started with (the follower's model_dir).
         answer = self._call("POST", "/collective_rpc", json={"method": "reload_weights"})
         if answer.content and "results" not in answer.json():
@@ -40,6 +67,7 @@ class VLLMAdapter(EngineAdapter):
         self._call("POST", "/update_weight_version", json={"new_version": str(version)})
         if mode == "quiesce":
             self._call("POST", "/reset_prefix_cache")
+        return self.loaded()
 
     def _release(self) -> None:
         self._call("POST", "/resume")

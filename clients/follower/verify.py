@@ -7,7 +7,8 @@ board's copy when a board is given, else the copy cached next to the slot). Tens
 digest differs from the one the journal recorded are named, to point at bit rot. It
 takes no lock and only reads. Next to a live follower, a version committed while it runs
 brings the slot being hashed forward under it, which reads as a mismatch: run it again
-(or on a quiescent directory) before trusting one.
+(or on a quiescent directory) before trusting one. `hash_tensors` and `damaged` are also
+what `Follower.repair` (`verify --repair`, `pull --repair`) uses on both slots.
 """
 
 from __future__ import annotations

@@ -33,16 +33,14 @@ def engine(
 ) -> None:
     """Serve the reference engine: OpenAI-compatible completions over transformers on CPU."""
     import torch
-    import uvicorn
 
-    from deltaboard.services.engine.app import EngineState, create_app
+    from deltaboard.services.engine.serve import serve_engine
 
     served = checkpoint_dir(directory, model, must_exist=False)
     torch.set_num_threads(threads)
-    state = EngineState(name or served.resolve().name)
-    if (served / "config.json").is_file():
-        state.reload(served, weight_version)
-    uvicorn.run(create_app(state), host=host, port=port, log_level="warning")
+    serve_engine(
+        served, host=host, port=port, weight_version=weight_version, name=name or served.resolve().name
+    )
 
 
 def sidecar(
@@ -63,12 +61,17 @@ def sidecar(
     default_wait: float = typer.Option(30.0, help="Seconds a constrained request waits by default."),
     max_wait: float = typer.Option(300.0, help="Upper bound on any request's wait, in seconds."),
     poll: float = typer.Option(5.0, min=0.1, max=60.0, help="Seconds per long-poll of the board's head."),
+    run_wait: float = typer.Option(
+        600.0,
+        min=0.0,
+        help="Seconds to wait for a run that does not exist yet (its trainer creates it); a run "
+        "that existed and is gone, or a token the board refuses, stops the sidecar at once.",
+    ),
 ) -> None:
     """Serve the version-aware proxy in front of an engine; it runs its own follower, which
     keeps the directory at the run's head and reloads the engine."""
-    import uvicorn
-
-    from deltaboard.services.sidecar.node import Sidecar, SidecarConfig
+    from deltaboard.services.commands.failures import UserError
+    from deltaboard.services.sidecar.node import Sidecar, SidecarConfig, SidecarFailed
 
     if engine_kind not in ("reference", "sglang", "vllm"):
         raise typer.BadParameter("--engine-kind must be reference, sglang or vllm")
@@ -86,8 +89,12 @@ def sidecar(
         default_wait_s=default_wait,
         max_wait_s=max_wait,
         poll_s=poll,
+        run_wait_s=run_wait,
     )
-    uvicorn.run(Sidecar(config).app, host=host, port=port, log_level="warning")
+    try:
+        Sidecar(config).serve(host, port)
+    except SidecarFailed as exc:
+        raise UserError(str(exc)) from exc
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:

@@ -3,8 +3,17 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streaming with SSE or
 not), `GET /v1/models`, `GET /health`, and the control routes the reference adapter
 drives: `POST /reload {"model": DIR, "weight_version": N}`, `POST /pause`, `POST /resume`.
+The control routes are for the sidecar alone: the sidecar's proxy never forwards them, and
+the engine's own port must not be reachable by clients.
 Generation runs in a worker thread per request; a client that disconnects stops it
 between two tokens (counted in `/health` as `aborted`).
+
+What the engine holds is reported with a load counter that moves with every load
+(`WeightSlot.stamp`): in `/health` (`weight_version`, `loads`), in the answer to
+`/reload`, and in the headers `X-Engine-Weight-Version` / `X-Engine-Load-Count` of every
+response, taken when the response starts (for a completion that is not streamed: after
+its last token). A sidecar compares them with what it loaded itself, so a response
+generated with weights it did not load is never stamped with its version.
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deltaboard.clients.engines.reference import LOADS_HEADER, VERSION_HEADER
 from deltaboard.services.engine.protocol import ChatRequest, Completion, CompletionRequest
 from deltaboard.services.engine.runtime import (
     Cancelled,
@@ -57,14 +68,37 @@ class EngineState:
     reload_lock: threading.Lock = field(default_factory=threading.Lock)
     requests: int = 0
     aborted: int = 0
-    reloads: int = 0
     generating: int = 0  # generation threads alive
     tokens: int = 0  # tokens generated, all requests
 
-    def reload(self, directory: Path, version: int | None) -> None:
+    def reload(self, directory: Path, version: int | None) -> tuple[int | None, int]:
+        """Load `directory` as `version`; returns the slot's stamp (version, loads) after it."""
         with self.reload_lock:
-            self.slot.install(load_model(directory, version))
-            self.reloads += 1
+            return self.slot.install(load_model(directory, version))
+
+
+class StampHeaders:
+    """Adds what the engine holds, as the response starts, to every response's headers."""
+
+    def __init__(self, app: ASGIApp, slot: WeightSlot) -> None:
+        self.app = app
+        self.slot = slot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                version, loads = self.slot.stamp()
+                headers = [*message.get("headers", []), (LOADS_HEADER.lower().encode(), str(loads).encode())]
+                if version is not None:
+                    headers.append((VERSION_HEADER.lower().encode(), str(version).encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, stamped)
 
 
 def error(status: int, code: str, message: str, retry: bool = False) -> JSONResponse:
@@ -112,6 +146,7 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
 
 def create_app(state: EngineState) -> FastAPI:
     app = FastAPI(title="deltaboard reference engine")
+    app.add_middleware(StampHeaders, slot=state.slot)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -199,14 +234,16 @@ def create_app(state: EngineState) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         loaded = state.slot.current
+        version, loads = state.slot.stamp()
+        status = "ok" if loaded else ("loading" if state.reload_lock.locked() else "empty")
         return {
-            "status": "ok" if loaded else "loading",
-            "weight_version": loaded.version if loaded else None,
+            "status": status,
+            "weight_version": version,
+            "loads": loads,
             "model": str(loaded.directory) if loaded else None,
             "paused": state.slot.paused,
             "requests": state.requests,
             "aborted": state.aborted,
-            "reloads": state.reloads,
             "generating": state.generating,
             "tokens": state.tokens,
         }
@@ -218,10 +255,10 @@ def create_app(state: EngineState) -> FastAPI:
         if directory is None or not (directory / "config.json").is_file():
             return error(400, "BadModelDir", f"not a checkpoint directory: {directory}")
         try:
-            await run_in_threadpool(state.reload, directory, body.weight_version)
+            version, loads = await run_in_threadpool(state.reload, directory, body.weight_version)
         except (OSError, ValueError) as exc:
             return error(400, "ModelLoadFailed", str(exc))
-        return JSONResponse({"weight_version": body.weight_version, "model": str(directory)})
+        return JSONResponse({"weight_version": version, "loads": loads, "model": str(directory)})
 
     @app.post("/pause")
     async def pause() -> dict[str, bool]:

@@ -9,6 +9,9 @@ same weights directly gives, with no cache-shape-dependent rounding in between.
 Weights are swapped between forward passes (`WeightSlot.install`), so a request that
 spans a reload in `in_place` mode sees the new version from its next token on; each
 step records the version it ran with so the response can report its range honestly.
+Every install also moves the slot's load counter (`WeightSlot.stamp`): the engine
+reports it with the version, so that whoever drives the engine can tell "still the
+weights I loaded" from "the same version number, other weights".
 """
 
 from __future__ import annotations
@@ -103,10 +106,18 @@ class WeightSlot:
         self._model: LoadedModel | None = None
         self._paused = False
         self._active = 0
+        self._loads = 0
 
     @property
     def current(self) -> LoadedModel | None:
         return self._model
+
+    def stamp(self) -> tuple[int | None, int]:
+        """(version, loads): the installed weights' version and the number of installs so
+        far, read together. The counter moves with every change of the weights, so an
+        unchanged counter means unchanged weights, whatever version they were labelled."""
+        with self._cond:
+            return (None if self._model is None else self._model.version), self._loads
 
     @property
     def paused(self) -> bool:
@@ -142,11 +153,18 @@ class WeightSlot:
             self._paused = False
             self._cond.notify_all()
 
-    def install(self, model: LoadedModel) -> None:
-        """Swap the model between forward passes (never during one)."""
+    def install(self, model: LoadedModel) -> tuple[int | None, int]:
+        """Swap the model between forward passes (never during one); returns the new stamp.
+
+        Every change of the weights a forward pass reads goes through here (a reload, or
+        weights patched in place and installed under their new version), so that the load
+        counter moves with it.
+        """
         with self._cond:
             self._cond.wait_for(lambda: self._active == 0)
             self._model = model
+            self._loads += 1
+            return model.version, self._loads
 
 
 def generate(

@@ -1,6 +1,12 @@
 """HTTP serving helpers shared by the sidecar and the reference engine.
 
-`BackgroundServer` runs an ASGI app with uvicorn on a loopback port in a background
+`listen` binds and listens before anything else happens: uvicorn runs an app's lifespan
+(where the sidecar starts its version loop, which reloads the engine) before it binds
+its own port, so a process that lets uvicorn bind would touch its engine and only then
+find its port taken. Both `deltaboard sidecar` and `deltaboard engine` take their socket
+from `listen` first and hand it to `uvicorn_server(app).run(sockets=[sock])`.
+
+`BackgroundServer` runs an ASGI app the same way on a loopback port in a background
 thread: the demo runs its sidecars in-process this way and the tests start real engines
 and sidecars this way (a real socket and a real HTTP server, without paying a process
 start and a torch import per server). `wait_disconnect` returns when a client goes away
@@ -21,16 +27,34 @@ from typing import Any
 from starlette.requests import Request
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to `host:port` and listening (connections wait in its backlog until
+    the server accepts them). A taken port raises OSError saying which."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    return sock
+
+
+def uvicorn_server(app: Any) -> Any:
+    """A uvicorn server for `app`, to be run on a socket from `listen`."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+    return uvicorn.Server(config)
+
+
 class BackgroundServer:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
-        import uvicorn
-
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        self._sock = listen(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
+        self._server = uvicorn_server(app)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name=f"http-{self.port}", daemon=True
         )

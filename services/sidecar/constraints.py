@@ -42,8 +42,11 @@ class SidecarCode(StrEnum):
     WEIGHT_VERSION_NOT_READY = "WeightVersionNotReady"  # behind the request: retry later
     WEIGHT_VERSION_GONE = "WeightVersionGone"  # past the request for good: re-pin
     ENGINE_UNAVAILABLE = "EngineUnavailable"  # the engine failed to load or cannot be reached
+    ENGINE_CHANGED = "EngineChanged"  # the engine no longer holds what the sidecar loaded: retry
     BAD_WEIGHT_VERSION = "BadWeightVersion"  # a malformed constraint (`ConstraintError`)
     BODY_TOO_LARGE = "BodyTooLarge"
+    NOT_FOUND = "NotFound"  # not an inference route of the engine
+    METHOD_NOT_ALLOWED = "MethodNotAllowed"
 
 
 class ConstraintError(ValueError):

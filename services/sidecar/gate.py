@@ -8,6 +8,16 @@ constraint does not accept the new version (an `exact` or `max` pin below it) an
 under the others. Because admission and the served version change under one lock, a
 response's version range (served at admission, served at release) is exact: in `quiesce`
 mode start == end; in `in_place` mode a swap may fall in between and the range says so.
+
+The range is only as true as the engine is faithful to the sidecar's swaps: anyone who
+can reach the engine's own port can load other weights into it. So the gate also keeps
+the stamps of the sidecar's own loads (`EngineStamp`, as the adapter reported after each
+reload), and the proxy has each response `vouch`ed for: the stamp the engine reports
+with it (or right after it) must be one of the sidecar's own loads made since the
+request was admitted, with no foreign load in between (a load counter that skips
+numbers shows one). A response that is not vouched for is refused (`EngineChanged`), and
+a stamp that differs from the last own load marks the node unhealthy, so that the
+version loop loads the sidecar's version again.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from deltaboard.clients.engines import CommitMode
+from deltaboard.clients.engines import CommitMode, EngineStamp
 from deltaboard.services.sidecar.constraints import (
     Gone,
     Serve,
@@ -32,6 +42,9 @@ from deltaboard.services.sidecar.constraints import (
 )
 
 T = TypeVar("T")
+# Own loads remembered for vouching: a request is vouched for only by loads made since its
+# admission, so this bounds the swaps one in_place request may span.
+KEPT_LOADS = 64
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,7 @@ class Admitted:
     start: int | None
     waited_s: float
     high: int | None  # the highest version the request accepts: a swap past it waits for it
+    load: int  # the serial of the sidecar's own engine load current at admission
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,11 @@ class VersionGate:
         self.inflight = 0
         self._bounded: Counter[int] = Counter()  # requests in flight by their highest version
         self.healthy = True
+        self.problem: str | None = None  # why the node is not healthy
+        self.engine: EngineStamp | None = None  # what the engine holds: the sidecar's last load
+        self._loads: list[tuple[int, EngineStamp]] = []  # own loads since the last foreign one
+        self._serial = 0
+        self._reloading = False  # drained, the engine loading: it may report the new load early
         self.sync_s = 1.0
         self.interval_s = 1.0
         self._head_at: float | None = None
@@ -93,7 +112,7 @@ class VersionGate:
                         self.inflight += 1
                         if high is not None:
                             self._bounded[high] += 1
-                        return Admitted(self.served, time.monotonic() - started, high)
+                        return Admitted(self.served, time.monotonic() - started, high, self._serial)
                     low = decision.low if isinstance(decision, Wait) else (self.served or 0)
                     self._pins[key] = (low, constraint.high())
                     remaining = deadline - time.monotonic()
@@ -107,7 +126,7 @@ class VersionGate:
     def _not_ready(self, constraint: VersionConstraint, low: int) -> Refused:
         retry = retry_after_s(low, self.served, self.head, self.sync_s, self.interval_s)
         if not self.healthy:
-            message = "the engine failed to load"
+            message = self.problem or "the engine failed to load"
             return self._refuse(SidecarCode.ENGINE_UNAVAILABLE, message, constraint, retry)
         needs = constraint.describe(self.head)
         message = f"this node serves {self.served}; the request needs {needs}"
@@ -140,6 +159,45 @@ class VersionGate:
                 self.head, self._head_at = head, now
                 self._cond.notify_all()
 
+    def _record_load(self, stamp: EngineStamp) -> None:
+        """The engine loaded what the sidecar asked for, and now reports `stamp`."""
+        if not stamp.follows(self.engine):
+            self._loads.clear()  # someone else loaded in between: vouch for no earlier admission
+        self._serial += 1
+        self._loads.append((self._serial, stamp))
+        del self._loads[:-KEPT_LOADS]
+        self.engine = stamp
+
+    def _vouches(self, stamp: EngineStamp, admitted: Admitted) -> bool:
+        return any(serial >= admitted.load and own == stamp for serial, own in self._loads)
+
+    async def vouch(self, stamp: EngineStamp, admitted: Admitted) -> bool:
+        """Whether a response of a request admitted as `admitted`, for which the engine
+        reports `stamp`, was generated with weights this sidecar loaded (see the module
+        docstring). A stamp other than the last own load marks the node unhealthy."""
+        async with self._cond:
+            if not self._vouches(stamp, admitted) and self._reloading:
+                # The engine may report the load of the swap in progress before `end_swap`.
+                with contextlib.suppress(TimeoutError):
+                    reloaded = self._cond.wait_for(lambda: not self._reloading)
+                    await asyncio.wait_for(reloaded, self.drain_timeout_s)
+            if self._vouches(stamp, admitted):
+                return True
+            if stamp != self.engine and self.healthy:
+                self.healthy = False
+                self.problem = (
+                    f"the engine's weights changed under the sidecar: it reports {stamp}, "
+                    f"the sidecar's last load was {self.engine}; loading the served version again"
+                )
+                self._cond.notify_all()
+            return False
+
+    async def _stop(self, reason: str) -> None:
+        async with self._cond:
+            self.healthy = False
+            self.problem = reason
+            self._cond.notify_all()
+
     def holds_until_done(self, admitted: Admitted) -> bool:
         """Whether no swap can happen under this request (within the drain timeout)."""
         pinned = admitted.high is not None and admitted.start is not None and admitted.high <= admitted.start
@@ -157,12 +215,18 @@ class VersionGate:
             with contextlib.suppress(TimeoutError):
                 drained = self._cond.wait_for(lambda: self._may_swap_to(version))
                 await asyncio.wait_for(drained, self.drain_timeout_s)
+            self._reloading = True
 
-    async def _end_swap(self, version: int | None, healthy: bool, sync_s: float) -> None:
+    async def _end_swap(self, version: int | None, sync_s: float, loaded: EngineStamp | str) -> None:
         async with self._cond:
             self.served = version
-            self.healthy = healthy
-            self.swapping = False
+            self.healthy = isinstance(loaded, EngineStamp)
+            if isinstance(loaded, EngineStamp):
+                self._record_load(loaded)
+                self.problem = None
+            else:
+                self.problem = loaded
+            self.swapping = self._reloading = False
             self.sync_s = 0.7 * self.sync_s + 0.3 * sync_s
             self._cond.notify_all()
 
@@ -174,9 +238,14 @@ class VersionGate:
         """From the follower's thread: stop admissions and drain what `version` would break."""
         self._call(self._begin_swap(version))
 
-    def end_swap(self, version: int | None, healthy: bool, sync_s: float) -> None:
-        """From the follower's thread: the engine now serves `version` (or failed to load)."""
-        self._call(self._end_swap(version, healthy, sync_s))
+    def end_swap(self, version: int | None, sync_s: float, loaded: EngineStamp | str) -> None:
+        """From the follower's thread: the directory serves `version`, and the engine
+        reported `loaded` after loading it, or failed to load it (`loaded` says why)."""
+        self._call(self._end_swap(version, sync_s, loaded))
+
+    def stop(self, reason: str) -> None:
+        """From the follower's thread: the node stopped for good; refuse every request, say why."""
+        self._call(self._stop(reason))
 
     def publish_head(self, head: int | None) -> None:
         """From the follower's thread: the board's head moved."""

@@ -1,17 +1,25 @@
 """A rollout sidecar assembled: follower + engine adapter + version gate + proxy app.
 
 `Sidecar(config).app` is the ASGI app; its lifespan starts the version loop on a thread
-(bound to the app's event loop) and stops it on shutdown. `deltaboard sidecar` serves it
-with uvicorn; the demo and the tests run it in-process with `BackgroundServer`.
+(bound to the app's event loop) and stops it on shutdown. `Sidecar.serve(host, port)`
+(what `deltaboard sidecar` runs) binds its port before the lifespan starts, so that a
+sidecar that cannot listen exits before its loop ever touches the engine, and returns
+(raising `SidecarFailed`) when the loop stops for good. The demo and the tests run the
+app in-process with `BackgroundServer`, which binds first too.
+
+A run that does not exist yet is waited for, up to `run_wait_s` (the trainer creates it
+with its first publish); a run that existed and is gone, or a token the board refuses,
+stops the sidecar at once (`VersionSync.fail`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +28,7 @@ from fastapi import FastAPI
 from deltaboard.board.contract.errors import UnknownRun
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.engines import CommitMode, EngineAdapter, make_adapter
+from deltaboard.services.sidecar.background import listen, uvicorn_server
 from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
 from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
@@ -42,6 +51,11 @@ class SidecarConfig:
     max_wait_s: float = 300.0
     poll_s: float = 5.0
     drain_timeout_s: float = 60.0
+    run_wait_s: float = 600.0  # how long a run that does not exist yet is waited for
+
+
+class SidecarFailed(RuntimeError):
+    """The sidecar stopped for good (its reason: a refused token, a run that is gone)."""
 
 
 class Sidecar:
@@ -51,17 +65,39 @@ class Sidecar:
         self.gate = VersionGate(config.mode, config.drain_timeout_s)
         self.adapter = adapter or make_adapter(config.engine_kind, config.engine_url)
         self.board = BoardClient(config.board_url, config.token)
-        self.sync = VersionSync(self.gate, self.adapter, self.metrics, self._watch_head, config.poll_s)
+        self.sync = VersionSync(
+            self.gate, self.adapter, self.metrics, self._watch_head, config.poll_s, self._on_fatal
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._give_up_on_run = 0.0
+        self._server: Any = None
         self.follower: Any = None
         settings = ProxySettings(config.engine_url, config.default_wait_s, config.max_wait_s)
-        self.app = create_proxy_app(self.gate, settings, self.metrics, self.status, self._lifespan)
+        self.app = create_proxy_app(
+            self.gate, self.adapter, settings, self.metrics, self.status, self._lifespan
+        )
+
+    def serve(self, host: str, port: int) -> None:
+        """Listen on `host:port` (OSError, before anything else, if it cannot), then serve
+        until interrupted; raises `SidecarFailed` if the version loop stopped for good."""
+        sock = listen(host, port)
+        self._server = uvicorn_server(self.app)
+        self._server.run(sockets=[sock])
+        if self.sync.fatal is not None:
+            raise SidecarFailed(f"the sidecar stopped: {self.sync.fatal}")
+
+    def _on_fatal(self, reason: str) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
 
     def _watch_head(self, after: int | None, wait_s: float) -> int | None:
         try:
             return self.board.head(self.config.run, after=-1 if after is None else after, wait=wait_s).version
         except UnknownRun:
+            existed = after is not None or (self.follower is not None and self.follower.version is not None)
+            if existed or time.monotonic() >= self._give_up_on_run:
+                raise
             self._stop.wait(min(wait_s, 1.0))  # the trainer has not created the run yet
             return None
 
@@ -89,12 +125,15 @@ class Sidecar:
             "healthy": self.gate.healthy,
             "inflight": self.gate.inflight,
             "swapping": self.gate.swapping,
+            "engine": None if self.gate.engine is None else asdict(self.gate.engine),
+            "problem": self.gate.problem,
             "last_error": self.sync.last_error,
         }
 
     @asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         self.gate.bind(asyncio.get_running_loop())
+        self._give_up_on_run = time.monotonic() + self.config.run_wait_s
         self.follower = self._make_follower()
         self._thread = threading.Thread(
             target=self.sync.run,

@@ -5,6 +5,8 @@
 - a server-sent event stream is passed through holding one event back, so that its last
   data event (the one before `data: [DONE]`) can gain the same field once the range's
   end is known; a stream without a JSON last event gets one extra event carrying it.
+  When the weights behind the stream cannot be vouched for at its end, the last event
+  goes out unstamped, followed by `{"error": {"code": "EngineChanged", ...}}`.
 
 `Release` ends a request's admission exactly once (its result is the range's end);
 `StampedStream` guarantees that release even if the client left before the first byte.
@@ -13,12 +15,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 from fastapi.responses import StreamingResponse
 
+from deltaboard.services.sidecar.constraints import SidecarCode
 from deltaboard.services.sidecar.gate import VersionGate
 
 
@@ -32,14 +35,17 @@ def range_headers(start: int | None, end: int | None) -> dict[str, str]:
 
 
 def stamp(payload: bytes, start: int | None, end: int | None) -> bytes | None:
-    """`payload` (JSON) with the version range added, or None when it is not a JSON object."""
+    """`payload` (JSON) with the version range added (None: no range, and any range the
+    engine wrote removed), or None when it is not a JSON object."""
     try:
         decoded = json.loads(payload)
     except ValueError:
         return None
     if not isinstance(decoded, dict):
         return None
-    decoded["weight_version"] = {"start": start, "end": end}
+    decoded.pop("weight_version", None)
+    if start is not None or end is not None:
+        decoded["weight_version"] = {"start": start, "end": end}
     return json.dumps(decoded, separators=(",", ":")).encode()
 
 
@@ -82,9 +88,13 @@ class StampedStream(StreamingResponse):
 
 
 async def restamped_stream(
-    upstream: httpx.Response, start: int | None, release: Release
+    upstream: httpx.Response,
+    start: int | None,
+    release: Release,
+    verify: Callable[[], Awaitable[str | None]],
 ) -> AsyncIterator[bytes]:
-    """Pass SSE events through, holding one back so the last data event can carry the range."""
+    """Pass SSE events through, holding one back so the last data event can carry the range
+    (`verify()`, asked at the end, returns why the range must not be given, or None)."""
     buffer = b""
     held: bytes | None = None
     async for chunk in upstream.aiter_raw():
@@ -93,7 +103,7 @@ async def restamped_stream(
             event, buffer = buffer.split(b"\n\n", 1)
             data = _event_data(event)
             if data == b"[DONE]":
-                yield _final_event(held, start, await release())
+                yield await _final_event(held, start, release, verify)
                 held = None
             elif data is not None:
                 if held is not None:
@@ -102,13 +112,25 @@ async def restamped_stream(
                 continue
             yield event + b"\n\n"
     if held is not None or not release.done:
-        yield _final_event(held, start, await release())
+        yield await _final_event(held, start, release, verify)
 
 
-def _final_event(held: bytes | None, start: int | None, end: int | None) -> bytes:
+def _data_event(payload: Any) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+async def _final_event(
+    held: bytes | None, start: int | None, release: Release, verify: Callable[[], Awaitable[str | None]]
+) -> bytes:
+    refusal = await verify()
+    end = await release()
     data = _event_data(held) if held is not None else None
+    if refusal is not None:  # no range, not even one the engine wrote itself
+        unstamped = stamp(data, None, None) if data is not None else None
+        before = b"" if held is None else (b"data: " + unstamped if unstamped else held) + b"\n\n"
+        return before + _data_event({"error": {"code": str(SidecarCode.ENGINE_CHANGED), "message": refusal}})
     stamped = stamp(data, start, end) if data is not None else None
     if stamped is not None:
         return b"data: " + stamped + b"\n\n"
-    tail = b"data: " + json.dumps({"weight_version": {"start": start, "end": end}}).encode() + b"\n\n"
-    return (held + b"\n\n" + tail) if held is not None else tail
+    before = b"" if held is None else held + b"\n\n"
+    return before + _data_event({"weight_version": {"start": start, "end": end}})

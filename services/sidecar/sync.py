@@ -4,8 +4,17 @@ and swap each verified version into the engine.
 Runs on its own thread. The follower calls `commit_hook(version, swap)` once a version
 is staged and verified; the hook stops admissions (draining in `quiesce` mode), pauses
 the engine (`in_place`), lets the follower swap the directory, has the engine reload,
-resumes, and publishes the new served version to the gate. A reload that fails marks
-the node unhealthy (requests get 503 after their wait) and is retried by the loop.
+resumes, and publishes the new served version, with what the engine then reports it
+holds (`EngineStamp`), to the gate. A reload that fails marks the node unhealthy
+(requests get 503 after their wait) and is retried by the loop, as is a node whose
+engine no longer holds what the sidecar loaded: restarted empty, or loaded by someone
+else (seen by the proxy on a response, or by the loop's own check while idle).
+
+What retrying cannot fix stops the loop for good (`fail`): the board refusing the token
+(`Unauthorized`, `Forbidden`) and a run that does not exist (`UnknownRun`: at once when
+it existed, after the sidecar's wait for it to appear otherwise). The node then refuses
+every request with the reason, and `Sidecar.serve` exits with it. A damaged slot
+(`CorruptBase`) is repaired (`Follower.repair`), then the loop goes on.
 """
 
 from __future__ import annotations
@@ -17,8 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from deltaboard.board.contract.errors import NotFound
-from deltaboard.clients.engines import EngineAdapter, EngineAdapterError
+from deltaboard.board.contract.errors import AuthError, NotFound, UnknownRun
+from deltaboard.clients.engines import EngineAdapter, EngineAdapterError, EngineStamp
+from deltaboard.clients.follower.errors import CorruptBase
 from deltaboard.services.sidecar.constraints import next_target
 from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
@@ -42,6 +52,10 @@ class FollowerPort(Protocol):
         """Reach `version` (or only send the fleet heartbeat when already there)."""
         ...
 
+    def repair(self, version: int | None = None) -> object:
+        """Re-hash the directory and rebuild what is damaged."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -57,14 +71,17 @@ class VersionSync:
         metrics: SidecarMetrics,
         watch_head: HeadWatch,
         poll_s: float = 5.0,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.gate = gate
         self.adapter = adapter
         self.metrics = metrics
         self.watch_head = watch_head
         self.poll_s = poll_s
+        self.on_fatal = on_fatal
         self.follower: FollowerPort | None = None
         self.last_error: str | None = None
+        self.fatal: str | None = None  # why the loop stopped for good
 
     def commit_hook(self, version: int, swap: Callable[[], None]) -> None:
         """Called by the follower with a verified, staged version."""
@@ -74,26 +91,26 @@ class VersionSync:
         assert self.follower is not None
         started = time.monotonic()
         self.gate.begin_swap(version)
-        served, healthy = self.gate.served, self.gate.healthy
+        served = self.gate.served
         mode = self.gate.mode  # every call of this swap is told the same mode
+        loaded: EngineStamp | str = "the engine failed to load"
         try:
             self.adapter.pause(mode)
             try:
                 swap()
                 served = version
-                self.adapter.reload(self.follower.model_dir, version, mode)
-                healthy = True
+                loaded = self.adapter.reload(self.follower.model_dir, version, mode)
             finally:
                 self.adapter.resume(mode)
         except EngineAdapterError as exc:
-            healthy = False
+            loaded = f"the engine failed to load version {version}: {exc}"
             self.last_error = str(exc)
             self.metrics.swap_failures.inc()
             log.error("engine reload of version %s failed: %s", version, exc)
         finally:
             elapsed = time.monotonic() - started
-            self.gate.end_swap(served, healthy, elapsed)
-        if healthy:
+            self.gate.end_swap(served, elapsed, loaded)
+        if isinstance(loaded, EngineStamp):
             self.metrics.swaps.inc()
             self.metrics.swap_seconds.observe(elapsed)
 
@@ -113,6 +130,12 @@ class VersionSync:
                 try:
                     self._step(follower, stop)
                     backoff = 0.5
+                except (AuthError, UnknownRun) as exc:  # retrying cannot fix these
+                    self.fail(f"{type(exc).__name__}: {exc}")
+                    return
+                except CorruptBase as exc:
+                    log.error("sync loop: %s: repairing", exc)
+                    follower.repair()
                 except Exception as exc:  # board, engine or integrity trouble: keep serving, retry
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     log.warning("sync loop: %s", self.last_error)
@@ -120,6 +143,21 @@ class VersionSync:
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
         finally:
             follower.close()
+
+    def fail(self, reason: str) -> None:
+        """Stop for good: the node refuses every request with `reason`, and whoever serves
+        it is told (`on_fatal`)."""
+        self.fatal = self.last_error = reason
+        log.info("the sidecar stops: %s", reason)
+        self.gate.stop(reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def _engine_holds_own_load(self) -> bool:
+        try:
+            return self.adapter.loaded() == self.gate.engine
+        except EngineAdapterError:
+            return False
 
     def _step(self, follower: FollowerPort, stop: threading.Event) -> None:
         """One turn: load what the follower holds if the engine lacks it; else sync toward the
@@ -146,6 +184,6 @@ class VersionSync:
             return
         if head == self.gate.head and follower.version is not None:
             follower.sync(follower.version)  # already there: only the fleet heartbeat
-            if not self.adapter.holds(follower.version):  # the engine restarted: load it again
+            if not self._engine_holds_own_load():  # restarted, or loaded by someone else
                 self._reload_held()
         self.gate.publish_head(head)

@@ -395,3 +395,34 @@ def test_follow_fails_fast_on_what_retrying_cannot_fix(board, tmp_path):
         stop.set()
         waited.join(10)
         assert not waited.is_alive()
+
+
+def test_pull_refuses_a_damaged_directory_and_repair_brings_it_back(board, tmp_path):
+    views = publish_states(board.client(board.publish_token), "cr", SIZES, 3)
+    d = tmp_path / "model"
+    env = {"DELTABOARD_URL": board.url, "DELTABOARD_TOKEN": board.read_token, "PATH": str(VENV_BIN)}
+
+    def deltaboard(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(VENV_BIN / "deltaboard"), *args], env=env, capture_output=True, text=True)
+
+    pull = ("pull", "--run", "cr", "--dir", str(d))
+    assert deltaboard(*pull, "--version", "1").returncode == 0
+    flip(slot_of(d, served_slot(d)), NAME, int(changed_elements(views[1][NAME], views[2][NAME])[0]))
+    refused = deltaboard(*pull, "--version", "2")
+    lines = refused.stderr.splitlines()
+    assert refused.returncode == 1 and len(lines) == 1 and "Traceback" not in refused.stdout, refused
+    assert lines[0].startswith("error: the served slot") and "deltaboard pull --repair" in lines[0]
+    repaired = deltaboard(*pull, "--version", "2", "--repair")
+    assert repaired.returncode == 0 and f"{NAME} did not hash" in repaired.stdout, repaired
+    assert_view(d, views[2])
+
+    unchanged = np.setdiff1d(np.arange(64 * 64), changed_elements(views[2][NAME], views[1][NAME]))
+    flip(slot_of(d, served_slot(d)), NAME, int(unchanged[-1]))
+    found = deltaboard("verify", "--dir", str(d))
+    assert found.returncode == 1 and f"tensor {NAME} does not hash" in found.stdout
+    assert "verify --repair" in found.stdout
+    fixed = deltaboard("verify", "--dir", str(d), "--repair")
+    assert fixed.returncode == 0 and "repaired slot" in fixed.stdout and "ok: " in fixed.stdout, fixed
+    assert_view(d, views[2])
+    with Follower(board.client(board.read_token), "cr", d, node_id="n") as f:
+        assert f.repair() == {}  # both slots intact

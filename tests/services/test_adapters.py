@@ -9,17 +9,24 @@ from typing import Any
 import httpx
 import pytest
 
-from deltaboard.clients.engines import CommitMode, EngineAdapter, EngineAdapterError, make_adapter
+from deltaboard.clients.engines import (
+    CommitMode,
+    EngineAdapter,
+    EngineAdapterError,
+    EngineStamp,
+    make_adapter,
+)
 from deltaboard.services.engine.app import EngineState, create_app
 from deltaboard.services.sidecar.background import BackgroundServer
 from tests.services.fakes.engines import fake_sglang, fake_vllm
 from tests.services.fakes.tiny_model import save_tiny_model
 
 
-def swap(adapter: EngineAdapter, mode: CommitMode, directory: Path, version: int) -> None:
+def swap(adapter: EngineAdapter, mode: CommitMode, directory: Path, version: int) -> EngineStamp:
     adapter.pause(mode)
-    adapter.reload(directory, version, mode)
+    stamp = adapter.reload(directory, version, mode)
     adapter.resume(mode)
+    return stamp
 
 
 @pytest.fixture
@@ -61,6 +68,18 @@ def test_sglang_quiesce_updates_then_flushes_the_cache(sglang, tmp_path):
     assert adapter.healthy()
 
 
+def test_sglang_stamp_is_the_version_label_and_the_path_it_loaded(sglang, tmp_path):
+    adapter, _ = sglang
+    stamp = swap(adapter, "quiesce", tmp_path, 5)
+    assert stamp == EngineStamp("5", source=str(tmp_path)) == adapter.loaded()
+    other = tmp_path / "other"
+    other.mkdir()
+    httpx.post(f"{adapter.url}/update_weights_from_disk", json={"model_path": str(other)})
+    assert adapter.loaded() != stamp  # same label, other weights: the path tells them apart
+    assert ("POST", "/generate") in adapter.inference_routes
+    assert ("POST", "/update_weights_from_disk") not in adapter.inference_routes
+
+
 def test_sglang_refusal_is_an_adapter_error(sglang, tmp_path):
     adapter, _ = sglang
     with pytest.raises(EngineAdapterError, match="no such checkpoint"):
@@ -80,12 +99,14 @@ def test_vllm_in_place_keeps_requests_reloads_and_resumes(vllm, tmp_path):
 
 def test_vllm_quiesce_reloads_and_resets_the_prefix_cache(vllm, tmp_path):
     adapter, calls = vllm
-    swap(adapter, "quiesce", tmp_path, 8)
+    assert swap(adapter, "quiesce", tmp_path, 8) == EngineStamp("8") == adapter.loaded()
     assert calls == [
         ("collective_rpc", "reload_weights"),
         ("update_weight_version", "8"),
         ("reset_prefix_cache", None),
     ]
+    assert ("POST", "/v1/embeddings") in adapter.inference_routes
+    assert ("POST", "/collective_rpc") not in adapter.inference_routes
 
 
 @pytest.mark.parametrize("kind", ["sglang", "vllm", "reference"])
@@ -107,9 +128,12 @@ def test_reference_adapter_drives_the_real_engine(tmp_path):
     directory = save_tiny_model(tmp_path / "m")
     with BackgroundServer(create_app(EngineState("tiny"))) as server:
         adapter = make_adapter("reference", server.url)
-        swap(adapter, "in_place", directory, 2)
+        assert swap(adapter, "in_place", directory, 2) == EngineStamp("2", loads=1) == adapter.loaded()
         health = httpx.get(f"{server.url}/health").json()
         assert health["weight_version"] == 2 and health["paused"] is False and adapter.healthy()
+        assert swap(adapter, "quiesce", directory, 2) == EngineStamp("2", loads=2)  # same label, new load
+        models = httpx.get(f"{server.url}/v1/models")
+        assert adapter.stamp_of(models.headers) == EngineStamp("2", loads=2)
         swap(adapter, "quiesce", directory, 3)
         assert httpx.get(f"{server.url}/health").json()["weight_version"] == 3
         with pytest.raises(EngineAdapterError, match="400"):

@@ -54,6 +54,21 @@ def test_unloaded_engine_answers_503_then_serves_after_reload(engine):
     assert client.get("/v1/models").json()["data"][0]["weight_version"] == 3
 
 
+def test_every_response_says_what_the_engine_holds_and_every_load_counts(engine):
+    client, (a, b) = engine
+    empty = client.get("/health")
+    assert empty.json()["status"] == "empty" and empty.json()["loads"] == 0
+    assert empty.headers["x-engine-load-count"] == "0" and "x-engine-weight-version" not in empty.headers
+    assert load(client, a, 3).json()["loads"] == 1
+    request = {"prompt": PROMPT, "max_tokens": 2}
+    answer = client.post("/v1/completions", json=request)
+    assert answer.headers["x-engine-weight-version"] == "3" and answer.headers["x-engine-load-count"] == "1"
+    assert load(client, b, 3).json() == {"weight_version": 3, "loads": 2, "model": str(b)}  # same label
+    with client.stream("POST", "/v1/completions", json={**request, "stream": True}) as streamed:
+        assert streamed.headers["x-engine-load-count"] == "2"
+    assert client.get("/health").json()["loads"] == 2
+
+
 def test_logprobs_are_exactly_those_of_a_direct_forward_pass(engine):
     client, (a, _) = engine
     load(client, a, 1)

@@ -1,5 +1,6 @@
 """A whole sidecar (real follower, real board, real engine): start-up, a failing engine
-reload and its recovery, the fleet heartbeat, max_lag, and a restart on a held directory."""
+reload and its recovery, the fleet heartbeat, max_lag, a restart on a held directory,
+weights loaded behind its back, a port it cannot take, and what stops it for good."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ from typing import Any
 import httpx
 import pytest
 
-from deltaboard.clients.engines import CommitMode, EngineAdapter, EngineAdapterError
+from deltaboard.clients.engines import CommitMode, EngineAdapter, EngineAdapterError, EngineStamp
 from deltaboard.clients.engines.reference import ReferenceAdapter
+from deltaboard.clients.follower import Follower
 from deltaboard.publisher.publisher import Publisher
 from deltaboard.services.engine.app import EngineState, create_app
 from deltaboard.services.sidecar.background import BackgroundServer
-from deltaboard.services.sidecar.node import Sidecar, SidecarConfig
+from deltaboard.services.sidecar.node import Sidecar, SidecarConfig, SidecarFailed
 from deltaboard.services.trajectory import build_model, train
 from tests.services.fakes.polling import wait_until
+from tests.services.fakes.tiny_model import save_tiny_model
 
 RUN = "node"
 
@@ -29,10 +32,10 @@ class FlakyAdapter(ReferenceAdapter):
         super().__init__(url)
         self.healed = threading.Event()
 
-    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> None:
+    def reload(self, model_dir: Path, version: int, mode: CommitMode) -> EngineStamp:
         if not self.healed.is_set():
             raise EngineAdapterError("injected: the engine could not load the weights")
-        super().reload(model_dir, version, mode)
+        return super().reload(model_dir, version, mode)
 
 
 def complete(url: str, **weight_version: float) -> httpx.Response:
@@ -40,26 +43,40 @@ def complete(url: str, **weight_version: float) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
+def tiny_publisher(board: Any) -> tuple[Publisher, Any]:
+    """A publisher of the run, and the tiny model it publishes."""
+    model = build_model("tiny", seed=1)
+    config: Any = model.config
+    assets = {"config.json": config.to_json_string().encode()}
+    return Publisher(board.url, RUN, token=board.publish_token, assets=assets), model
+
+
 @pytest.fixture
 def published(board):
     """A run with versions 0..2 and a way to publish more."""
-    model = build_model("tiny", seed=1)
+    publisher, model = tiny_publisher(board)
     steps = train(model, steps=4, lr=1e-4, regime="fp32-master")
-    config: Any = model.config
-    assets = {"config.json": config.to_json_string().encode()}
-    with Publisher(board.url, RUN, token=board.publish_token, assets=assets) as publisher:
+    with publisher:
         next(steps)
         publisher.publish(model).result()
         yield lambda: (next(steps), publisher.publish(model).result().version)[1]
 
 
 def sidecar_for(
-    board: Any, engine_url: str, directory: Path, adapter: EngineAdapter | None = None
+    board: Any, engine_url: str, directory: Path, adapter: EngineAdapter | None = None, **config: Any
 ) -> Sidecar:
-    config = SidecarConfig(
-        board.url, RUN, directory, engine_url, token=board.read_token, node_id="n1", poll_s=1.0
+    settings = {"run": RUN, "token": board.read_token, **config}
+    return Sidecar(
+        SidecarConfig(
+            board.url, directory=directory, engine_url=engine_url, node_id="n1", poll_s=1.0, **settings
+        ),
+        adapter,
     )
-    return Sidecar(config, adapter)
+
+
+def loads(engine_url: str) -> int:
+    count: int = httpx.get(f"{engine_url}/health").json()["loads"]
+    return count
 
 
 def test_sidecar_recovers_from_a_failed_reload_and_keeps_up(board, published, tmp_path):
@@ -118,4 +135,74 @@ def test_restarted_sidecar_serves_the_version_its_directory_holds(board, publish
         with BackgroundServer(sidecar.app) as node:
             served = complete(node.url, exact=0, wait=60)
             assert served.status_code == 200 and served.json()["weight_version"]["end"] == 0
-            assert httpx.get(f"{engine.url}/health").json()["reloads"] == 1
+            assert loads(engine.url) == 1
+
+
+def test_weights_loaded_behind_its_back_are_never_stamped_and_are_replaced(board, published, tmp_path):
+    other = save_tiny_model(tmp_path / "other", seed=5)
+    with BackgroundServer(create_app(EngineState("t"))) as engine:
+        sidecar = sidecar_for(board, engine.url, tmp_path / "dir")
+        with BackgroundServer(sidecar.app) as node:
+            good = complete(node.url, exact=0, wait=60)
+            assert good.status_code == 200 and loads(engine.url) == 1
+            httpx.post(f"{engine.url}/reload", json={"model": str(other), "weight_version": 0})
+            answer = complete(node.url, exact=0, wait=60)
+            # refused, or (if the sidecar's own check came first) served with its own weights again
+            assert answer.status_code in (200, 503)
+            if answer.status_code == 503:
+                assert answer.json()["error"]["code"] == "EngineChanged"
+                answer = complete(node.url, exact=0, wait=60)
+            assert answer.status_code == 200 and answer.json()["choices"] == good.json()["choices"]
+            assert loads(engine.url) == 3  # the foreign load, then the sidecar's own again
+
+
+def test_a_sidecar_that_cannot_listen_never_touches_the_engine(board, published, tmp_path):
+    with BackgroundServer(create_app(EngineState("t"))) as engine:
+        first = sidecar_for(board, engine.url, tmp_path / "a")
+        with BackgroundServer(first.app) as node:
+            assert complete(node.url, exact=0, wait=60).status_code == 200
+            # another directory that holds a version, the same engine, the first one's port
+            with Follower(board.client(board.read_token), RUN, tmp_path / "b", node_id="b") as follower:
+                follower.sync(0)
+            second = sidecar_for(board, engine.url, tmp_path / "b")
+            with pytest.raises(OSError, match="cannot listen"):
+                second.serve(node.host, node.port)
+            assert second.follower is None  # its version loop never started
+            assert loads(engine.url) == 1
+
+
+def test_a_refused_token_or_a_missing_run_stops_the_sidecar_with_its_reason(board, published, tmp_path):
+    with BackgroundServer(create_app(EngineState("t"))) as engine:
+        refused = sidecar_for(board, engine.url, tmp_path / "a", token="not-a-token")
+        failed: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                refused.serve("127.0.0.1", 0)
+            except SidecarFailed as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive() and "Unauthorized" in str(failed[0])  # serve() returned at once
+
+        missing = sidecar_for(board, engine.url, tmp_path / "b", run="missing", run_wait_s=0)
+        with BackgroundServer(missing.app) as node:
+            wait_until(lambda: missing.sync.fatal is not None, "the sidecar kept waiting for the run")
+            health = httpx.get(f"{node.url}/healthz")
+            assert health.status_code == 503 and "UnknownRun" in health.json()["problem"]
+            answer = complete(node.url, wait=0)
+            assert answer.status_code == 503 and "UnknownRun" in answer.json()["error"]["message"]
+        assert loads(engine.url) == 0
+
+
+def test_a_run_that_does_not_exist_yet_is_waited_for(board, tmp_path):
+    with BackgroundServer(create_app(EngineState("t"))) as engine:
+        sidecar = sidecar_for(board, engine.url, tmp_path / "dir", run_wait_s=120)
+        with BackgroundServer(sidecar.app) as node:
+            publisher, model = tiny_publisher(board)
+            with publisher:
+                publisher.publish(model).result()
+            assert complete(node.url, exact=0, wait=60).status_code == 200
+            assert sidecar.sync.fatal is None

@@ -1,5 +1,6 @@
 """The sidecar proxy with its version gate driven directly (the follower is tested apart):
-real engine and real HTTP servers on loopback."""
+real engine and real HTTP servers on loopback. `Node.serve` plays the version loop: it
+swaps, reloads the engine if asked, and records what the engine then reports."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from deltaboard.clients.engines import EngineStamp, make_adapter
 from deltaboard.services.engine.app import EngineState, create_app
 from deltaboard.services.sidecar.background import BackgroundServer
 from deltaboard.services.sidecar.gate import VersionGate
@@ -38,26 +40,34 @@ class Node:
             yield
 
         status = lambda: {"served": self.gate.served, "healthy": self.gate.healthy}  # noqa: E731
-        app = create_proxy_app(
-            self.gate, ProxySettings(engine_url, default_wait_s=0.0), SidecarMetrics(), status, bind
-        )
+        self.adapter = make_adapter("reference", engine_url)
+        settings = ProxySettings(engine_url, default_wait_s=0.0)
+        app = create_proxy_app(self.gate, self.adapter, settings, SidecarMetrics(), status, bind)
         self.server = BackgroundServer(app).start()
         self.client = httpx.Client(base_url=self.server.url, timeout=60)
 
-    def serve(self, version: int, reload: Callable[[], object] | None = None) -> None:
+    def serve(
+        self, version: int, reload: Callable[[], object] | None = None, stamp: EngineStamp | None = None
+    ) -> None:
         self.gate.begin_swap(version)
         if reload is not None:
             reload()
-        self.gate.end_swap(version, True, 0.01)
+        self.gate.end_swap(version, 0.01, stamp or self.adapter.loaded())
 
     def close(self) -> None:
         self.client.close()
+        self.adapter.close()
         self.server.stop()
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("model") / "m")
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("other") / "m", seed=1)
 
 
 @pytest.fixture
@@ -109,11 +119,54 @@ def test_satisfied_request_is_proxied_and_stamped(node):
     )
     assert response.json()["weight_version"] == {"start": 1, "end": 1}
     assert len(response.json()["choices"][0]["token_ids"]) == 3
+    # the sidecar's server dates and names its responses: the engine's are not passed on too
+    assert len(response.headers.get_list("date")) == 1 and len(response.headers.get_list("server")) == 1
+
+
+def test_control_routes_never_reach_the_engine(node, engine, model_dir, other_model_dir):
+    before = completion(node, {"exact": 1}).json()
+    for path, body in (("/reload", {"model": str(other_model_dir), "weight_version": 1}), ("/pause", {})):
+        refused = node.client.post(path, json=body)
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "NotFound"
+    health = httpx.get(f"{engine}/health").json()
+    assert health["loads"] == 1 and health["paused"] is False and health["model"] == str(model_dir)
+    after = completion(node, {"exact": 1})
+    assert after.status_code == 200 and after.json()["choices"] == before["choices"]
+    wrong_method = node.client.get("/v1/completions")
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["code"] == "MethodNotAllowed"
+
+
+def test_a_reload_behind_the_sidecars_back_is_never_stamped(node, engine, other_model_dir):
+    assert completion(node, {"exact": 1}).status_code == 200
+    # someone with the engine's own port loads other weights under the same version number
+    httpx.post(f"{engine}/reload", json={"model": str(other_model_dir), "weight_version": 1})
+    refused = completion(node, {"exact": 1})
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert (
+        refused.json()["error"]["code"] == "EngineChanged" and "loads=2" in refused.json()["error"]["message"]
+    )
+    assert node.client.get("/healthz").status_code == 503  # until the version loop loads version 1 again
+    assert node.gate.problem is not None and "changed under the sidecar" in node.gate.problem
+
+
+def test_a_stream_whose_weights_changed_under_it_ends_with_an_error(node, engine, other_model_dir):
+    httpx.post(f"{engine}/pause")
+    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True, "weight_version": 1}
+    with node.client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200  # the engine held what the sidecar loaded when it began
+        httpx.post(f"{engine}/reload", json={"model": str(other_model_dir), "weight_version": 1})
+        httpx.post(f"{engine}/resume")
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["error"]["code"] == "EngineChanged"
+    assert all("weight_version" not in json.loads(e) for e in events[:-1])
 
 
 def test_constraint_is_removed_before_forwarding_and_everything_else_passes(echo_node):
     response = echo_node.client.post(
-        "/v1/echo?x=1",
+        "/v1/completions?x=1",
         json={"a": 1, "weight_version": {"min": 3}},
         headers={"X-Weight-Version-Max": "9", "X-Custom": "kept"},
     )
@@ -121,9 +174,10 @@ def test_constraint_is_removed_before_forwarding_and_everything_else_passes(echo
     assert seen["body"] == {"a": 1} and seen["query"] == {"x": "1"}
     assert seen["headers"]["x-custom"] == "kept" and "x-weight-version-max" not in seen["headers"]
     assert seen["weight_version"] == {"start": 4, "end": 4}
-    assert echo_node.client.get("/text").text == "plain"  # not JSON: only headers carry the range
-    assert echo_node.client.get("/text").headers["x-weight-version-start"] == "4"
-    failed = echo_node.client.post("/v1/echo?status=422", json={})
+    models = echo_node.client.get("/v1/models")
+    assert models.text == "plain"  # not JSON: only headers carry the range
+    assert models.headers["x-weight-version-start"] == "4"
+    failed = echo_node.client.post("/v1/completions?status=422", json={})
     assert failed.status_code == 422 and failed.json()["weight_version"] == {"start": 4, "end": 4}
 
 
@@ -143,7 +197,8 @@ def test_stream_last_event_carries_the_range(node):
 
 @pytest.mark.parametrize("done", [True, False])
 def test_stream_restamping_keeps_every_event(echo_node, done):
-    with echo_node.client.stream("POST", "/v1/sse", json={"n": 3, "done": done}) as response:
+    body = {"stream": True, "n": 3, "done": done}
+    with echo_node.client.stream("POST", "/v1/completions", json=body) as response:
         events = [line for line in response.iter_lines() if line]
     data = [json.loads(line[6:]) for line in events if line.startswith("data: {")]
     assert [d.get("i") for d in data] == [0, 1, 2]
@@ -190,10 +245,14 @@ def test_malformed_constraint_is_400(node):
 
 def test_oversize_body_is_413(echo_node):
     big = b'{"pad": "' + b"x" * (64 * 2**20) + b'"}'
-    response = echo_node.client.post("/v1/echo", content=big, headers={"content-type": "application/json"})
+    response = echo_node.client.post(
+        "/v1/completions", content=big, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 413 and response.json()["error"]["code"] == "BodyTooLarge"
     chunks = (b"x" * 2**20 for _ in range(65))  # no Content-Length: counted while read
-    response = echo_node.client.post("/v1/echo", content=chunks, headers={"content-type": "application/json"})
+    response = echo_node.client.post(
+        "/v1/completions", content=chunks, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 413
     assert echo_node.gate.inflight == 0
 
@@ -203,7 +262,7 @@ def test_engine_down_is_503_with_retry_after():
         url = gone.url
     n = Node(url)
     try:
-        n.serve(1)
+        n.serve(1, stamp=EngineStamp(None, loads=1))
         response = completion(n)
         assert response.status_code == 503 and response.headers["retry-after"]
         assert response.json()["error"]["code"] == "EngineUnavailable"

@@ -41,12 +41,18 @@ class Chunked:
                 last = cut
 
 
-def run_stream(body: bytes, cuts: list[int], start: int, end: int) -> tuple[list[bytes], int]:
+def run_stream(
+    body: bytes, cuts: list[int], start: int, end: int, refusal: str | None = None
+) -> tuple[list[bytes], int]:
     gate = EndsAt(end)
+
+    async def verify() -> str | None:
+        return refusal
 
     async def collect() -> list[bytes]:
         release = Release(cast(VersionGate, gate), None)
-        return [part async for part in restamped_stream(cast(Any, Chunked(body, cuts)), start, release)]
+        stream = restamped_stream(cast(Any, Chunked(body, cuts)), start, release, verify)
+        return [part async for part in stream]
 
     out = asyncio.run(collect())
     return b"".join(out).split(b"\n\n")[:-1], gate.released
@@ -79,6 +85,18 @@ def test_every_event_passes_and_only_the_last_data_event_is_stamped(events, comm
     assert data[-1] == {**events[-1], "weight_version": {"start": start, "end": end}}
     assert (out[-1] == b"data: [DONE]") == done
     assert (out[0] == b": keep-alive") == comment
+
+
+@given(
+    st.lists(payloads, min_size=1, max_size=4), st.booleans(), st.lists(st.integers(0, 10_000), max_size=4)
+)
+def test_a_stream_the_gate_does_not_vouch_for_ends_with_an_error_not_a_range(events, done, cuts):
+    lines = [b"data: " + json.dumps(e).encode() for e in events] + ([b"data: [DONE]"] if done else [])
+    out, released = run_stream(b"".join(line + b"\n\n" for line in lines), cuts, 1, 1, "other weights")
+    assert released == 1
+    data = [json.loads(e[6:]) for e in out if e.startswith(b"data: {")]
+    assert data == [*events, {"error": {"code": "EngineChanged", "message": "other weights"}}]
+    assert (out[-1] == b"data: [DONE]") == done
 
 
 def test_a_stream_without_data_events_still_reports_its_range():

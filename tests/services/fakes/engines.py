@@ -1,4 +1,5 @@
-"""Fake SGLang and vLLM servers that implement exactly the control routes the adapters use.
+"""Fake SGLang and vLLM servers that implement exactly the control routes the adapters use
+(and the routes that report what they hold).
 
 Each records the calls it received, so a test asserts the sequence an adapter drives; a
 route the real engine lacks is simply absent here (404), so an adapter calling it fails.
@@ -15,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 def fake_sglang(calls: list[tuple[str, Any]]) -> FastAPI:
     app = FastAPI()
-    state = {"paused": False}
+    state: dict[str, Any] = {"paused": False, "model_path": "/started/with", "weight_version": "default"}
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
@@ -42,7 +43,18 @@ def fake_sglang(calls: list[tuple[str, Any]]) -> FastAPI:
         calls.append(("update_weights_from_disk", body))
         if not Path(body["model_path"]).is_dir():
             return JSONResponse({"success": False, "message": "no such checkpoint"}, status_code=400)
+        state["model_path"] = body["model_path"]
+        if body.get("weight_version") is not None:
+            state["weight_version"] = body["weight_version"]
         return JSONResponse({"success": True, "message": "Succeeded to update model weights."})
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {
+            "model_path": state["model_path"],
+            "is_generation": True,
+            "weight_version": state["weight_version"],
+        }
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush() -> PlainTextResponse:
@@ -54,6 +66,7 @@ def fake_sglang(calls: list[tuple[str, Any]]) -> FastAPI:
 
 def fake_vllm(calls: list[tuple[str, Any]]) -> FastAPI:
     app = FastAPI()
+    state: dict[str, Any] = {"weight_version": None}
 
     @app.get("/health")
     async def health() -> PlainTextResponse:
@@ -83,7 +96,12 @@ def fake_vllm(calls: list[tuple[str, Any]]) -> FastAPI:
     async def tag(request: Request) -> dict[str, Any]:
         body = await request.json()
         calls.append(("update_weight_version", body["new_version"]))
+        state["weight_version"] = body["new_version"]
         return {"success": True, "new_version": body["new_version"]}
+
+    @app.get("/weight_info")
+    async def weight_info() -> dict[str, Any]:
+        return {"weight_version": state["weight_version"]}
 
     @app.post("/reset_prefix_cache")
     async def reset() -> PlainTextResponse:

@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install install-demo
+.PHONY: demo test install chaos install-demo
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,3 +25,10 @@ test: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/pytest -q
+
+# The chaos suite's long form: hundreds of faults (kill -9 of board, publisher and follower,
+# Redis flushed and restarted, SeaweedFS frozen and restarted, corrupted blobs), each followed
+# by the invariants; prints its seed and counts. `make test` runs its short form.
+CHAOS_FAULTS ?= 300
+chaos: install
+	DELTABOARD_CHAOS_FAULTS=$(CHAOS_FAULTS) $(BIN)/pytest tests/chaos -q -s -p no:cacheprovider --timeout=0

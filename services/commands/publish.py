@@ -38,26 +38,31 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """Publish the directory as the run's next version: a delta against the previous one."""
         from deltaboard.board.contract.schemas import ViewSpec
         from deltaboard.clients.board_client import BoardClient
-        from deltaboard.publisher.checkpoint_dir import publish_directory
         from deltaboard.services.commands.progress import BYTES, Bars, make_console
 
         source = checkpoint_dir(directory, positional, must_exist=True)
         if dtype not in ("bf16", "fp16", "fp32"):
             raise typer.BadParameter("dtype must be bf16, fp16 or fp32", param_hint="'--dtype'")
         console = make_console()
-        with BoardClient(board, token) as client, Bars(console) as bars:
-            # The upload's size is known only once the delta is encoded: the bar counts up.
-            bars.phase("upload", f"publishing {source} to {run} (bytes uploaded)", BYTES, None)
-            result = publish_directory(
-                source,
-                client,
-                run,
-                spec=ViewSpec(default_dtype=dtype),
-                cache_dir=cache / run,
-                keyframe_every=keyframe_every,
-                on_uploaded=lambda n: bars.advance("upload", n),
-                cache_progress=bars.follower(f"cache of {run}: "),
-            )
+        with BoardClient(board, token) as client:
+            # The run is created as the publisher would create it, but first: a board that is
+            # down or a token it refuses is said at once, not after reading the checkpoint.
+            client.create_run(run)
+            from deltaboard.publisher.checkpoint_dir import publish_directory  # torch: seconds
+
+            with Bars(console) as bars:
+                # The upload's size is known only once the delta is encoded: the bar counts up.
+                bars.phase("upload", f"publishing {source} to {run} (bytes uploaded)", BYTES, None)
+                result = publish_directory(
+                    source,
+                    client,
+                    run,
+                    spec=ViewSpec(default_dtype=dtype),
+                    cache_dir=cache / run,
+                    keyframe_every=keyframe_every,
+                    on_uploaded=lambda n: bars.advance("upload", n),
+                    cache_progress=bars.follower(f"cache of {run}: "),
+                )
         console.print(
             f"[bold]{run}[/] version {result.version} ({result.kind}): {result.changed_elements:,} of "
             f"{result.total_elements:,} elements changed, {result.encoded_bytes:,} bytes uploaded "

@@ -79,6 +79,29 @@ def test_pull_follow_verify_say_what_they_did(board, tmp_path):
     assert re.search(r"hashing cli@1\s.*\b16\.5/16\.5 kB", checked.stdout), checked.stdout
 
 
+def test_publish_names_its_phases_and_times_the_whole_command(board, tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "test"}))
+    env = environment(board.url, board.publish_token)
+    weights = torch.randn(256, 64, generator=torch.Generator().manual_seed(0)) * 0.02
+    for version in (0, 1):
+        save_file({"w": weights}, str(checkpoint / "model.safetensors"))
+        done = subprocess.run(
+            [*CLI, "publish", "--dir", str(checkpoint), "--run", "pub", "--cache", str(tmp_path / "cache")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        assert re.search(rf"pub version {version} \((full|delta)\): .* \(done in \d+\.\d\d s\)", done.stdout)
+        assert "publishing" in done.stdout and "?" not in done.stdout
+        weights = weights * 1.01
+    # the second publish first brought the cache to version 0: a phase of its own, named
+    assert "cache of pub: downloading" in done.stdout and "cache of pub: applying 1 tensor" in done.stdout
+
+
 def test_mistakes_are_one_red_line(board, tmp_path):
     publish_states(board.client(board.publish_token), "cli", SIZES, 1)
     checkpoint = tmp_path / "checkpoint"

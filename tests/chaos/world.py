@@ -303,6 +303,7 @@ class World:
         """Flip a byte of a blob of the newest acknowledged version: a fresh pull of that
         version must fail, then succeed byte-exact once the blob is restored."""
         self.next_ack()
+        self.read_acks()
         version = max(self.acks)
         manifest = self.client().manifest(RUN, version)
         sha = self.rng.choice(sorted(manifest.blob_shas()))

@@ -3,6 +3,7 @@ warning when it has none, its URL printed once it listens, and its API docs offl
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -15,12 +16,12 @@ from tests.support.servers import VENV_BIN
 CLI = [str(VENV_BIN / "deltaboard")]
 
 
-def refused(tmp_path, *tokens: str) -> str:
+def refused(tmp_path, *tokens: str, env: dict[str, str] | None = None) -> str:
     """`board serve` with these tokens must stop before serving, with one red line."""
     args = [*CLI, "board", "serve", "--data-dir", str(tmp_path), "--port", str(free_port())]
     for token in tokens:
         args += ["--token", token]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
     lines = done.stderr.splitlines()
     assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), done
     assert "listening" not in done.stdout
@@ -32,6 +33,10 @@ def test_tokens_the_board_would_refuse_are_one_line(tmp_path):
     assert "unknown token scope 'root'" in refused(tmp_path, "root:publish-secret-1")
     line = refused(tmp_path, "read:read-secret-1", "admin:SECRET")
     assert "at least 8 characters; the admin token has 6" in line and "SECRET" not in line
+    line = refused(tmp_path, env={**os.environ, "DELTABOARD_TOKENS": "read:abc"})  # the environment too
+    assert "at least 8 characters; the read token has 3" in line
+    line = refused(tmp_path, "read:read-secret-1", env={**os.environ, "DELTABOARD_FSYNC": "sometimes"})
+    assert line.startswith("error: invalid Settings: fsync: ")
 
 
 def test_a_board_without_tokens_warns_and_says_its_url_once_it_listens(tmp_path):

@@ -474,7 +474,10 @@ class World:
         if answer.status_code < 400:
             return answer.status_code == 200
         try:
-            code = answer.json()["error"]["code"]
+            if answer.request.method == "HEAD":  # no body: the headers must say JSON
+                code = "?" if answer.headers.get("content-type") == "application/json" else None
+            else:
+                code = answer.json()["error"]["code"]
         except (ValueError, KeyError, TypeError):
             code = None
         if (answer.status_code >= 500 and answer.status_code != 503) or code is None:

@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 from deltaboard.board.contract.errors import InvalidRequest
 from deltaboard.board.contract.schemas import ASSET_NAME_RE, RUN_NAME_RE, SHA256_RE, Manifest, RunCreate
 from deltaboard.board.server.api.app import create_app
+from deltaboard.board.server.api.longpoll import poll_of
 from deltaboard.board.server.api.state import check_asset_name, check_sha
 from deltaboard.board.server.clock import ManualClock
 from deltaboard.board.server.settings import Settings
@@ -207,6 +208,11 @@ def test_names_are_matched_whole():
             check(name)
     with pytest.raises(ValidationError):
         RunCreate(name="r\n")
+    # The long-poll's fast path (outside the app) leaves such a poll to the app's checks.
+    poll = {"type": "http", "method": "GET", "path": "/v1/runs/r/head", "query_string": b"after=1"}
+    assert poll_of(poll) == ("r", 1, 0.0)
+    assert poll_of({**poll, "path": "/v1/runs/r/head\n"}) is None
+    assert poll_of({**poll, "query_string": b"after=1%0A"}) is None
 
 
 # ---- item 8: manifests are checked whole --------------------------------------------------

@@ -35,8 +35,8 @@ def poll_of(scope: Scope) -> tuple[str, int | None, float] | None:
     itself must judge."""
     if scope["type"] != "http" or scope["method"] != "GET":
         return None
-    matched = HEAD_PATH.match(scope["path"])
-    if matched is None or not RUN_NAME_RE.match(matched.group(1)):
+    matched = HEAD_PATH.fullmatch(scope["path"])
+    if matched is None or not RUN_NAME_RE.fullmatch(matched.group(1)):
         return None
     params: dict[str, str] = {}
     for key, value in parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True):
@@ -45,12 +45,12 @@ def poll_of(scope: Scope) -> tuple[str, int | None, float] | None:
         params[key] = value
     after: int | None = None
     if "after" in params:
-        if not INTEGER.match(params["after"]) or not -1 <= int(params["after"]) <= MAX_VERSION:
+        if not INTEGER.fullmatch(params["after"]) or not -1 <= int(params["after"]) <= MAX_VERSION:
             return None
         after = int(params["after"])
     wait = 0.0
     if "wait" in params:
-        if not DECIMAL.match(params["wait"]):
+        if not DECIMAL.fullmatch(params["wait"]):
             return None
         wait = float(params["wait"])
         if not (math.isfinite(wait) and wait <= MAX_WAIT_S):

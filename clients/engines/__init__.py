@@ -7,7 +7,14 @@ engine's own weight-reload routes, name its inference routes and read what it ho
 
 from __future__ import annotations
 
-from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError, EngineStamp
+from deltaboard.clients.engines.base import (
+    CommitMode,
+    EngineAdapter,
+    EngineAdapterError,
+    EngineStamp,
+    HotCommitted,
+    HotRefused,
+)
 from deltaboard.clients.engines.reference import ReferenceAdapter
 from deltaboard.clients.engines.sglang import SGLangAdapter
 from deltaboard.clients.engines.vllm import VLLMAdapter
@@ -19,12 +26,21 @@ ADAPTERS: dict[str, type[EngineAdapter]] = {
 }
 
 
-def make_adapter(kind: str, url: str, timeout_s: float = 600.0) -> EngineAdapter:
+def make_adapter(kind: str, url: str, timeout_s: float = 600.0, *, hot: bool = False) -> EngineAdapter:
     try:
         adapter = ADAPTERS[kind]
     except KeyError:
         raise ValueError(f"unknown engine kind {kind!r}; expected one of {sorted(ADAPTERS)}") from None
-    return adapter(url, timeout_s=timeout_s)
+    return adapter(url, timeout_s=timeout_s, hot=hot)
 
 
-__all__ = ["ADAPTERS", "CommitMode", "EngineAdapter", "EngineAdapterError", "EngineStamp", "make_adapter"]
+__all__ = [
+    "ADAPTERS",
+    "CommitMode",
+    "EngineAdapter",
+    "EngineAdapterError",
+    "EngineStamp",
+    "HotCommitted",
+    "HotRefused",
+    "make_adapter",
+]

@@ -8,6 +8,12 @@ prefix cache after the reload (its KV was computed with the old weights); in `in
 mode requests are still running and the engine must hold them between two steps while
 the weights change under them, keeping their cache.
 
+With `hot`, a version can instead go into the engine's weights in place: the sidecar
+writes the verified changes to a patch file (`clients.resident`), `stage_patch` has the
+engine stage it while it generates, and `commit_patch` swaps it in between two forward
+passes, all or nothing (`HotRefused`: the engine keeps what it served, and the sidecar
+loads the version from disk instead).
+
 An adapter also says what the sidecar may show clients and how to tell what the engine
 holds:
 
@@ -63,6 +69,20 @@ class EngineStamp:
         return self.loads == previous.loads + 1
 
 
+class HotRefused(EngineAdapterError):
+    """The engine would not take a version in place and still serves the one it had:
+    load the version from disk instead."""
+
+
+@dataclass(frozen=True)
+class HotCommitted:
+    """A version swapped in place: what the engine holds now, and how long it could not
+    generate (None where the engine does not say)."""
+
+    stamp: EngineStamp
+    pause_ms: float | None
+
+
 class EngineAdapter:
     kind = "abstract"
     inference_routes: ClassVar[frozenset[Route]] = OPENAI_ROUTES
@@ -73,7 +93,8 @@ class EngineAdapter:
     counts_loads: ClassVar[bool] = False
     source_field: ClassVar[str | None] = None
 
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 600.0, *, hot: bool = False) -> None:
+        self.hot = hot  # the engine was started with this adapter's in-place hooks
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=5.0))
 
@@ -143,6 +164,21 @@ class EngineAdapter:
         """Undo `pause`."""
         if mode == "in_place":
             self._release()
+
+    # ---- the hot path: versions patched in place (`hot`) -------------------------------
+
+    def stage_patch(self, patch: Path, version: int) -> None:
+        """Have the engine stage the patch file `patch` (it takes the served version to
+        `version`) while it keeps generating; `HotRefused` if it will not."""
+        raise HotRefused(f"the {self.kind} adapter has no in-place path")
+
+    def commit_patch(self, version: int, mode: CommitMode) -> HotCommitted:
+        """Swap the staged `version` in between two forward passes (in `quiesce` mode the
+        sidecar has drained its requests); `HotRefused` leaves the served version."""
+        raise HotRefused(f"the {self.kind} adapter has no in-place path")
+
+    def discard_patch(self) -> None:
+        """Forget what was staged (best effort)."""
 
     def _hold(self) -> None:
         """The engine's route that holds running generations between two steps."""

@@ -30,9 +30,18 @@ Inference routes (what the sidecar proxies), from the same file: the OpenAI-comp
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
-from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError, EngineStamp
+from deltaboard.clients.engines.base import (
+    CommitMode,
+    EngineAdapter,
+    EngineAdapterError,
+    EngineStamp,
+    HotCommitted,
+    HotRefused,
+)
 
 INFERENCE_POSTS = (
     "/v1/embeddings",
@@ -75,3 +84,36 @@ class SGLangAdapter(EngineAdapter):
 
     def _release(self) -> None:
         self._call("POST", "/continue_generation", json={})
+
+    # The in-place path (`clients.engines.sglang_hot`): SGLang started with
+    # `--custom-weight-loader deltaboard.clients.engines.sglang_hot.load_hot_patch`.
+
+    def _hot_path(self) -> Any:
+        from deltaboard.clients.engines.sglang_hot import SGLangHotPath
+
+        info = self._call("GET", "/get_server_info").json()
+        return SGLangHotPath(
+            lambda path, body: self._call("POST", path, json=body).json(), int(info.get("tp_size", 1))
+        )
+
+    def stage_patch(self, patch: Path, version: int) -> None:
+        from deltaboard.clients.engines.fused_view import HotPatchRefused
+
+        try:
+            self._hot_path().stage(patch, version)
+        except HotPatchRefused as exc:
+            raise HotRefused(f"sglang at {self.url}: {exc}") from exc
+
+    def commit_patch(self, version: int, mode: CommitMode) -> HotCommitted:
+        started = time.perf_counter()
+        if mode == "in_place":  # running requests wait between two steps, keeping their cache
+            self._hold()
+        try:
+            self._hot_path().commit(version, flush_cache=mode == "quiesce")
+        finally:
+            if mode == "in_place":
+                self._release()
+        return HotCommitted(self.loaded(), (time.perf_counter() - started) * 1e3)
+
+    def discard_patch(self) -> None:
+        self._hot_path().discard()

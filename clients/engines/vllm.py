@@ -32,9 +32,18 @@ local directory, so this adapter does not use them.)
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
-from deltaboard.clients.engines.base import CommitMode, EngineAdapter, EngineAdapterError, EngineStamp
+from deltaboard.clients.engines.base import (
+    CommitMode,
+    EngineAdapter,
+    EngineAdapterError,
+    EngineStamp,
+    HotCommitted,
+    HotRefused,
+)
 
 INFERENCE_POSTS = (
     "/v1/embeddings",
@@ -71,3 +80,37 @@ class VLLMAdapter(EngineAdapter):
 
     def _release(self) -> None:
         self._call("POST", "/resume")
+
+    # The in-place path (`clients.engines.vllm_hot`): vLLM started with
+    # `--worker-extension-cls deltaboard.clients.engines.vllm_hot.DeltaboardWorkerExtension`.
+
+    def _hot_path(self) -> Any:
+        from deltaboard.clients.engines.vllm_hot import VLLMHotPath
+
+        return VLLMHotPath(lambda path, body: self._call("POST", path, json=body).json())
+
+    def stage_patch(self, patch: Path, version: int) -> None:
+        from deltaboard.clients.engines.fused_view import HotPatchRefused
+
+        try:
+            self._hot_path().stage(patch, version)
+        except HotPatchRefused as exc:
+            raise HotRefused(f"vllm at {self.url}: {exc}") from exc
+
+    def commit_patch(self, version: int, mode: CommitMode) -> HotCommitted:
+        started = time.perf_counter()
+        if mode == "in_place":
+            self._hold()
+        try:
+            self._hot_path().commit(version)
+        finally:
+            if mode == "in_place":
+                self._release()
+        pause_ms = (time.perf_counter() - started) * 1e3
+        self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+        if mode == "quiesce":
+            self._call("POST", "/reset_prefix_cache")
+        return HotCommitted(self.loaded(), pause_ms)
+
+    def discard_patch(self) -> None:
+        self._hot_path().discard()

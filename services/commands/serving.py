@@ -30,16 +30,30 @@ def engine(
         None, help="Model name reported by the API (default: the directory's name).", show_default=False
     ),
     threads: int = typer.Option(1, help="torch CPU threads (1: several engines do not fight over cores)."),
+    device: str = typer.Option("cpu", help="Where the model runs: cpu or cuda."),
+    hot: bool = typer.Option(
+        False,
+        "--hot",
+        help="Accept versions patched into the loaded weights in place (sidecar hot path).",
+    ),
 ) -> None:
-    """Serve the reference engine: OpenAI-compatible completions over transformers on CPU."""
+    """Serve the reference engine: OpenAI-compatible completions over transformers."""
     import torch
 
     from deltaboard.services.engine.serve import serve_engine
 
     served = checkpoint_dir(directory, model, must_exist=False)
     torch.set_num_threads(threads)
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter("--device is cpu or cuda")
     serve_engine(
-        served, host=host, port=port, weight_version=weight_version, name=name or served.resolve().name
+        served,
+        host=host,
+        port=port,
+        weight_version=weight_version,
+        name=name or served.resolve().name,
+        device=device,
+        hot=hot,
     )
 
 
@@ -67,6 +81,20 @@ def sidecar(
         help="Seconds to wait for a run that does not exist yet (its trainer creates it); a run "
         "that existed and is gone, or a token the board refuses, stops the sidecar at once.",
     ),
+    hot: bool = typer.Option(
+        False,
+        "--hot",
+        help="Put each version into the engine's weights in place (an engine started with its "
+        "in-place hooks: deltaboard engine --hot, or SGLang/vLLM with deltaboard's loader); "
+        "versions that cannot go in place are reloaded from disk.",
+    ),
+    abort_stale: bool = typer.Option(
+        False,
+        "--abort-stale",
+        help="At a swap, abort the requests in flight that the new version breaks (an exact or "
+        "max below it: 410 WeightVersionGone, or an error event ending a stream) instead of "
+        "waiting for them to finish.",
+    ),
 ) -> None:
     """Serve the version-aware proxy in front of an engine; it runs its own follower, which
     keeps the directory at the run's head and reloads the engine."""
@@ -90,6 +118,8 @@ def sidecar(
         max_wait_s=max_wait,
         poll_s=poll,
         run_wait_s=run_wait,
+        abort_stale=abort_stale,
+        hot=hot,
     )
     try:
         Sidecar(config).serve(host, port)

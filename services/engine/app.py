@@ -2,7 +2,9 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streaming with SSE or
 not), `GET /v1/models`, `GET /health`, and the control routes the reference adapter
-drives: `POST /reload {"model": DIR, "weight_version": N}`, `POST /pause`, `POST /resume`.
+drives: `POST /reload {"model": DIR, "weight_version": N}`, `POST /pause`, `POST /resume`,
+and with `--hot` the in-place update (`services.engine.hot`): `POST /weights/stage
+{"patch": PATH, "weight_version": N}` and `POST /weights/commit {"weight_version": N}`.
 The control routes are for the sidecar alone: the sidecar's proxy never forwards them, and
 the engine's own port must not be reachable by clients.
 Generation runs in a worker thread per request; a client that disconnects stops it
@@ -34,6 +36,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltaboard.clients.engines.reference import LOADS_HEADER, VERSION_HEADER
+from deltaboard.clients.resident import BaseMismatch, ResidentError
+from deltaboard.services.engine.hot import HotWeights
 from deltaboard.services.engine.protocol import ChatRequest, Completion, CompletionRequest
 from deltaboard.services.engine.runtime import (
     Cancelled,
@@ -52,6 +56,19 @@ RETRY_AFTER_S = "1"
 MAX_PROMPT_TOKENS = 8192
 
 
+class StageRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    patch: str = Field(min_length=1)
+    weight_version: int = Field(ge=0)
+
+
+class CommitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weight_version: int = Field(ge=0)
+
+
 class ReloadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -66,6 +83,8 @@ class EngineState:
     model_name: str
     slot: WeightSlot = field(default_factory=WeightSlot)
     reload_lock: threading.Lock = field(default_factory=threading.Lock)
+    device: str = "cpu"
+    hot: HotWeights | None = None  # set: versions may also be patched in place (`--hot`)
     requests: int = 0
     aborted: int = 0
     generating: int = 0  # generation threads alive
@@ -74,7 +93,7 @@ class EngineState:
     def reload(self, directory: Path, version: int | None) -> tuple[int | None, int]:
         """Load `directory` as `version`; returns the slot's stamp (version, loads) after it."""
         with self.reload_lock:
-            return self.slot.install(load_model(directory, version))
+            return self.slot.install(load_model(directory, version, self.device))
 
 
 class StampHeaders:
@@ -242,6 +261,8 @@ def create_app(state: EngineState) -> FastAPI:
             "loads": loads,
             "model": str(loaded.directory) if loaded else None,
             "paused": state.slot.paused,
+            "hot": state.hot is not None,
+            "device": state.device,
             "requests": state.requests,
             "aborted": state.aborted,
             "generating": state.generating,
@@ -259,6 +280,38 @@ def create_app(state: EngineState) -> FastAPI:
         except (OSError, ValueError) as exc:
             return error(400, "ModelLoadFailed", str(exc))
         return JSONResponse({"weight_version": version, "loads": loads, "model": str(directory)})
+
+    @app.post("/weights/stage")
+    async def stage(body: StageRequest) -> Response:
+        if state.hot is None:
+            return error(404, "NotHot", "this engine was not started with --hot")
+        try:
+            staged = await run_in_threadpool(state.hot.stage, Path(body.patch), body.weight_version)
+        except ResidentError as exc:
+            return error(409, "HotRefused", str(exc))
+        return JSONResponse(
+            {"weight_version": staged.version, "changed": staged.changed, "bytes": staged.nbytes}
+        )
+
+    @app.post("/weights/commit")
+    async def commit(body: CommitRequest) -> Response:
+        if state.hot is None:
+            return error(404, "NotHot", "this engine was not started with --hot")
+        try:
+            done = await run_in_threadpool(state.hot.commit, body.weight_version)
+        except BaseMismatch as exc:
+            return error(409, "BaseMismatch", str(exc))
+        except ResidentError as exc:
+            return error(409, "HotRefused", str(exc))
+        return JSONResponse(
+            {
+                "weight_version": done.version,
+                "loads": done.loads,
+                "changed": done.changed,
+                "pause_ms": done.pause_s * 1e3,
+                "held_ms": done.held_s * 1e3,
+            }
+        )
 
     @app.post("/pause")
     async def pause() -> dict[str, bool]:

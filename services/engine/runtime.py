@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from deltaboard.services.engine.textcodec import TextCodec, load_codec
 
@@ -81,8 +81,8 @@ def stored_dtype(directory: Path) -> Any:
     return "auto"
 
 
-def load_model(directory: Path, version: int | None) -> LoadedModel:
-    """Load a Hugging Face checkpoint directory in the dtype of its stored tensors."""
+def load_model(directory: Path, version: int | None, device: str = "cpu") -> LoadedModel:
+    """Load a Hugging Face checkpoint directory in the dtype of its stored tensors, on `device`."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -92,6 +92,7 @@ def load_model(directory: Path, version: int | None) -> LoadedModel:
         directory, dtype=stored_dtype(directory), attn_implementation="eager"
     )
     model.requires_grad_(False)
+    model = cast(Any, model).to(device)  # transformers types `to` for PreTrainedModel only
     vocab_size = int(model.config.vocab_size)
     eos = model.config.eos_token_id
     eos_token_id = eos if isinstance(eos, int) else None
@@ -179,7 +180,7 @@ def generate(
         if cancel.is_set():
             raise Cancelled
         with slot.step(cancel) as loaded, torch.inference_mode():
-            logits = loaded.model(torch.tensor([ids])).logits[0, -1].float()
+            logits = loaded.model(torch.tensor([ids], device=loaded.model.device)).logits[0, -1].float().cpu()
             version = loaded.version
             eos = loaded.eos_token_id
         logprobs = torch.log_softmax(logits, dim=-1)

@@ -13,13 +13,25 @@ import sys
 from pathlib import Path
 
 from deltaboard.services.engine.app import EngineState, create_app
+from deltaboard.services.engine.hot import HotWeights
 from deltaboard.services.sidecar.background import listen, uvicorn_server
 
 
-def serve_engine(directory: Path, *, host: str, port: int, weight_version: int | None, name: str) -> None:
+def serve_engine(
+    directory: Path,
+    *,
+    host: str,
+    port: int,
+    weight_version: int | None,
+    name: str,
+    device: str = "cpu",
+    hot: bool = False,
+) -> None:
     """Serve the reference engine on `host:port` until interrupted."""
     sock = listen(host, port)
-    state = EngineState(name)
+    state = EngineState(name, device=device)
+    if hot:
+        state.hot = HotWeights(state.slot)
     if (directory / "config.json").is_file():
         version, _ = state.reload(directory, weight_version)
         holds = f"serving {directory}" + ("" if version is None else f" as version {version}")
@@ -32,5 +44,6 @@ def serve_engine(directory: Path, *, host: str, port: int, weight_version: int |
             flush=True,
         )
         holds = "serving nothing yet"
-    print(f"deltaboard engine {name!r} listening on http://{host}:{port}, {holds}", flush=True)
+    how = f" on {device}" + (", hot updates in place" if hot else "")
+    print(f"deltaboard engine {name!r} listening on http://{host}:{port}{how}, {holds}", flush=True)
     uvicorn_server(create_app(state)).run(sockets=[sock])

@@ -52,6 +52,8 @@ class SidecarConfig:
     poll_s: float = 5.0
     drain_timeout_s: float = 60.0
     run_wait_s: float = 600.0  # how long a run that does not exist yet is waited for
+    abort_stale: bool = False  # a swap aborts the requests it would break (`VersionGate`)
+    hot: bool = False  # the engine takes versions in place (`VersionSync._hot_step`)
 
 
 class SidecarFailed(RuntimeError):
@@ -62,8 +64,8 @@ class Sidecar:
     def __init__(self, config: SidecarConfig, adapter: EngineAdapter | None = None) -> None:
         self.config = config
         self.metrics = SidecarMetrics()
-        self.gate = VersionGate(config.mode, config.drain_timeout_s)
-        self.adapter = adapter or make_adapter(config.engine_kind, config.engine_url)
+        self.gate = VersionGate(config.mode, config.drain_timeout_s, config.abort_stale)
+        self.adapter = adapter or make_adapter(config.engine_kind, config.engine_url, hot=config.hot)
         self.board = BoardClient(config.board_url, config.token)
         self.sync = VersionSync(
             self.gate, self.adapter, self.metrics, self._watch_head, config.poll_s, self._on_fatal
@@ -128,6 +130,8 @@ class Sidecar:
             "engine": None if self.gate.engine is None else asdict(self.gate.engine),
             "problem": self.gate.problem,
             "last_error": self.sync.last_error,
+            "hot": self.adapter.hot,
+            "swaps": list(self.sync.swaps),
         }
 
     @asynccontextmanager

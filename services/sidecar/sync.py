@@ -1,7 +1,16 @@
 """The sidecar's version loop: watch the board's head, choose the next version, sync,
 and swap each verified version into the engine.
 
-Runs on its own thread. The follower calls `commit_hook(version, swap)` once a version
+Runs on its own thread. With an adapter that has the engine's in-place hooks (`hot`),
+each next version goes into the engine's weights in place (`_hot_step`): the follower
+fetches and decodes it against its served slot (`Follower.hot_patch`), the engine stages
+the patch file while it generates, the gate stops admissions that the new version would
+break, the engine swaps it in between two forward passes, and only then does the follower
+write it to disk, as the copy a restarted engine loads (its commit hook only flips the
+directory). A version that cannot go in place (a keyframe, a catch-up from a pruned base,
+a patch larger than the engine stages, an engine that refuses it) is loaded from disk.
+
+Without the hot path, the follower calls `commit_hook(version, swap)` once a version
 is staged and verified; the hook stops admissions (draining in `quiesce` mode), pauses
 the engine (`in_place`), lets the follower swap the directory, has the engine reload,
 resumes, and publishes the new served version, with what the engine then reports it
@@ -22,13 +31,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 from deltaboard.board.contract.errors import AuthError, NotFound, UnknownRun
-from deltaboard.clients.engines import EngineAdapter, EngineAdapterError, EngineStamp
-from deltaboard.clients.follower.errors import CorruptBase
+from deltaboard.clients.engines import EngineAdapter, EngineAdapterError, EngineStamp, HotRefused
+from deltaboard.clients.follower.errors import CorruptBase, FollowerError
+from deltaboard.clients.resident import HotPatch, ResidentError, write_patch
 from deltaboard.services.sidecar.constraints import next_target
 from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
@@ -37,6 +48,8 @@ log = logging.getLogger("deltaboard.sidecar")
 # Retries of a failed turn (board away, engine still starting) back off up to this: one
 # cheap call per node every few seconds, and a node back within seconds of its engine.
 MAX_BACKOFF_S = 2.0
+# Swaps kept for the status page.
+RECENT_SWAPS = 20
 
 
 class FollowerPort(Protocol):
@@ -54,6 +67,10 @@ class FollowerPort(Protocol):
 
     def repair(self, version: int | None = None) -> object:
         """Re-hash the directory and rebuild what is damaged."""
+        ...
+
+    def hot_patch(self, target: int) -> HotPatch:
+        """The verified changes from the served version to `target` (one delta)."""
         ...
 
     def close(self) -> None: ...
@@ -82,9 +99,14 @@ class VersionSync:
         self.follower: FollowerPort | None = None
         self.last_error: str | None = None
         self.fatal: str | None = None  # why the loop stopped for good
+        self.swaps: deque[dict[str, object]] = deque(maxlen=RECENT_SWAPS)  # the latest last
+        self._in_engine: int | None = None  # a version swapped in place, whose disk copy follows
 
     def commit_hook(self, version: int, swap: Callable[[], None]) -> None:
         """Called by the follower with a verified, staged version."""
+        if version == self._in_engine and self.gate.served == version:
+            swap()  # the engine took it in place already: this is the disk copy catching up
+            return
         self._swap_in(version, swap)
 
     def _swap_in(self, version: int, swap: Callable[[], None]) -> None:
@@ -113,6 +135,58 @@ class VersionSync:
         if isinstance(loaded, EngineStamp):
             self.metrics.swaps.inc()
             self.metrics.swap_seconds.observe(elapsed)
+            self.swaps.append({"version": version, "path": "reload", "pause_ms": None, "ready_s": elapsed})
+
+    def _hot_step(self, follower: FollowerPort, version: int) -> bool:
+        """Swap `version` (one delta after the served one) into the engine's weights in
+        place, then bring the disk copy along. False, with the engine untouched: this
+        version cannot go in place (a keyframe, too large to stage, refused by the engine);
+        the caller loads it from disk instead."""
+        started = time.monotonic()
+        try:
+            patch = follower.hot_patch(version)
+        except (FollowerError, ResidentError) as exc:
+            log.info("version %s cannot go in place (%s): reloading it from disk", version, exc)
+            return False
+        directory = follower.model_dir / ".deltaboard" / "hot"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{version}.patch"
+        write_patch(patch, path)
+        try:
+            try:
+                self.adapter.stage_patch(path, version)
+            except HotRefused as exc:
+                log.warning(
+                    "the engine would not stage version %s (%s): reloading it from disk", version, exc
+                )
+                return False
+            self.gate.begin_swap(version)
+            served = self.gate.served
+            loaded: EngineStamp | str = self.gate.engine or "the engine's load is unknown"
+            pause_ms: float | None = None
+            try:
+                committed = self.adapter.commit_patch(version, self.gate.mode)
+                served, loaded, pause_ms = version, committed.stamp, committed.pause_ms
+                self._in_engine = version
+            except HotRefused as exc:  # the engine kept what it served: a reload follows
+                log.error("the engine refused version %s in place (%s): reloading it from disk", version, exc)
+                self.metrics.swap_failures.inc()
+            except EngineAdapterError as exc:  # what the engine holds is unknown now
+                loaded = f"the engine failed to take version {version} in place: {exc}"
+                self.last_error = str(exc)
+                self.metrics.swap_failures.inc()
+            finally:
+                ready = time.monotonic() - started
+                self.gate.end_swap(served, ready, loaded)
+        finally:
+            path.unlink(missing_ok=True)
+        if served != version:
+            return isinstance(loaded, str)  # unhealthy: the loop reloads; refused: reload now
+        self.metrics.swaps.inc()
+        self.metrics.swap_seconds.observe(ready)
+        self.swaps.append({"version": version, "path": "hot", "pause_ms": pause_ms, "ready_s": ready})
+        follower.sync(version)  # the disk copy, for restarts (the commit hook only swaps)
+        return True
 
     def _reload_held(self) -> None:
         """Load what the follower holds into the engine (start-up, or after a failed reload)."""
@@ -169,6 +243,10 @@ class VersionSync:
             return
         target = next_target(self.gate.served, self.gate.head, self.gate.pins())
         if target is not None:
+            served = self.gate.served
+            hot = self.adapter.hot and served is not None and target > served
+            if hot and served is not None and self._hot_step(follower, served + 1):
+                return  # in place, one version at a time
             try:
                 follower.sync(target)
             except NotFound as exc:

@@ -13,7 +13,8 @@ import pytest
 from deltaboard.board.contract.errors import BoardError
 from deltaboard.clients.board_client import error_from
 from deltaboard.clients.engines import CommitMode, EngineAdapter, EngineStamp
-from deltaboard.clients.follower import CorruptBase
+from deltaboard.clients.follower import CorruptBase, FollowerError
+from deltaboard.clients.resident import HotPatch
 from deltaboard.services.sidecar.constraints import VersionConstraint
 from deltaboard.services.sidecar.gate import Admitted, Refused, VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
@@ -70,6 +71,9 @@ class FakeFollower:
         self.repaired, self.damaged = True, False
         return {"A": ["t"]}
 
+    def hot_patch(self, target: int) -> HotPatch:
+        raise FollowerError("these tests drive the disk path")
+
     def close(self) -> None:
         pass
 
@@ -122,9 +126,10 @@ def test_the_node_stops_at_a_pinned_version_then_goes_on_to_the_head(loop):
     gate, adapter, sync, follower = make(loop, "in_place")
     waiting = pin(loop, gate, exact=2)
     sync._step(follower, threading.Event())
-    assert follower.synced == [2] and isinstance(waiting.result(5), Admitted)
+    admitted = waiting.result(5)
+    assert follower.synced == [2] and isinstance(admitted, Admitted)
     assert adapter.calls == [("pause", "in_place"), ("reload", 2, "in_place"), ("resume", "in_place")]
-    asyncio.run_coroutine_threadsafe(gate.release(2), loop).result()
+    asyncio.run_coroutine_threadsafe(gate.release(admitted), loop).result()
     sync._step(follower, threading.Event())
     assert follower.synced == [2, 5] and gate.served == 5
 

@@ -26,9 +26,10 @@ BOUND_S = 20.0
 Send = Callable[[httpx.Client], httpx.Response]
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[S3Server]:
-    with seaweedfs(tmp_path / "seaweedfs") as server:
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One SeaweedFS for the module: frozen then thawed by the first test, killed by the last."""
+    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
         try:
             yield server
         finally:

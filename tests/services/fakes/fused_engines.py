@@ -106,6 +106,7 @@ class SGLangModelRunner:
 class SGLangState:
     weight_version: str = "0"
     flushes: int = 0
+    calls: list[str] = field(default_factory=list)  # the control routes, in order
 
 
 def sglang_app(ranks: Sequence[FusedModel], custom_weight_loader: list[str], state: SGLangState) -> FastAPI:
@@ -125,7 +126,27 @@ def sglang_app(ranks: Sequence[FusedModel], custom_weight_loader: list[str], sta
             state.flushes += 1
         if success and obj.weight_version is not None:
             state.weight_version = obj.weight_version
+        state.calls.append("update_weights_from_tensor")
         return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    # The control routes an adapter drives around an update (`http_server.py`).
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return {"tp_size": len(runners)}
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": "/models/policy", "weight_version": state.weight_version}
+
+    @app.post("/pause_generation")
+    async def pause_generation() -> dict[str, Any]:
+        state.calls.append("pause_generation")
+        return {}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict[str, Any]:
+        state.calls.append("continue_generation")
+        return {}
 
     return app
 
@@ -183,7 +204,16 @@ def run_method(obj: Any, method: str, args: tuple[Any, ...], kwargs: dict[str, A
     return func(*args, **kwargs)
 
 
-def vllm_app(ranks: Sequence[FusedModel], worker_extension_cls: str) -> FastAPI:
+@dataclass
+class VLLMState:
+    weight_version: str | None = None
+    calls: list[str] = field(default_factory=list)  # the control routes, in order
+
+
+def vllm_app(
+    ranks: Sequence[FusedModel], worker_extension_cls: str, state: VLLMState | None = None
+) -> FastAPI:
+    control = state or VLLMState()
     worker_class = extended_worker_class(worker_extension_cls)
     workers = [worker_class(model, rank) for rank, model in enumerate(ranks)]
     app = FastAPI()
@@ -202,6 +232,34 @@ def vllm_app(ranks: Sequence[FusedModel], worker_extension_cls: str) -> FastAPI:
             raise HTTPException(400, "Missing 'method' in request body")
         results = collective_rpc(body["method"], tuple(body.get("args", [])), body.get("kwargs", {}))
         answer = [r if r is None or isinstance(r, dict | list) else str(r) for r in results]
+        control.calls.append(f"collective_rpc {body['method']}")
         return JSONResponse({"results": answer})
+
+    # The dev-mode control routes an adapter drives around an update (`serve/dev/rlhf`).
+
+    @app.post("/pause")
+    async def pause() -> dict[str, Any]:
+        control.calls.append("pause")
+        return {}
+
+    @app.post("/resume")
+    async def resume() -> dict[str, Any]:
+        control.calls.append("resume")
+        return {}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> dict[str, Any]:
+        control.weight_version = (await request.json())["new_version"]
+        control.calls.append("update_weight_version")
+        return {}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        control.calls.append("reset_prefix_cache")
+        return {}
+
+    @app.get("/weight_info")
+    async def weight_info() -> dict[str, Any]:
+        return {"weight_version": control.weight_version}
 
     return app

@@ -380,8 +380,8 @@ class World:
             time.sleep(0.02)
         self.check_follower()
         self.check_acks()
-        if self.watch.broken:
-            raise InvariantBroken("\n".join(self.watch.broken))
+        if self.watch.broken:  # each distinct finding once, in order
+            raise InvariantBroken("\n".join(dict.fromkeys(self.watch.broken)))
 
     def check_follower(self) -> None:
         """Freeze the follower (its served slot is not written while another is current),

@@ -25,6 +25,7 @@ from deltaboard.board.codec.dtypes import WIDTHS, uint_dtype, width
 from deltaboard.board.codec.errors import PatchError
 from deltaboard.board.codec.header import ENCODINGS, PatchHeader
 from deltaboard.board.codec.ranked import ContextHint, context_hint
+from deltaboard.board.codec.span import compose
 
 __all__ = [
     "ENCODINGS",
@@ -36,6 +37,7 @@ __all__ = [
     "PatchHeader",
     "apply",
     "class_limits",
+    "compose",
     "context_hint",
     "decode",
     "diff",

@@ -30,7 +30,8 @@ the proxy's event loop (the proxy asks `stamp_path` with its own client).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -179,6 +180,19 @@ class EngineAdapter:
 
     def discard_patch(self) -> None:
         """Forget what was staged (best effort)."""
+
+    def _held(self, mode: CommitMode, swap: Callable[[], None]) -> float:
+        """Run `swap` with the engine's running requests held between two steps (`in_place`;
+        a drained engine needs nothing); the milliseconds it could not generate."""
+        started = time.perf_counter()
+        if mode == "in_place":
+            self._hold()
+        try:
+            swap()
+        finally:
+            if mode == "in_place":
+                self._release()
+        return (time.perf_counter() - started) * 1e3
 
     def _hold(self) -> None:
         """The engine's route that holds running generations between two steps."""

@@ -30,7 +30,6 @@ Inference routes (what the sidecar proxies), from the same file: the OpenAI-comp
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +39,8 @@ from deltaboard.clients.engines.base import (
     EngineAdapterError,
     EngineStamp,
     HotCommitted,
-    HotRefused,
 )
+from deltaboard.clients.engines.fused_adapter import FusedHotAdapter
 
 INFERENCE_POSTS = (
     "/v1/embeddings",
@@ -59,7 +58,7 @@ INFERENCE_POSTS = (
 )
 
 
-class SGLangAdapter(EngineAdapter):
+class SGLangAdapter(FusedHotAdapter):
     kind = "sglang"
     inference_routes = EngineAdapter.inference_routes | {("POST", path) for path in INFERENCE_POSTS}
     stamp_path = "/get_model_info"
@@ -92,28 +91,10 @@ class SGLangAdapter(EngineAdapter):
         from deltaboard.clients.engines.sglang_hot import SGLangHotPath
 
         info = self._call("GET", "/get_server_info").json()
-        return SGLangHotPath(
-            lambda path, body: self._call("POST", path, json=body).json(), int(info.get("tp_size", 1))
-        )
-
-    def stage_patch(self, patch: Path, version: int) -> None:
-        from deltaboard.clients.engines.fused_view import HotPatchRefused
-
-        try:
-            self._hot_path().stage(patch, version)
-        except HotPatchRefused as exc:
-            raise HotRefused(f"sglang at {self.url}: {exc}") from exc
+        return SGLangHotPath(self._post_json, int(info.get("tp_size", 1)))
 
     def commit_patch(self, version: int, mode: CommitMode) -> HotCommitted:
-        started = time.perf_counter()
-        if mode == "in_place":  # running requests wait between two steps, keeping their cache
-            self._hold()
-        try:
-            self._hot_path().commit(version, flush_cache=mode == "quiesce")
-        finally:
-            if mode == "in_place":
-                self._release()
-        return HotCommitted(self.loaded(), (time.perf_counter() - started) * 1e3)
-
-    def discard_patch(self) -> None:
-        self._hot_path().discard()
+        # In place, running requests wait between two steps and keep their cache.
+        hot = self._hot_path()
+        pause_ms = self._held(mode, lambda: hot.commit(version, flush_cache=mode == "quiesce"))
+        return HotCommitted(self.loaded(), pause_ms)

@@ -32,7 +32,6 @@ local directory, so this adapter does not use them.)
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +41,8 @@ from deltaboard.clients.engines.base import (
     EngineAdapterError,
     EngineStamp,
     HotCommitted,
-    HotRefused,
 )
+from deltaboard.clients.engines.fused_adapter import FusedHotAdapter
 
 INFERENCE_POSTS = (
     "/v1/embeddings",
@@ -60,7 +59,7 @@ INFERENCE_POSTS = (
 )
 
 
-class VLLMAdapter(EngineAdapter):
+class VLLMAdapter(FusedHotAdapter):
     kind = "vllm"
     inference_routes = EngineAdapter.inference_routes | {("POST", path) for path in INFERENCE_POSTS}
     stamp_path = "/weight_info"
@@ -87,30 +86,12 @@ class VLLMAdapter(EngineAdapter):
     def _hot_path(self) -> Any:
         from deltaboard.clients.engines.vllm_hot import VLLMHotPath
 
-        return VLLMHotPath(lambda path, body: self._call("POST", path, json=body).json())
-
-    def stage_patch(self, patch: Path, version: int) -> None:
-        from deltaboard.clients.engines.fused_view import HotPatchRefused
-
-        try:
-            self._hot_path().stage(patch, version)
-        except HotPatchRefused as exc:
-            raise HotRefused(f"vllm at {self.url}: {exc}") from exc
+        return VLLMHotPath(self._post_json)
 
     def commit_patch(self, version: int, mode: CommitMode) -> HotCommitted:
-        started = time.perf_counter()
-        if mode == "in_place":
-            self._hold()
-        try:
-            self._hot_path().commit(version)
-        finally:
-            if mode == "in_place":
-                self._release()
-        pause_ms = (time.perf_counter() - started) * 1e3
+        hot = self._hot_path()
+        pause_ms = self._held(mode, lambda: hot.commit(version))
         self._call("POST", "/update_weight_version", json={"new_version": str(version)})
         if mode == "quiesce":
             self._call("POST", "/reset_prefix_cache")
         return HotCommitted(self.loaded(), pause_ms)
-
-    def discard_patch(self) -> None:
-        self._hot_path().discard()

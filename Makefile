@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install chaos install-demo
+.PHONY: demo test install chaos install-demo chromium
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,7 +20,13 @@ install: $(BIN)/python
 demo: install-demo
 	$(BIN)/deltaboard demo
 
-test: install
+# The dashboard's browser test (tests/ui) drives Debian's chromium; install it when missing
+# (as root, or through sudo without a password). Without it that test skips, saying why.
+chromium:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y chromium; } \
+		|| sudo -n apt-get install -y chromium || echo "chromium could not be installed: tests/ui will skip"
+
+test: install chromium
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy

@@ -86,6 +86,9 @@ def test_the_wheel_installs_one_top_level_package(tmp_path: Path) -> None:
     tops = {name.split("/", 1)[0] for name in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"deltaboard"}
     assert "deltaboard/board/codec/api.py" in names
+    # The dashboard's static files (`/ui`) ship as package data, with the vendored library's licence.
+    ui = {"index.html", "app.js", "app.css", "uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE"}
+    assert {f"deltaboard/board/server/ui/{name}" for name in ui} <= set(names)
     assert not any(name.startswith("deltaboard/tests/") for name in names)
 
     target = tmp_path / "site"

@@ -220,6 +220,20 @@ class Head(Strict):
     epoch: Int | None = None
 
 
+class VersionSummary(Strict):
+    """One committed version as the operators' dashboard charts it (`GET .../versions`):
+    the bytes a node downloads for it (its whole blobs and its manifest), the fraction of
+    the view's elements it changed, when the publisher made it and how long the board took
+    to commit it (None when this board did not take the commit itself)."""
+
+    version: Version
+    kind: Literal["full", "delta"]
+    bytes: NonNegative
+    changed_fraction: Float = Field(ge=0, le=1)
+    created_at: Float
+    commit_s: Float | None
+
+
 class BlobSize(Strict):
     """A stored blob (also the answer to a blob upload through the board)."""
 

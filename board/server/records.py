@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deltaboard.board.contract.schemas import Head, Manifest, RunInfo
+from deltaboard.board.contract.schemas import Head, Manifest, RunInfo, VersionSummary
 
 
 class Record(BaseModel):
@@ -60,6 +60,13 @@ class VersionRecord(Record):
     kind: Literal["full", "delta"]
     blobs: dict[str, int]
     manifest_bytes: int = 0
+    # What the operators' dashboard charts (`/v1/runs/{run}/versions`): the manifest's
+    # change counts and creation time, and the board's commit latency. `commit_s` is known
+    # only to the board that took the commit (None in records rebuilt from the store).
+    changed_elements: int = 0
+    total_elements: int = 0
+    created_at: float = 0.0
+    commit_s: float | None = None
 
     @classmethod
     def of(cls, manifest: Manifest, sizes: dict[str, int], manifest_bytes: int) -> VersionRecord:
@@ -68,6 +75,20 @@ class VersionRecord(Record):
             kind=manifest.kind,
             blobs={sha: sizes[sha] for sha in sorted(manifest.blob_shas())},
             manifest_bytes=manifest_bytes,
+            changed_elements=manifest.stats.changed_elements,
+            total_elements=manifest.stats.total_elements,
+            created_at=manifest.created_at,
+        )
+
+    def summary(self) -> VersionSummary:
+        total = self.total_elements
+        return VersionSummary(
+            version=self.version,
+            kind=self.kind,
+            bytes=sum(self.blobs.values()) + self.manifest_bytes,
+            changed_fraction=self.changed_elements / total if total else 0.0,
+            created_at=self.created_at,
+            commit_s=self.commit_s,
         )
 
 

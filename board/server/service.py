@@ -42,6 +42,7 @@ from deltaboard.board.contract.schemas import (
     RetentionReport,
     RunCreate,
     RunInfo,
+    VersionSummary,
 )
 from deltaboard.board.server import plan as planning
 from deltaboard.board.server.clock import Clock
@@ -51,6 +52,7 @@ from deltaboard.board.server.metrics import BoardMetrics
 from deltaboard.board.server.records import RunRecord, head_rank
 from deltaboard.board.server.retention import select_versions
 from deltaboard.board.server.settings import Settings
+from deltaboard.board.server.span_service import SpanBook
 from deltaboard.board.server.storage import ObjectNotFound, ObjectStore, asset_key, blob_key
 
 T = TypeVar("T")
@@ -83,6 +85,7 @@ class BoardService:
         self._manifests: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._generation: str | None = None  # the index's, when this process last loaded it
         self._healing: dict[str, asyncio.Future[tuple[RunRecord, Head]]] = {}
+        self.spans = SpanBook(self)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run store I/O in a worker thread: the event loop keeps serving long-polls."""
@@ -271,7 +274,8 @@ class BoardService:
     async def commit(self, run: str, manifest: Manifest) -> Head:
         await self.require_run(run)
         started = self.clock.monotonic()
-        head_record, version_record = await self.blocking(self.ledger.commit, run, manifest)
+        head_record, durable = await self.blocking(self.ledger.commit, run, manifest)
+        version_record = durable.model_copy(update={"commit_s": self.clock.monotonic() - started})
         head = head_record.wire(run)
         try:
             # The version record goes first: a poller woken by the head must find its plan.
@@ -349,6 +353,15 @@ class BoardService:
             while len(self._manifests) > MANIFEST_CACHE_SIZE:
                 self._manifests.popitem(last=False)
         return data
+
+    async def versions(self, run: str, limit: int) -> list[VersionSummary]:
+        """The last `limit` committed versions the index holds (retention drops the older
+        ones), oldest first."""
+        await self.require_run(run)
+        current = await self.head(run)
+        records = await self.index.versions(run)
+        committed = sorted(v for v in records if current.version is not None and v <= current.version)
+        return [records[v].summary() for v in committed[-limit:]]
 
     async def plan(self, run: str, from_version: int | None, to_version: int | None) -> Plan:
         await self.require_run(run)

@@ -260,3 +260,38 @@ def test_silent_nodes_leave_the_fleet(index, tmp_path, request):
         assert [(n.node_id, n.version) for n in c.fleet("r")] == [("alive", None), ("gone", 3)]
     finally:
         server.stop()
+
+
+def test_version_summaries(board):
+    """`GET .../versions`: one line per committed version (what the dashboard charts), the
+    last `limit` of them, oldest first; the commit latency only from the board that took
+    the commit, not after the index was rebuilt from the store."""
+    c = board.client(board.publish_token)
+    c.create_run("r")
+    epoch = c.acquire_lease("r", "trainer").epoch
+    publish(c, "r", 0, epoch, {"a": b"A" * 5000})
+    for v in range(1, 4):
+        publish(c, "r", v, epoch, {"a": bytes([v]) * 100})
+    publish(c, "r", 4, epoch, {"a": b"k" * 50}, kind="full")
+    url = f"{board.url}/v1/runs/r/versions"
+    read = {"Authorization": f"Bearer {board.read_token}"}
+    summaries = httpx.get(url, headers=read).json()
+    assert [(s["version"], s["kind"]) for s in summaries] == [
+        (0, "full"),
+        (1, "delta"),
+        (2, "delta"),
+        (3, "delta"),
+        (4, "full"),
+    ]
+    steps = {
+        s.version: s for s in board.client(board.read_token).plan("r", from_version=0, to_version=3).steps
+    }
+    assert summaries[2]["bytes"] == 100 + steps[2].manifest_bytes
+    assert all(s["changed_fraction"] == 1.0 and s["commit_s"] > 0 for s in summaries)
+    assert [s["version"] for s in httpx.get(url, params={"limit": 2}, headers=read).json()] == [3, 4]
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, params={"limit": 0}, headers=read).status_code == 422
+    board.restart()
+    rebuilt = httpx.get(url, headers=read).json()
+    assert [s["commit_s"] for s in rebuilt] == [None] * 5
+    assert [{**s, "commit_s": None} for s in summaries] == rebuilt

@@ -12,10 +12,11 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.middleware.gzip import GZipMiddleware
 
-from deltaboard.board.server.api import blobs, ops, runs, versions
+from deltaboard.board.server.api import blobs, ops, runs, spans, versions
 from deltaboard.board.server.api.errors import install_error_handlers
 from deltaboard.board.server.api.middleware import GZIP_EXCLUDED, GZIP_LEVEL, GZIP_MIN_BYTES, BoardMiddleware
 from deltaboard.board.server.api.state import BoardState
+from deltaboard.board.server.api.ui import dashboard
 from deltaboard.board.server.clock import Clock, SystemClock
 from deltaboard.board.server.service import BoardService
 from deltaboard.board.server.settings import Settings
@@ -72,7 +73,7 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None) -> 
         lifespan=lifespan,
     )
     app.state.board = state
-    modules = (runs, blobs, versions, ops)
+    modules = (runs, blobs, versions, spans, ops)
     install_error_handlers(app, [route for module in modules for route in module.router.routes])
     app.add_middleware(
         GZipMiddleware,
@@ -88,4 +89,5 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None) -> 
     )
     for module in modules:
         app.include_router(module.router)
+    app.mount("/ui", dashboard(), name="ui")
     return app

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response, StreamingResponse
 
-from deltaboard.board.contract.schemas import MAX_VERSION, CommitRequest, Head, Manifest, Plan
+from deltaboard.board.contract.schemas import MAX_VERSION, CommitRequest, Head, Manifest, Plan, VersionSummary
 from deltaboard.board.server.api.errors import documented
 from deltaboard.board.server.api.routing import INPUT_ERRORS, RUN_ERRORS, BoardRoute
 from deltaboard.board.server.api.state import BoardState, Publisher, Reader, RunPath
@@ -78,6 +78,20 @@ async def events(run: RunPath, state: BoardState = Reader) -> StreamingResponse:
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+MAX_SUMMARIES = 10_000
+
+
+@router.get("/versions", response_model=list[VersionSummary], responses=READ_ERRORS)
+async def versions(
+    run: RunPath,
+    limit: int = Query(default=1000, ge=1, le=MAX_SUMMARIES),
+    state: BoardState = Reader,
+) -> list[VersionSummary]:
+    """The last `limit` committed versions, oldest first, one line each (what the
+    operators' dashboard charts, without reading a manifest per version)."""
+    return await state.service.versions(run, limit)
 
 
 @router.get(

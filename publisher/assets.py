@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from deltaboard.board.contract.schemas import ASSET_NAME_RE, ViewSpec
+from deltaboard.board.contract.view_spec import FP8_BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,14 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 # The config's name for each served dtype (`torch_dtype` before transformers 4.56, `dtype` since).
 CONFIG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# What transformers' `FineGrainedFP8Config` (and vLLM/SGLang's `fp8` method) read from an
+# FP8 checkpoint with 128x128 block scales, as DeepSeek-V3 and Qwen3-FP8 ship it.
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 
 def _is_asset(path: Path, name: str) -> bool:
@@ -110,8 +119,9 @@ def model_assets(model: object) -> dict[str, bytes] | None:
 
 def describe_view(assets: Mapping[str, bytes], spec: ViewSpec) -> dict[str, bytes]:
     """The assets with `config.json`'s dtype set to the view's default dtype (`dtype`, and
-    `torch_dtype` where the config has that older key); a config that is not a JSON
-    object is left as it is."""
+    `torch_dtype` where the config has that older key) and, for a view with FP8 block
+    rules, Hugging Face's fine-grained FP8 `quantization_config`; a config that is not a
+    JSON object is left as it is."""
     out = dict(assets)
     try:
         config = json.loads(out[CONFIG])
@@ -123,5 +133,7 @@ def describe_view(assets: Mapping[str, bytes], spec: ViewSpec) -> dict[str, byte
     config["dtype"] = served
     if "torch_dtype" in config:
         config["torch_dtype"] = served
+    if any(rule.dtype == FP8_BLOCK for rule in spec.rules):
+        config["quantization_config"] = FP8_QUANTIZATION_CONFIG
     out[CONFIG] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     return out

@@ -63,6 +63,7 @@ from deltaboard.publisher.lease import FencedError, LeaseKeeper
 from deltaboard.publisher.manifest import Proposal, build_manifest
 from deltaboard.publisher.packer import BlobPacker
 from deltaboard.publisher.pipeline import Job, SnapshotPipeline
+from deltaboard.publisher.quantize import quantize_state
 from deltaboard.publisher.ranks import RankCoordinator, RankReport, SingleRank, Verdict
 from deltaboard.publisher.snapshot import LayoutChange, ViewBuffer
 from deltaboard.publisher.tied import ModelOrState, state_of
@@ -285,7 +286,9 @@ class Publisher:
         if self._closed:
             raise RuntimeError("publish() after close()")
         self._check_open()
-        state = self._ranks.local_state(state_of(model_or_state_dict))
+        # FP8 block rules: the weights are quantized here, on their device; the snapshot
+        # copies the FP8 bytes and scales like any other tensor.
+        state = quantize_state(self._ranks.local_state(state_of(model_or_state_dict)), self.spec)
         change = self._pipeline.layout_change(state)
         if change is not None and self._ranks.world_size > 1:
             raise ValueError(

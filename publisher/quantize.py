@@ -42,17 +42,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.board.contract.view_spec import FP8_BLOCK, SCALE_SUFFIX, applying_rule
+
 BLOCK = 128
 FP8_MAX = 448.0
 # float8_e4m3fn's NaN with the sign bit clear: the one NaN the quantizer writes.
 FP8_NAN_BITS = 0x7F
-SCALE_SUFFIX = "_scale_inv"
 ScaleRule = Literal["amax", "ue8m0"]
-
-
-def scale_name(name: str) -> str:
-    """The scale tensor's name beside a quantized weight (`...proj.weight_scale_inv`)."""
-    return name + SCALE_SUFFIX
 
 
 def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
@@ -91,16 +88,16 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tens
     return q.to(torch.float32) * per_element
 
 
-def quantize_state(
-    state: Mapping[str, torch.Tensor], quantized: Mapping[str, ScaleRule]
-) -> dict[str, torch.Tensor]:
-    """`state` with each weight named in `quantized` replaced by its FP8 bytes, followed
-    at once by its `_scale_inv`; every other tensor is passed through untouched."""
+def quantize_state(state: Mapping[str, torch.Tensor], spec: ViewSpec) -> Mapping[str, torch.Tensor]:
+    """`state` with each floating weight an FP8 block rule of `spec` serves replaced by its
+    FP8 bytes, followed at once by its `_scale_inv`; every other tensor passes through
+    untouched (and `state` itself when no rule quantizes anything)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        rule = quantized.get(name)
-        if rule is None:
+        floating = tensor.is_floating_point() and tensor.element_size() > 1  # fp8 passes through
+        rule = applying_rule(name, tensor.shape, spec) if floating else None
+        if rule is None or rule.dtype != FP8_BLOCK:
             out[name] = tensor
         else:
-            out[name], out[scale_name(name)] = quantize_fp8_block(tensor, rule)
-    return out
+            out[name], out[name + SCALE_SUFFIX] = quantize_fp8_block(tensor, rule.scale)
+    return out if len(out) > len(state) else state

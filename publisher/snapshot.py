@@ -71,7 +71,7 @@ class ViewLayout:
         slots: list[Slot] = []
         sizes: dict[tuple[str, int], int] = {}
         for name, tensor in state.items():
-            dtype = served_dtype(name, safetensors_dtype(tensor), spec)
+            dtype = served_dtype(name, safetensors_dtype(tensor), spec, tensor.shape)
             group = (str(tensor.device), codec.width(dtype))
             offset = sizes.get(group, 0)
             slots.append(Slot(name, dtype, tuple(tensor.shape), group[0], group[1], offset, tensor.numel()))

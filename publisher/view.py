@@ -2,9 +2,10 @@
 
 Floating tensors are cast with `Tensor.to(dtype)`, which rounds to nearest, ties to even,
 on CPU and CUDA alike (NaN stays NaN, overflow goes to inf): the same bytes the engine would
-get from `model.to(dtype)`. Integer and fp8 tensors, and tensors a `raw` rule names, pass
-through untouched. The view stays on the tensors' own device so that the publisher diffs it
-there and only moves changed elements to the host.
+get from `model.to(dtype)`. Weights an FP8 block rule names become float8_e4m3fn plus their
+`_scale_inv` (`deltaboard.publisher.quantize`). Integer and fp8 tensors, and tensors a
+`raw` rule names, pass through untouched. The view stays on the tensors' own device so
+that the publisher diffs it there and only moves changed elements to the host.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from deltaboard.board.contract.schemas import ViewSpec
 from deltaboard.board.contract.view_spec import served_dtype
+from deltaboard.publisher.quantize import quantize_state
 
 TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -48,8 +50,8 @@ def rollout_view(state_dict: dict[str, torch.Tensor], spec: ViewSpec) -> dict[st
     """
     view: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, t in state_dict.items():
-            target = SAFETENSORS_TO_TORCH[served_dtype(name, safetensors_dtype(t), spec)]
+        for name, t in quantize_state(state_dict, spec).items():
+            target = SAFETENSORS_TO_TORCH[served_dtype(name, safetensors_dtype(t), spec, t.shape)]
             view[name] = t.detach().to(target).contiguous()
     return view
 

@@ -87,10 +87,18 @@ class Strict(BaseModel):
 
 
 class ViewRule(Strict):
-    """Serve tensors whose name matches `pattern` (fnmatch glob) in `dtype`."""
+    """Serve tensors whose name matches `pattern` (fnmatch glob) in `dtype`.
+
+    `fp8_e4m3_block128` serves a 2-D floating weight as float8_e4m3fn with an fp32
+    `<name>_scale_inv` per 128x128 block (Hugging Face's fine-grained FP8 layout), its
+    scales by `scale`: `amax` / 448, or that rounded up to a power of two (`ue8m0`); the
+    bits are `deltaboard.publisher.quantize`'s. Tensors of other ranks go on to the next
+    rule. `scale` means nothing to the other dtypes.
+    """
 
     pattern: str
-    dtype: Literal["bf16", "fp16", "fp32", "raw"]
+    dtype: Literal["bf16", "fp16", "fp32", "raw", "fp8_e4m3_block128"]
+    scale: Literal["amax", "ue8m0"] = "amax"
 
 
 class ViewSpec(Strict):

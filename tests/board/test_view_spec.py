@@ -6,7 +6,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deltaboard.board.contract.schemas import ViewRule, ViewSpec
-from deltaboard.board.contract.view_spec import INDEX_FILE, SINGLE_FILE, nbytes, plan_layout, served_dtype
+from deltaboard.board.contract.view_spec import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    fp8_view,
+    nbytes,
+    plan_layout,
+    served_dtype,
+)
 
 
 def test_floating_tensors_take_the_default_or_the_first_matching_rule() -> None:
@@ -24,6 +31,24 @@ def test_floating_tensors_take_the_default_or_the_first_matching_rule() -> None:
     assert served_dtype("layers.0.q.weight", "F32", spec) == "F16"
     assert served_dtype("layers.0.q.bias", "F32", spec) == "BF16"
     assert served_dtype("x", "F64", ViewSpec(default_dtype="fp32")) == "F32"
+
+
+def test_fp8_block_rules_serve_2d_weights_and_their_scales() -> None:
+    spec = fp8_view("ue8m0", rules=(ViewRule(pattern="*.bias", dtype="fp32"),))
+    assert served_dtype("l.0.q_proj.weight", "F32", spec, (64, 64)) == "F8_E4M3"
+    assert served_dtype("l.0.q_proj.weight_scale_inv", "F32", spec, (1, 1)) == "F32"
+    assert served_dtype("l.0.mlp.fc2.weight", "BF16", spec, (64, 300)) == "F8_E4M3"
+    assert served_dtype("l.0.q_proj.bias", "F32", spec, (64,)) == "F32"
+    assert served_dtype("odd_proj.weight", "F32", spec, (4, 4, 4)) == "BF16"  # not 2-D: next rule
+    assert served_dtype("l.0.q_proj.weight", "F32", spec) == "BF16"  # no shape given: not 2-D
+    for name in ("embed_tokens.weight", "lm_head.weight", "norm.weight", "embed_tokens.weight_scale_inv"):
+        assert served_dtype(name, "F32", spec, (8, 8)) == "BF16"
+    assert spec.rules[0].scale == "ue8m0" and spec.rules[-1].pattern == "*.bias"
+
+
+def test_specs_without_fp8_rules_read_as_before() -> None:
+    old = {"default_dtype": "bf16", "rules": [{"pattern": "*", "dtype": "raw"}], "shard_max_bytes": 5}
+    assert ViewSpec.model_validate(old).rules[0] == ViewRule(pattern="*", dtype="raw")
 
 
 def test_integer_and_fp8_tensors_pass_through() -> None:

@@ -8,6 +8,7 @@ the even code), so that it shares nothing with torch's vectorised path.
 from __future__ import annotations
 
 import bisect
+import json
 import math
 
 import numpy as np
@@ -16,6 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.board.contract.view_spec import fp8_view
+from deltaboard.publisher.assets import describe_view
 from deltaboard.publisher.quantize import (
     BLOCK,
     ScaleRule,
@@ -23,6 +27,7 @@ from deltaboard.publisher.quantize import (
     quantize_fp8_block,
     quantize_state,
 )
+from deltaboard.publisher.view import rollout_view
 
 
 def _code_value(code: int) -> float:
@@ -169,11 +174,51 @@ def test_other_dimensions_are_refused() -> None:
         quantize_fp8_block(torch.ones(3))
 
 
-def test_quantize_state_puts_each_scale_after_its_weight() -> None:
-    state = {"a.weight": torch.ones(2, 2), "b.q_proj.weight": torch.ones(3, 3), "b.bias": torch.ones(3)}
-    out = quantize_state(state, {"b.q_proj.weight": "amax"})
-    assert list(out) == ["a.weight", "b.q_proj.weight", "b.q_proj.weight_scale_inv", "b.bias"]
-    assert out["a.weight"] is state["a.weight"] and out["b.q_proj.weight"].dtype == torch.float8_e4m3fn
+def test_the_fp8_view_quantizes_linear_weights_and_leaves_the_rest_bf16() -> None:
+    state = {
+        "model.embed_tokens.weight": torch.randn(300, 64),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(64),
+        "model.layers.0.input_layernorm.weight": torch.randn(64),
+        "model.layers.0.mlp.fc1.weight": torch.randn(200, 64),
+        "model.layers.0.mlp.steps": torch.arange(3),
+        "lm_head.weight": torch.randn(300, 64),
+    }
+    view = rollout_view(state, fp8_view("ue8m0"))
+    assert {n: t.dtype for n, t in view.items()} == {
+        "model.embed_tokens.weight": torch.bfloat16,
+        "model.layers.0.self_attn.q_proj.weight": torch.float8_e4m3fn,
+        "model.layers.0.self_attn.q_proj.weight_scale_inv": torch.float32,
+        "model.layers.0.self_attn.q_proj.bias": torch.bfloat16,
+        "model.layers.0.input_layernorm.weight": torch.bfloat16,
+        "model.layers.0.mlp.fc1.weight": torch.float8_e4m3fn,
+        "model.layers.0.mlp.fc1.weight_scale_inv": torch.float32,
+        "model.layers.0.mlp.steps": torch.int64,
+        "lm_head.weight": torch.bfloat16,
+    }
+    assert list(view).index("model.layers.0.mlp.fc1.weight_scale_inv") == 6  # right after its weight
+    q, s = quantize_fp8_block(state["model.layers.0.mlp.fc1.weight"], "ue8m0")
+    assert torch.equal(view["model.layers.0.mlp.fc1.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(view["model.layers.0.mlp.fc1.weight_scale_inv"], s) and s.shape == (2, 1)
+    again = rollout_view(view, fp8_view("ue8m0"))  # the served tensors are their own view
+    assert all(torch.equal(again[n].view(torch.uint8), t.view(torch.uint8)) for n, t in view.items())
+    plain = {"a.weight": torch.ones(2, 2)}
+    assert quantize_state(plain, ViewSpec()) is plain
+
+
+def test_the_config_says_the_view_is_fp8() -> None:
+    config = json.dumps({"dtype": "float32", "architectures": ["LlamaForCausalLM"]}).encode()
+    described = json.loads(describe_view({"config.json": config}, fp8_view())["config.json"])
+    assert described["dtype"] == "bfloat16"
+    assert described["quantization_config"] == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    assert "quantization_config" not in json.loads(
+        describe_view({"config.json": config}, ViewSpec())["config.json"]
+    )
 
 
 FLOATS = st.floats(width=32, allow_nan=True, allow_infinity=True)

@@ -248,3 +248,90 @@ def test_the_cli_check_rejects_what_is_not_a_command_line():
         parse_cli(["serve-everything"])
     with pytest.raises(Exception, match="No such option"):
         parse_cli(["sidecar", "--board=http://b", "--run=r", "--dir=/m", "--engine=http://e", "--bogus"])
+
+
+# ---- metrics: Prometheus and Grafana ----------------------------------------------------
+
+GRAFANA = DEPLOY / "grafana"
+DASHBOARD = json.loads((GRAFANA / "deltaboard.json").read_text())
+METRIC_NAME = re.compile(r"\bdeltaboard_[a-z0-9_]+\b")
+SERIES_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gauge": ("",),
+}
+
+
+def exported_series() -> set[str]:
+    """Every series name the board's and the sidecar's registries expose (a counter `x` as
+    `x_total`, a histogram as `x_bucket`, `x_sum`, `x_count`), read from the real classes."""
+    from deltaboard.board.server.metrics import BoardMetrics
+    from deltaboard.services.sidecar.metrics import SidecarMetrics
+
+    return {
+        family.name + suffix
+        for registry in (BoardMetrics().registry, SidecarMetrics().registry)
+        for family in registry.collect()
+        for suffix in SERIES_SUFFIXES[family.type]
+    }
+
+
+def unknown_metrics(expr: str) -> set[str]:
+    return set(METRIC_NAME.findall(expr)) - exported_series()
+
+
+def test_grafana_dashboard_matches_its_schema_and_names_real_metrics():
+    schema = json.loads((DEPLOY / "schemas" / "grafana-dashboard.schema.json").read_text())
+    jsonschema.validate(DASHBOARD, schema)
+    panels = DASHBOARD["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    for expr in exprs:
+        assert METRIC_NAME.search(expr), expr
+        assert not unknown_metrics(expr), f"{expr}: no such metric {unknown_metrics(expr)}"
+    # What operators ask for: commit rate and latency, bytes in and out, wake latency,
+    # fleet lag, swap pause.
+    named = {name for expr in exprs for name in METRIC_NAME.findall(expr)}
+    assert {
+        "deltaboard_commits_total",
+        "deltaboard_commit_seconds_bucket",
+        "deltaboard_blob_bytes_in_total",
+        "deltaboard_blob_bytes_out_total",
+        "deltaboard_sidecar_version_wait_seconds_bucket",
+        "deltaboard_sidecar_head_version",
+        "deltaboard_sidecar_served_version",
+        "deltaboard_sidecar_swap_seconds_bucket",
+    } <= named
+
+
+def test_the_metric_check_can_fail():
+    assert unknown_metrics("rate(deltaboard_commits_total[1m])") == set()
+    assert unknown_metrics("rate(deltaboard_commits[1m]) + deltaboard_nope") == {
+        "deltaboard_commits",
+        "deltaboard_nope",
+    }
+
+
+def mount_sources(service: dict[str, Any]) -> dict[str, str]:
+    """The service's bind mounts: the path in the container -> the path in the repository."""
+    return {target: source for source, target, *_ in (v.split(":") for v in service["volumes"])}
+
+
+def test_compose_provisions_prometheus_and_grafana():
+    grafana, prometheus = services()["grafana"], services()["prometheus"]
+    mounts = mount_sources(grafana)
+    provisioning = REPO / mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    assert host_of(source["url"]) == ("prometheus", 9090)
+    assert {p["datasource"]["uid"] for p in DASHBOARD["panels"]} == {source["uid"]}
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "deltaboard.yaml").read_text())["providers"]
+    dashboards = REPO / mounts[provider["options"]["path"]]
+    assert (dashboards / "deltaboard.json").is_file()
+
+    config = yaml.safe_load((REPO / mount_sources(prometheus)["/etc/prometheus/prometheus.yml"]).read_text())
+    targets = {t for job in config["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    ports = {
+        name: parse_cli(command_of(services()[name])).params["port"]
+        for name in ("board-1", "board-2", "sidecar")
+    }
+    assert targets == {f"{name}:{port}" for name, port in ports.items()}

@@ -32,6 +32,22 @@ RUN = "hot-e2e"
 STEPS = 3
 
 
+def hot_sidecar(board: Any, engine_url: str, directory: Any, mode: Any = "quiesce") -> Sidecar:
+    return Sidecar(
+        SidecarConfig(
+            board_url=board.url,
+            run=RUN,
+            directory=directory,
+            engine_url=engine_url,
+            mode=mode,
+            token=board.read_token,
+            node_id="hot-node",
+            poll_s=1.0,
+            hot=True,
+        )
+    )
+
+
 @pytest.mark.parametrize("mode", ["quiesce", "in_place"])
 def test_versions_go_into_the_engine_in_place(board, tmp_path, mode):
     model = build_model("tiny", seed=1)
@@ -42,19 +58,7 @@ def test_versions_go_into_the_engine_in_place(board, tmp_path, mode):
     state = EngineState("hot")
     state.hot = HotWeights(state.slot)
     with BackgroundServer(create_app(state)) as engine:
-        sidecar = Sidecar(
-            SidecarConfig(
-                board_url=board.url,
-                run=RUN,
-                directory=tmp_path / "node",
-                engine_url=engine.url,
-                mode=mode,
-                token=board.read_token,
-                node_id="hot-node",
-                poll_s=1.0,
-                hot=True,
-            )
-        )
+        sidecar = hot_sidecar(board, engine.url, tmp_path / "node", mode)
         with BackgroundServer(sidecar.app) as node:
             assets = {"config.json": config.to_json_string().encode()}
             with Publisher(board.url, RUN, token=board.publish_token, assets=assets) as publisher:
@@ -100,18 +104,7 @@ def test_a_version_the_engine_cannot_take_in_place_is_reloaded(board, tmp_path):
     config: Any = model.config
     answers: dict[int, httpx.Response] = {}
     with BackgroundServer(create_app(EngineState("cold"))) as engine:
-        sidecar = Sidecar(
-            SidecarConfig(
-                board_url=board.url,
-                run=RUN,
-                directory=tmp_path / "node",
-                engine_url=engine.url,
-                token=board.read_token,
-                node_id="cold-node",
-                poll_s=1.0,
-                hot=True,
-            )
-        )
+        sidecar = hot_sidecar(board, engine.url, tmp_path / "node")
         with BackgroundServer(sidecar.app) as node:
             assets = {"config.json": config.to_json_string().encode()}
             with Publisher(board.url, RUN, token=board.publish_token, assets=assets) as publisher:

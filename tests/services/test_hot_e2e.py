@@ -29,7 +29,7 @@ from tests.services.fakes.direct import direct_logprobs
 from tests.services.test_e2e import PROMPT, pinned, run_view
 
 RUN = "hot-e2e"
-STEPS = 3
+STEPS = 2
 
 
 def hot_sidecar(board: Any, engine_url: str, directory: Any, mode: Any = "quiesce") -> Sidecar:

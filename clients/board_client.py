@@ -47,6 +47,7 @@ from deltaboard.board.contract.schemas import (
     RunCreate,
     RunInfo,
 )
+from deltaboard.board.contract.spans import SpanManifest, SpanRegistered
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -413,6 +414,14 @@ class BoardClient:
     def plan(self, run: str, from_version: int | None = None, to_version: int | None = None) -> Plan:
         params = {k: v for k, v in (("from", from_version), ("to", to_version)) if v is not None}
         return self._json("GET", f"/v1/runs/{run}/plan", Plan, params=params)
+
+    def register_span(self, run: str, span: SpanManifest) -> SpanRegistered:
+        """Register a span whose blobs are uploaded; idempotent (`created` says whether this
+        call stored it)."""
+        return self._json("POST", f"/v1/runs/{run}/spans", SpanRegistered, **self._body(span))
+
+    def span(self, run: str, from_version: int, to_version: int) -> SpanManifest:
+        return self._json("GET", f"/v1/runs/{run}/spans/{from_version}/{to_version}", SpanManifest)
 
     # ---- fleet, retention, metrics -----------------------------------------------------
 

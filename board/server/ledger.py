@@ -26,6 +26,7 @@ from deltaboard.board.contract.schemas import (
     RetentionReport,
     RunCreate,
 )
+from deltaboard.board.contract.spans import SpanManifest
 from deltaboard.board.server import rules
 from deltaboard.board.server.clock import Clock, SystemClock
 from deltaboard.board.server.metrics import BoardMetrics
@@ -42,6 +43,8 @@ from deltaboard.board.server.storage import (
     manifest_prefix,
     manifest_version,
     run_key,
+    span_key,
+    span_prefix,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -268,6 +271,43 @@ class Ledger:
             except PreconditionFailed:
                 pass
         raise NotHead(f"version {manifest.version} is being committed by another writer", head=head.version)
+
+    # ---- spans -------------------------------------------------------------------------
+
+    def put_span(self, run: str, span: SpanManifest) -> tuple[bytes, bool]:
+        """Store a verified span unless one with the same ends is there: create-if-absent is
+        one atomic write, so racing workers leave exactly one span and a killed one leaves
+        none. The stored bytes, and whether this call stored them."""
+        key = span_key(run, span.from_version, span.to_version)
+        data = encode(span)
+        try:
+            self.store.put(key, data, if_none_match=True)
+        except PreconditionFailed:
+            return self.store.get(key), False
+        return data, True
+
+    def span_bytes(self, run: str, from_version: int, to_version: int) -> bytes | None:
+        try:
+            return self.store.get(span_key(run, from_version, to_version))
+        except ObjectNotFound:
+            return None
+
+    def spans(self, run: str) -> list[tuple[SpanManifest, int]]:
+        """Every stored span this board can read, with its stored size (the others are
+        reported and skipped: plans route around them)."""
+        out = []
+        for info in self.store.list(span_prefix(run)):
+            try:
+                data = self.store.get(info.key)
+                out.append((SpanManifest.model_validate_json(data), len(data)))
+            except ObjectNotFound:
+                continue
+            except ValidationError as e:
+                self.unreadable(info.key, e)
+        return out
+
+    def delete_span(self, run: str, from_version: int, to_version: int) -> None:
+        self.store.delete(span_key(run, from_version, to_version))
 
     # ---- rebuilding the index -----------------------------------------------------------
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from deltaboard.board.contract.errors import BadManifest, MissingBlobs, NoLease, NotHead, StaleEpoch
 from deltaboard.board.contract.manifest_rules import check_manifest
 from deltaboard.board.contract.schemas import Manifest
+from deltaboard.board.contract.spans import SpanManifest
 from deltaboard.board.server.records import HeadRecord, LeaseRecord
 
 
@@ -71,8 +72,9 @@ def check_succession(manifest: Manifest, head: HeadRecord) -> None:
         )
 
 
-def check_blob_ranges(manifest: Manifest, sizes: Mapping[str, int | None]) -> None:
-    """Every referenced blob exists and covers each entry's offset + length."""
+def check_blob_ranges(manifest: Manifest | SpanManifest, sizes: Mapping[str, int | None]) -> None:
+    """Every referenced blob exists and covers each entry's offset + length (of a version or
+    of a span alike)."""
     missing = sorted(sha for sha in manifest.blob_shas() if sizes.get(sha) is None)
     if missing:
         raise MissingBlobs(f"{len(missing)} referenced blobs are not stored", missing=missing)

@@ -126,6 +126,15 @@ def manifest_key(run: str, version: int) -> str:
     return f"{manifest_prefix(run)}{version:012d}.json"
 
 
+def span_prefix(run: str) -> str:
+    return f"runs/{run}/spans/"
+
+
+def span_key(run: str, from_version: int, to_version: int) -> str:
+    """Spans are named by their ends: one span per pair, whoever builds it."""
+    return f"{span_prefix(run)}{from_version:012d}-{to_version:012d}.json"
+
+
 def manifest_version(key: str) -> int | None:
     """The version a manifest key (or one of its record generations, `...json@gen`) names,
     None for other keys."""

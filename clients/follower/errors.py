@@ -19,6 +19,11 @@ class IntegrityError(FollowerError):
     """
 
 
+class UnusableManifest(FollowerError):
+    """A version's manifest breaks the contract (an unknown dtype, a negative shape, a path
+    for a file name: one stored by an older, laxer board): no retry can apply it."""
+
+
 class DirectoryError(FollowerError):
     """The target directory is not a follower directory (or belongs to another run)."""
 

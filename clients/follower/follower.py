@@ -61,7 +61,13 @@ from deltaboard.board.contract.schemas import Heartbeat, Manifest, Plan
 from deltaboard.board.contract.view_spec import INDEX_FILE
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower.apply import BadBlob, Written, apply_step, check_base, replay
-from deltaboard.clients.follower.errors import CorruptBase, DirectoryError, FollowerError, IntegrityError
+from deltaboard.clients.follower.errors import (
+    CorruptBase,
+    DirectoryError,
+    FollowerError,
+    IntegrityError,
+    UnusableManifest,
+)
 from deltaboard.clients.follower.fetch import BlobCache, BlobReader, Fetcher
 from deltaboard.clients.follower.journal import Journal, SlotName, SlotRecord
 from deltaboard.clients.follower.layout import materialize
@@ -190,7 +196,8 @@ class Follower:
 
         Board or network trouble is logged and retried with backoff. What retrying cannot
         fix is raised: `IntegrityError` (data that verified wrong twice), `CorruptBase` (a
-        damaged slot: run `repair`), `Unauthorized` / `Forbidden` (the token), and
+        damaged slot: run `repair`), `UnusableManifest` (a manifest that breaks the
+        contract), `Unauthorized` / `Forbidden` (the token), and
         `UnknownRun`, at once when the run existed (this directory holds a version of it,
         or its head was seen) and otherwise after waiting `run_wait_s` for it to appear.
         """
@@ -207,7 +214,7 @@ class Follower:
                 elif time.monotonic() - self._last_beat >= self._heartbeat_s:
                     self._heartbeat()
                 failures = 0
-            except (IntegrityError, CorruptBase, AuthError):
+            except (IntegrityError, CorruptBase, UnusableManifest, AuthError):
                 raise
             except UnknownRun:
                 if existed or time.monotonic() >= give_up:

@@ -7,7 +7,7 @@ kept: `deltaboard verify` checks the directory against it without a board.
 A manifest from the board is checked (`board.contract.manifest_rules.check_entries`)
 before anything sizes a file or writes into one after it: one stored by an older, laxer
 board may name an unknown dtype, a negative shape or a path for a file, and the follower
-then stops with one `FollowerError` saying so.
+then stops with one `UnusableManifest` saying so.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from deltaboard.board.contract.errors import BadManifest, InvalidResponse
 from deltaboard.board.contract.manifest_rules import check_entries
 from deltaboard.board.contract.schemas import Manifest
 from deltaboard.clients.board_client import BoardClient
-from deltaboard.clients.follower.errors import FollowerError
+from deltaboard.clients.follower.errors import FollowerError, UnusableManifest
 from deltaboard.clients.follower.journal import atomic_write
 
 
@@ -48,7 +48,9 @@ class ManifestCache:
                 manifest = board.manifest(self.run, version)
                 check_entries(manifest)
             except (InvalidResponse, BadManifest) as e:
-                raise FollowerError(f"the manifest of {self.run}@{version} is unusable: {e.message}") from e
+                raise UnusableManifest(
+                    f"the manifest of {self.run}@{version} is unusable: {e.message}"
+                ) from e
             if (manifest.run, manifest.version) != (self.run, version):
                 raise FollowerError(
                     f"the board answered {manifest.run}@{manifest.version} for {self.run}@{version}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 from pathlib import Path
 
 import httpx
@@ -17,6 +18,7 @@ import pytest
 from deltaboard.board.contract.errors import InvalidResponse, UnknownVersion
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower import Follower, FollowerError
+from deltaboard.clients.follower.errors import UnusableManifest
 from tests.support.manifests import manifest, publish
 from tests.support.servers import BoardServer
 
@@ -91,6 +93,12 @@ def test_a_follower_refuses_a_bad_stored_manifest_in_one_line(board, tmp_path, f
     assert message.startswith("the manifest of r@0 is unusable: ") and problem in message
     assert "\n" not in message
     assert not list((tmp_path / "model").glob("*.safetensors"))
+    # `follow` gives up on it at once, where it retries what a retry can fix
+    with (
+        Follower(board.client(board.read_token), "r", tmp_path / "model", node_id="n") as follower,
+        pytest.raises(UnusableManifest),
+    ):
+        follower.follow(threading.Event())
 
 
 def test_a_request_the_http_parser_refuses_gets_json(board):

@@ -152,8 +152,15 @@ class BoardService:
         if task is None:
             task = asyncio.ensure_future(self._heal_from_store(run))
             self._healing[run] = task
-            task.add_done_callback(lambda _: self._healing.pop(run, None))
+            task.add_done_callback(functools.partial(self._healed, run))
         return await asyncio.shield(task)
+
+    def _healed(self, run: str, task: asyncio.Future[tuple[RunRecord, Head]]) -> None:
+        """Forget the load; its outcome reached whoever still waited (retrieved here so
+        that one whose requests all went away is not logged as never retrieved)."""
+        self._healing.pop(run, None)
+        if not task.cancelled():
+            task.exception()
 
     async def _heal_from_store(self, run: str) -> tuple[RunRecord, Head]:
         record = await self.blocking(self.ledger.run, run)

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from starlette.middleware.gzip import GZipMiddleware
 
+from deltaboard.board.contract.errors import BoardUnavailable
 from deltaboard.board.server.api import blobs, ops, runs, spans, versions
 from deltaboard.board.server.api.errors import install_error_handlers
 from deltaboard.board.server.api.middleware import GZIP_EXCLUDED, GZIP_LEVEL, GZIP_MIN_BYTES, BoardMiddleware
@@ -39,6 +40,8 @@ async def maintain(service: BoardService, settings: Settings) -> None:
                 if not rebuilt:
                     await service.reconcile()
                 reconciled = loop.time()
+        except BoardUnavailable as exc:  # Redis or the store out of reach: expected, said once
+            log.warning("checking the index against the store failed (%s); retrying", exc)
         except Exception:
             log.warning("checking the index against the store failed; retrying", exc_info=True)
 

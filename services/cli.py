@@ -20,6 +20,7 @@ from deltaboard.services.commands.failures import DEBUG_ENV, debugging, explain
 COMMAND_MODULES = (
     "deltaboard.services.commands.board",
     "deltaboard.services.commands.codec",
+    "deltaboard.services.commands.compact",
     "deltaboard.services.commands.hot",
     "deltaboard.services.commands.publish",
     "deltaboard.services.commands.rollout",

@@ -258,10 +258,12 @@ class StoredAsset(Strict):
 
 
 class PlanStep(Strict):
-    """`manifest_bytes`: the stored (uncompressed) size of the step's manifest."""
+    """`manifest_bytes`: the stored (uncompressed) size of the step's manifest. A `span`
+    step reaches `version` from the previous step's (its manifest is a
+    `board.contract.spans.SpanManifest`); it is applied like a delta."""
 
     version: Version
-    kind: Literal["full", "delta"]
+    kind: Literal["full", "delta", "span"]
     manifest_url: str
     blobs: tuple[BlobSize, ...]
     manifest_bytes: NonNegative = 0
@@ -281,7 +283,7 @@ class Plan(Strict):
     steps: tuple[PlanStep, ...]
     total_bytes: NonNegative
     manifest_bytes: NonNegative = 0
-    strategy: Literal["deltas", "keyframe+deltas", "noop"]
+    strategy: Literal["deltas", "keyframe+deltas", "spans", "keyframe+spans", "noop"]
 
 
 class Heartbeat(Strict):

@@ -306,9 +306,6 @@ class Ledger:
                 self.unreadable(info.key, e)
         return out
 
-    def delete_span(self, run: str, from_version: int, to_version: int) -> None:
-        self.store.delete(span_key(run, from_version, to_version))
-
     # ---- rebuilding the index -----------------------------------------------------------
 
     def runs(self) -> list[RunRecord]:

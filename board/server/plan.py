@@ -1,40 +1,93 @@
 """Pure planning: the cheapest chain of versions that takes a node from `a` to `b`.
 
-A node either replays the deltas after the version it holds, or starts over from a
-keyframe at or below `b` and replays the deltas after it. A chain costs its blobs, each
-counted once because a node downloads each blob once, plus one manifest per step (small
-deltas cost as much in manifest as in blobs).
+A node either moves on from the version it holds, or starts over from a keyframe at or
+below `b`, then moves by deltas (one version) and spans (several, `board.server.spans`)
+to `b`. A chain costs its blobs, each counted once because a node downloads each blob
+once, plus one manifest per step (small deltas cost as much in manifest as in blobs); the
+cheapest by bytes wins, then the one with fewer steps (less work to apply).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Literal
 
 from deltaboard.board.contract.errors import NoChain, NoVersions, UnknownBase, UnknownVersion
 from deltaboard.board.contract.schemas import BlobSize, Plan, PlanStep
 from deltaboard.board.server.records import VersionRecord
+from deltaboard.board.server.spans import SpanRecord, span_url
+
+Step = VersionRecord | SpanRecord
+_NEVER = 2**63
 
 
 def manifest_url(run: str, version: int) -> str:
     return f"/v1/runs/{run}/manifests/{version}"
 
 
-def _blob_bytes(chain: Iterable[VersionRecord]) -> int:
+def _blob_bytes(chain: Iterable[Step]) -> int:
     sizes: dict[str, int] = {}
-    for record in chain:
-        sizes.update(record.blobs)
+    for step in chain:
+        sizes.update(step.blobs)
     return sum(sizes.values())
 
 
-def _chain_bytes(chain: list[VersionRecord]) -> int:
-    """What the chain costs to download: its blobs and its manifests."""
-    return _blob_bytes(chain) + sum(r.manifest_bytes for r in chain)
+def _step_bytes(step: Step) -> int:
+    return sum(step.blobs.values()) + step.manifest_bytes
 
 
-def _chain(versions: Mapping[int, VersionRecord], first: int, last: int) -> list[VersionRecord] | None:
-    """Versions first..last, or None when one of them is gone."""
-    chain = [versions.get(v) for v in range(first, last + 1)]
-    return None if any(r is None for r in chain) else [r for r in chain if r is not None]
+def _step_url(run: str, step: Step) -> str:
+    if isinstance(step, SpanRecord):
+        return span_url(run, step.from_version, step.to_version)
+    return manifest_url(run, step.version)
+
+
+def _strategy(chain: list[Step]) -> Literal["deltas", "keyframe+deltas", "spans", "keyframe+spans"]:
+    keyframe = not isinstance(chain[0], SpanRecord) and chain[0].kind == "full"
+    if any(isinstance(step, SpanRecord) for step in chain):
+        return "keyframe+spans" if keyframe else "spans"
+    return "keyframe+deltas" if keyframe else "deltas"
+
+
+def cheapest(
+    versions: Mapping[int, VersionRecord],
+    spans: Mapping[tuple[int, int], SpanRecord],
+    from_version: int | None,
+    to: int,
+) -> list[Step] | None:
+    """The cheapest chain to `to`, by (bytes, steps): a shortest path over the versions,
+    starting at `from_version` (free) or at any keyframe at or below `to` (its bytes),
+    moving by a delta (v - 1 -> v) or by a span (a -> b). A step's bytes are its own blobs
+    and manifest (blobs shared between steps are rare; the plan's totals count them once)."""
+    best: dict[int, tuple[int, int]] = {}
+    came: dict[int, tuple[int | None, Step]] = {}
+    if from_version is not None and from_version < to:
+        best[from_version] = (0, 0)
+    for k, record in versions.items():
+        if record.kind == "full" and k <= to and (_step_bytes(record), 1) < best.get(k, (_NEVER, 0)):
+            best[k], came[k] = (_step_bytes(record), 1), (None, record)
+    arriving: dict[int, list[tuple[int, Step]]] = {}
+    for span in spans.values():
+        if span.to_version <= to:
+            arriving.setdefault(span.to_version, []).append((span.from_version, span))
+    for v in range(min(best, default=to + 1) + 1, to + 1):
+        options = list(arriving.get(v, ()))
+        delta = versions.get(v)
+        if delta is not None and delta.kind == "delta":
+            options.append((v - 1, delta))
+        for base, step in options:
+            if base in best:
+                cost = (best[base][0] + _step_bytes(step), best[base][1] + 1)
+                if cost < best.get(v, (_NEVER, 0)):
+                    best[v], came[v] = cost, (base, step)
+    if to not in best:
+        return None
+    chain: list[Step] = []
+    at: int | None = to
+    while at is not None and at in came:
+        at, step = came[at]
+        chain.append(step)
+    return chain[::-1]
 
 
 def _bootstrap_hint(run: str, to: int) -> str:
@@ -47,8 +100,10 @@ def plan(
     head: int | None,
     from_version: int | None,
     to_version: int | None,
+    spans: Mapping[tuple[int, int], SpanRecord] | None = None,
 ) -> Plan:
-    """The plan from `from_version` (None: bootstrap) to `to_version` (None: head)."""
+    """The plan from `from_version` (None: bootstrap) to `to_version` (None: head), using
+    the `spans` stored where they are cheaper than the deltas they cover."""
     if head is None:
         raise NoVersions(f"run {run!r} has no committed version yet")
     to = head if to_version is None else to_version
@@ -64,25 +119,14 @@ def plan(
             bootstrap=_bootstrap_hint(run, to),
         )
 
-    candidates: list[tuple[int, str, list[VersionRecord]]] = []
-    if from_version is not None and from_version < to:
-        deltas = _chain(versions, from_version + 1, to)
-        if deltas is not None:
-            candidates.append((_chain_bytes(deltas), "deltas", deltas))
-    for k, record in versions.items():
-        if record.kind == "full" and k <= to:
-            chain = _chain(versions, k, to)
-            if chain is not None:
-                candidates.append((_chain_bytes(chain), "keyframe+deltas", chain))
-    if not candidates:
+    chain = cheapest(versions, spans or {}, from_version, to)
+    if chain is None:
         raise NoChain(f"no keyframe chain reaches version {to}")
-    # Fewest bytes; on a tie, fewer steps (less work to apply), then the plain delta chain.
-    _, strategy, chain = min(candidates, key=lambda c: (c[0], len(c[2]), c[1] != "deltas"))
     steps = tuple(
         PlanStep(
-            version=r.version,
-            kind=r.kind,
-            manifest_url=manifest_url(run, r.version),
+            version=r.to_version if isinstance(r, SpanRecord) else r.version,
+            kind="span" if isinstance(r, SpanRecord) else r.kind,
+            manifest_url=_step_url(run, r),
             blobs=tuple(BlobSize(sha256=sha, size=size) for sha, size in r.blobs.items()),
             manifest_bytes=r.manifest_bytes,
         )
@@ -95,5 +139,5 @@ def plan(
         steps=steps,
         total_bytes=_blob_bytes(chain),
         manifest_bytes=sum(r.manifest_bytes for r in chain),
-        strategy="deltas" if strategy == "deltas" else "keyframe+deltas",
+        strategy=_strategy(chain),
     )

@@ -1,10 +1,12 @@
 """Retention: which versions and blobs a run may shed, and the deletion itself.
 
 Keep the last `keep_last` versions and the keyframe chain the oldest of them needs (a node
-can always bootstrap to any kept version). A blob goes only when no kept manifest (nor a
-manifest above head, which may be a commit in flight) references it and it has been idle,
-i.e. neither uploaded nor claimed by a deduplicated upload, for longer than the grace
-period; the grace period protects uploads whose commit has not arrived yet.
+can always bootstrap to any kept version), and the spans that the cheapest plan from a
+kept version (or from nothing) to head takes; the other spans go, with their blobs. A
+blob goes only when no kept manifest or span (nor a manifest above head, which may be a
+commit in flight) references it and it has been idle, i.e. neither uploaded nor claimed
+by a deduplicated upload, for longer than the grace period; the grace period protects
+uploads whose commit has not arrived yet.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from deltaboard.board.contract.schemas import Manifest, RetentionReport
+from deltaboard.board.server.plan import cheapest
 from deltaboard.board.server.records import VersionRecord
+from deltaboard.board.server.spans import SpanRecord
 from deltaboard.board.server.storage import (
     ObjectNotFound,
     ObjectStore,
@@ -24,6 +28,7 @@ from deltaboard.board.server.storage import (
     manifest_key,
     manifest_prefix,
     manifest_version,
+    span_key,
 )
 
 
@@ -31,21 +36,39 @@ from deltaboard.board.server.storage import (
 class VersionSelection:
     keep: tuple[int, ...]
     delete: tuple[int, ...]
+    keep_spans: tuple[SpanRecord, ...] = ()
+    delete_spans: tuple[SpanRecord, ...] = ()
 
 
 def select_versions(
-    versions: Mapping[int, VersionRecord], head: int | None, keep_last: int
+    versions: Mapping[int, VersionRecord],
+    head: int | None,
+    keep_last: int,
+    spans: Mapping[tuple[int, int], SpanRecord] | None = None,
 ) -> VersionSelection:
-    """Split committed versions into kept and deleted (pure)."""
+    """Split committed versions, and stored spans, into kept and deleted (pure)."""
+    spans = spans or {}
     if head is None or not versions:
-        return VersionSelection(keep=tuple(sorted(versions)), delete=())
+        return VersionSelection(keep=tuple(sorted(versions)), delete=(), keep_spans=tuple(spans.values()))
     oldest_kept = max(head - keep_last + 1, min(versions))
     keyframes = [v for v, r in versions.items() if r.kind == "full" and v <= oldest_kept]
     if keyframes:
         oldest_kept = max(keyframes)
     keep = tuple(sorted(v for v in versions if v >= oldest_kept))
     delete = tuple(sorted(v for v in versions if v < oldest_kept))
-    return VersionSelection(keep=keep, delete=delete)
+    kept = {v: versions[v] for v in keep}
+    usable = {ends: s for ends, s in spans.items() if s.from_version >= oldest_kept and s.to_version <= head}
+    needed: set[tuple[int, int]] = set()
+    for start in (None, *keep):
+        for step in cheapest(kept, usable, start, head) or ():
+            if isinstance(step, SpanRecord):
+                needed.add((step.from_version, step.to_version))
+    return VersionSelection(
+        keep=keep,
+        delete=delete,
+        keep_spans=tuple(spans[ends] for ends in sorted(needed)),
+        delete_spans=tuple(s for ends, s in sorted(spans.items()) if ends not in needed),
+    )
 
 
 def select_blobs(
@@ -68,6 +91,7 @@ def apply_retention(
     """Delete the selected manifests, then the idle unreferenced blobs. The caller has
     already dropped the versions from the index, so no new plan names them."""
     referenced = {sha for v in selection.keep for sha in versions[v].blobs}
+    referenced |= {sha for span in selection.keep_spans for sha in span.blobs}
     for info in store.list(manifest_prefix(run)):
         version = manifest_version(info.key)
         if version is not None and (head is None or version > head):
@@ -76,6 +100,8 @@ def apply_retention(
                 referenced |= Manifest.model_validate_json(store.get(info.key)).blob_shas()
     for version in selection.delete:
         store.delete_record(manifest_key(run, version))
+    for span in selection.delete_spans:
+        store.delete(span_key(run, span.from_version, span.to_version))
     prefix = blob_key(run, "")
     last_active = {
         info.key[len(prefix) :]: max(info.modified, touches.get(info.key[len(prefix) :], 0.0))

@@ -374,7 +374,8 @@ class BoardService:
         await self.require_run(run)
         current = await self.head(run)
         versions = await self.index.versions(run)
-        return planning.plan(run, versions, current.version, from_version, to_version)
+        spans = await self.spans.records(run)
+        return planning.plan(run, versions, current.version, from_version, to_version, spans)
 
     # ---- fleet and retention -----------------------------------------------------------
 
@@ -407,10 +408,13 @@ class BoardService:
             r.version: r for r in await self.blocking(self.ledger.committed_versions, run, current.version)
         }
         touches = await self.index.blob_touches(run)
-        selection = select_versions(versions, current.version, policy.keep_last)
+        spans = await self.spans.records(run)
+        selection = select_versions(versions, current.version, policy.keep_last, spans)
         await self.index.drop_versions(run, list(selection.delete))
         for version in selection.delete:
             self._manifests.pop((run, version), None)
+        for span in selection.delete_spans:  # no new plan names them
+            spans.pop((span.from_version, span.to_version), None)
         return await self.blocking(
             self.ledger.retain, run, versions, current.version, selection, policy.grace_s, touches
         )

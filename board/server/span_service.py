@@ -16,14 +16,10 @@ from deltaboard.board.contract.errors import BadManifest, UnknownVersion
 from deltaboard.board.contract.schemas import Manifest
 from deltaboard.board.contract.spans import SpanManifest, SpanRegistered
 from deltaboard.board.server.rules import check_blob_ranges
-from deltaboard.board.server.spans import SpanRecord, check_span
+from deltaboard.board.server.spans import SpanRecord, check_span, span_url
 
 if TYPE_CHECKING:
     from deltaboard.board.server.service import BoardService
-
-
-def span_url(run: str, from_version: int, to_version: int) -> str:
-    return f"/v1/runs/{run}/spans/{from_version}/{to_version}"
 
 
 class SpanBook:

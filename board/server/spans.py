@@ -21,6 +21,10 @@ from deltaboard.board.contract.schemas import Manifest
 from deltaboard.board.contract.spans import SpanManifest
 
 
+def span_url(run: str, from_version: int, to_version: int) -> str:
+    return f"/v1/runs/{run}/spans/{from_version}/{to_version}"
+
+
 def fold_digests(manifests: Sequence[Manifest]) -> dict[str, str]:
     """Each tensor's digest after `manifests` (a keyframe, then its deltas in order)."""
     digests: dict[str, str] = {}

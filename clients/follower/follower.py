@@ -74,6 +74,7 @@ from deltaboard.clients.follower.layout import materialize
 from deltaboard.clients.follower.manifests import ManifestCache
 from deltaboard.clients.follower.patcher import ShardMaps
 from deltaboard.clients.follower.slots import CURRENT, SLOT_NAMES, Slots, other
+from deltaboard.clients.follower.spans import as_delta
 from deltaboard.clients.follower.verify import damaged, hash_tensors
 from deltaboard.clients.resident import HotPatch, prepare_patch
 
@@ -317,7 +318,16 @@ class Follower:
         missing = self._fetcher.missing(b for s in steps for b in s.blobs)
         self._open_phase("fetch", sum(b.size for b in missing))
         self._fetcher.fetch(missing, self._bytes_progress())
-        return [self._manifests.get(self.board, s.version) for s in steps]
+        chain: list[Manifest] = []
+        for s in steps:
+            manifest = self._manifests.get(self.board, s.version)
+            if s.kind == "span":
+                base = chain[-1].version if chain else held
+                if base is None:
+                    raise FollowerError(f"the board's plan reaches {s.version} by a span from nothing")
+                manifest = as_delta(self.board.span(self.run, base, s.version), manifest, base)
+            chain.append(manifest)
+        return chain
 
     def _assets(self) -> dict[str, bytes]:
         """The run's assets, except names that would shadow the weight files or `current`."""

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from deltaboard.board.contract.errors import BoardError, UnknownBase
 from deltaboard.board.server.plan import plan
 from deltaboard.board.server.records import VersionRecord
+from deltaboard.board.server.spans import SpanRecord
 
 
 def rec(v: int, kind: str, **blobs: int) -> VersionRecord:
@@ -93,3 +94,35 @@ def test_plan_is_the_cheapest_valid_chain(versions, data):
         blobs = dict(itertools.chain.from_iterable(versions[v].blobs.items() for v in range(first, to + 1)))
         costs.append(sum(blobs.values()))
     assert p.total_bytes == min(costs)
+
+
+def span(a: int, b: int, size: int) -> SpanRecord:
+    return SpanRecord(a, b, {hashlib.sha256(f"span{a}-{b}".encode()).hexdigest(): size}, 0)
+
+
+def test_spans_replace_the_deltas_they_cover_when_cheaper():
+    versions = chain(rec(0, "full", k=10_000), *(rec(v, "delta", **{f"d{v}": 100}) for v in range(1, 9)))
+    spans = {(s.from_version, s.to_version): s for s in (span(0, 8, 500), span(4, 8, 300), span(0, 4, 350))}
+    p = plan("r", versions, 8, 0, None, spans)
+    assert (p.strategy, [(s.kind, s.version) for s in p.steps], p.total_bytes) == (
+        "spans",
+        [("span", 8)],
+        500,
+    )
+    assert p.steps[0].manifest_url == "/v1/runs/r/spans/0/8"
+    p = plan("r", versions, 8, 2, None, spans)  # 2 deltas to 4, then the span 4 -> 8
+    assert [(s.kind, s.version) for s in p.steps] == [("delta", 3), ("delta", 4), ("span", 8)]
+    p = plan("r", versions, 8, 6, None, spans)  # two deltas cost less than any span
+    assert (p.strategy, [s.version for s in p.steps]) == ("deltas", [7, 8])
+    p = plan("r", versions, 8, None, None, spans)
+    assert (p.strategy, [s.version for s in p.steps]) == ("keyframe+spans", [0, 8])
+    p = plan("r", versions, 8, 0, 7, spans)  # a span past the target is no use
+    assert [(s.kind, s.version) for s in p.steps] == [("span", 4), ("delta", 5), ("delta", 6), ("delta", 7)]
+
+
+def test_on_equal_bytes_fewer_steps_win():
+    versions = chain(rec(0, "full", k=10_000), rec(1, "delta", a=100), rec(2, "delta", b=100))
+    p = plan("r", versions, 2, 0, None, {(0, 2): span(0, 2, 200)})
+    assert [s.kind for s in p.steps] == ["span"]
+    p = plan("r", versions, 2, 0, None, {(0, 2): span(0, 2, 201)})
+    assert [s.kind for s in p.steps] == ["delta", "delta"]

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from deltaboard.board.server.records import VersionRecord
 from deltaboard.board.server.retention import apply_retention, select_blobs, select_versions
+from deltaboard.board.server.spans import SpanRecord
 from deltaboard.board.server.storage import blob_key, manifest_key
 from deltaboard.board.server.storage.local import LocalStore
 
@@ -59,3 +60,21 @@ def test_apply_retention_on_a_store(tmp_path):
     left = {i.key.rsplit("/", 1)[-1][:1] for i in store.list("runs/r/blobs/")}
     assert left == {"a", "c"}  # b unreferenced and old; d too (now is far in the future)
     assert [i.key for i in store.list("runs/r/manifests/")] == [manifest_key("r", 2), manifest_key("r", 3)]
+
+
+def test_spans_kept_only_where_a_kept_versions_plan_takes_them():
+    versions = {0: VersionRecord(version=0, kind="full", blobs={"k" * 64: 10_000})}
+    versions |= {v: VersionRecord(version=v, kind="delta", blobs={f"{v:064x}": 100}) for v in range(1, 9)}
+    versions[2] = VersionRecord(version=2, kind="full", blobs={"f" * 64: 10_000})
+
+    def span(a: int, b: int, size: int) -> SpanRecord:
+        return SpanRecord(a, b, {f"{a:032x}{b:032x}": size}, 0)
+
+    spans = {
+        (s.from_version, s.to_version): s
+        for s in (span(4, 8, 150), span(6, 8, 250), span(1, 3, 120), span(2, 4, 300))
+    }
+    sel = select_versions(versions, 8, 5, spans)  # keeps 2..8: (1, 3) starts too early
+    assert sel.keep == (2, 3, 4, 5, 6, 7, 8)
+    assert [(s.from_version, s.to_version) for s in sel.keep_spans] == [(4, 8)]
+    assert sorted((s.from_version, s.to_version) for s in sel.delete_spans) == [(1, 3), (2, 4), (6, 8)]

@@ -13,9 +13,9 @@ from deltaboard.board import codec
 from deltaboard.board.contract.errors import BadManifest, Forbidden
 from deltaboard.board.contract.spans import SpanManifest
 from deltaboard.clients.board_client import BoardClient
-from deltaboard.clients.follower import Follower
+from deltaboard.clients.follower import Follower, IntegrityError
 from deltaboard.services.compact.build import build_spans
-from tests.clients.support import publish_states
+from tests.clients.support import assert_view, publish_states
 
 SIZES = {"embed.weight": (128, 32), "layers.0.weight": (32, 32), "layers.0.bias": (32,)}
 
@@ -93,3 +93,43 @@ def test_registering_needs_a_publish_token(chain, board):
     reader = board.client(board.read_token)
     with pytest.raises(Forbidden):
         reader.register_span("r", spans[7][0])
+
+
+def test_a_node_behind_catches_up_by_one_span(chain, board, tmp_path):
+    publisher, views, spans = chain
+    reader = board.client(board.read_token)
+    with Follower(reader, "r", tmp_path / "node", node_id="n1") as node:
+        node.sync(1)
+        replay = reader.plan("r", 1, 9)
+        for span, blob in spans.values():
+            publisher.upload_blob("r", blob)
+            publisher.register_span("r", span)
+        plan = reader.plan("r", 1, 9)
+        assert (plan.strategy, [s.kind for s in plan.steps]) == ("spans", ["span"])
+        assert plan.total_bytes + plan.manifest_bytes < replay.total_bytes + replay.manifest_bytes
+        assert node.sync(9) == 9
+        assert_view(tmp_path / "node", views[9])
+
+
+def test_a_span_with_wrong_patches_is_refused_by_the_follower(chain, board, tmp_path):
+    """A span that passed no board's checks (written into the store behind its back) whose
+    patches are another span's: the follower refuses it and serves the version it held."""
+    publisher, views, spans = chain
+    (good, _), (other, other_blob) = spans[1], spans[5]
+    publisher.upload_blob("r", other_blob)
+    blobs = {e.name: e.blob for e in other.tensors}
+    fallback = other.tensors[0].blob
+    swapped = tuple(e.model_copy(update={"blob": blobs.get(e.name, fallback)}) for e in good.tensors)
+    forged = good.model_copy(update={"tensors": swapped})
+    store = board.data_dir / "store" / "runs" / "r" / "spans"
+    store.mkdir(parents=True)
+    (store / "000000000001-000000000009.json").write_text(forged.model_dump_json())
+    board.restart()  # a board reads the stored spans when it starts
+    reader = board.client(board.read_token)
+    with Follower(reader, "r", tmp_path / "node", node_id="n1") as node:
+        node.sync(1)
+        assert [s.kind for s in reader.plan("r", 1, 9).steps] == ["span"]
+        with pytest.raises(IntegrityError):
+            node.sync(9)
+        assert node.version == 1
+        assert_view(tmp_path / "node", views[1])

@@ -1,11 +1,12 @@
 """A rollout sidecar assembled: follower + engine adapter + version gate + proxy app.
 
-`Sidecar(config).app` is the ASGI app; its lifespan starts the version loop on a thread
-(bound to the app's event loop) and stops it on shutdown. `Sidecar.serve(host, port)`
-(what `deltaboard sidecar` runs) binds its port before the lifespan starts, so that a
-sidecar that cannot listen exits before its loop ever touches the engine, and returns
-(raising `SidecarFailed`) when the loop stops for good. The demo and the tests run the
-app in-process with `BackgroundServer`, which binds first too.
+`Sidecar(config).app` is the ASGI app (with the node's status page at `/ui`); its lifespan
+starts the version loop on a thread (bound to the app's event loop) and stops it on
+shutdown. `Sidecar.serve(host, port)` (what `deltaboard sidecar` runs) binds its port
+before the lifespan starts, so that a sidecar that cannot listen exits before its loop
+ever touches the engine, and returns (raising `SidecarFailed`) when the loop stops for
+good. The demo and the tests run the app in-process with `BackgroundServer`, which binds
+first too.
 
 A run that does not exist yet is waited for, up to `run_wait_s` (the trainer creates it
 with its first publish); a run that existed and is gone, or a token the board refuses,
@@ -33,6 +34,7 @@ from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
 from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
 from deltaboard.services.sidecar.sync import VersionSync
+from deltaboard.services.sidecar.ui import add_status_page
 
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -79,6 +81,7 @@ class Sidecar:
         self.app = create_proxy_app(
             self.gate, self.adapter, settings, self.metrics, self.status, self._lifespan
         )
+        add_status_page(self.app)  # /ui: this node's status page
 
     def serve(self, host: str, port: int) -> None:
         """Listen on `host:port` (OSError, before anything else, if it cannot), then serve

@@ -7,69 +7,16 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from deltaboard.board.contract.schemas import Heartbeat
+from tests.support.browser import Watched
 from tests.support.manifests import publish
 
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "dashboard.png"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip(
-            "Debian's chromium is not installed and could not be (make test runs apt-get install -y chromium)"
-        )
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
-
-
-class Watched:
-    """A page whose console errors, uncaught exceptions and requests are recorded."""
-
-    def __init__(self, browser: Any, origin: str) -> None:
-        self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        self.origin = origin
-        self.errors: list[str] = []
-        self.foreign: list[str] = []
-        self.page.on("console", self._console)
-        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
-        self.page.on("request", self._request)
-
-    def _console(self, message: Any) -> None:
-        if message.type == "error":
-            self.errors.append(message.text)
-
-    def _request(self, request: Any) -> None:
-        if not request.url.startswith(self.origin + "/"):
-            self.foreign.append(request.url)
-
-    def login(self, token: str) -> None:
-        self.page.fill("#token", token)
-        self.page.click("#login button[type=submit]")
 
 
 def node_lag(page: Any, node: str) -> str | None:

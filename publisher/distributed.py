@@ -24,10 +24,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from deltaboard.publisher.encode import RankVersion
 from deltaboard.publisher.publisher import PublishError
-from deltaboard.publisher.ranks import Decide, RankReport, Verdict, report
+from deltaboard.publisher.ranks import Decide, LocalSlice, RankReport, Verdict, report
+from deltaboard.publisher.shards import Declared, local_shards
 
 Partition = Callable[[Mapping[str, torch.Tensor], int, int], Mapping[str, torch.Tensor]]
 """`(state, rank, world_size) -> the part of state that rank publishes`."""
@@ -51,21 +53,39 @@ class TorchDistributedRanks:
     """The ranks of a torch.distributed world, coordinated over a gloo group of their own.
 
     `partition` picks each rank's part of the state passed to `publish`; without it every
-    rank passes only the tensors it owns (as under sharded training).
+    rank passes only the tensors it owns. A state holding `DTensor`s (FSDP2, tensor
+    parallel), or names in `slices` (`{name: (whole shape, offset)}` of plain local
+    tensors), is sharded: every rank passes its whole state dict and publishes its own
+    slice of each tensor (`shards.local_shards`), plain tensors being rank 0's.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, partition: Partition | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        partition: Partition | None = None,
+        slices: Declared | None = None,
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("TorchDistributedRanks needs torch.distributed to be initialized")
         self._group = group if group is not None else dist.new_group(backend="gloo")
         self.rank = dist.get_rank(self._group)
         self.world_size = dist.get_world_size(self._group)
         self._partition = partition
+        self._declared: Declared = dict(slices or {})
+
+    def _sharded(self, state: Mapping[str, torch.Tensor]) -> bool:
+        return bool(self._declared) or any(isinstance(t, DTensor) for t in state.values())
 
     def local_state(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        if self._sharded(state):
+            return local_shards(state, self._declared, self.rank)[0]
         if self._partition is None:
             return state
         return self._partition(state, self.rank, self.world_size)
+
+    def local_slices(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, LocalSlice]:
+        return local_shards(state, self._declared, self.rank)[1] if self._sharded(state) else {}
 
     def open_run(self, lead: Callable[[], int]) -> int:
         """Rank 0 opens the run and reads the head (after taking the lease) and tells the others."""

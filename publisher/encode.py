@@ -12,11 +12,12 @@ of the old tensor: on the CPU the base buffer's own bytes (a view, no copy); on 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -25,6 +26,18 @@ from deltaboard.board import codec
 from deltaboard.publisher.device_diff import iter_diffs
 from deltaboard.publisher.packer import BlobPacker, TensorPart
 from deltaboard.publisher.snapshot import Slot, ViewBuffer
+
+
+@dataclass(frozen=True)
+class LocalSlice:
+    """Where a rank's local tensor sits in the whole tensor it is a slice of: the box at
+    `offset` of the local tensor's shape (docs/contract.md, "Parts"). `order` is the whole
+    tensor's position in the trainer's state, which orders the manifest (and so the shard
+    files) as an unsharded publisher would."""
+
+    tensor_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    order: int
 
 
 @dataclass(frozen=True)
@@ -40,21 +53,44 @@ class RankVersion:
     host_bytes: int  # bytes of changes the diff moved from the device to the host
     diff_s: float  # time spent waiting for the diff, beyond what encoding hid (0 for keyframes)
     hint_bytes: int = 0  # bytes of context hints moved to the host besides (CUDA deltas)
+    slices: Mapping[str, LocalSlice] = field(default_factory=dict)  # sharded: where each sits
+    slice_digests: Mapping[str, str] = field(default_factory=dict)  # each slice's at global positions
 
 
-def _keyframe(buffer: ViewBuffer, slot: Slot) -> tuple[bytes, str]:
-    patch = codec.keyframe(buffer.host_bytes(slot), slot.dtype)
-    return patch, codec.read_header(patch).result_digest
+Encoded = tuple[bytes, str, str | None]
+"""A patch, the digest of the local tensor it produces, and (a slice) the slice's digest at
+its positions in the whole tensor."""
+
+
+def _keyframe(buffer: ViewBuffer, slot: Slot, where: LocalSlice | None) -> Encoded:
+    data = buffer.host_bytes(slot)
+    patch = codec.keyframe(data, slot.dtype)
+    global_digest = None
+    if where is not None:
+        global_digest = codec.digest_slice(data, slot.dtype, where.offset, slot.shape, where.tensor_shape)
+    return patch, codec.read_header(patch).result_digest, global_digest
 
 
 def _delta(
-    changes: codec.Changes, base_digest: str, old: np.ndarray | None, hint: codec.ContextHint | None
-) -> tuple[bytes, str]:
+    changes: codec.Changes,
+    base_digest: str,
+    where: tuple[LocalSlice, tuple[int, ...], str] | None,
+    old: np.ndarray | None,
+    hint: codec.ContextHint | None,
+) -> Encoded:
     patch = codec.encode_changes(changes, old, changes.dtype, old_digest=base_digest, hint=hint)
-    return patch, codec.read_header(patch).result_digest  # digest_update, done by the encoder
+    global_digest = None
+    if where is not None:  # the slice's digest moves by its changes at their global positions
+        at, shape, base_global = where
+        positions = codec.slice_positions(changes.positions, at.offset, shape, at.tensor_shape)
+        moved = codec.Changes(
+            changes.dtype, math.prod(at.tensor_shape), positions, changes.old_bits, changes.new_bits
+        )
+        global_digest = codec.digest_update(base_global, moved)
+    return patch, codec.read_header(patch).result_digest, global_digest  # digest_update, by the encoder
 
 
-Task = tuple[Slot, int, Callable[[], tuple[bytes, str]]]  # slot, changed count, encode
+Task = tuple[Slot, int, Callable[[], Encoded]]  # slot, changed count, encode
 
 
 def encode_rank(
@@ -65,6 +101,8 @@ def encode_rank(
     encoders: Executor,
     window: int,
     context: bool | None = None,
+    slices: Mapping[str, LocalSlice] | None = None,
+    base_slice_digests: Mapping[str, str] | None = None,
 ) -> RankVersion:
     """Encode `buffer` as a keyframe (`base` None) or as a delta against `base`.
 
@@ -74,17 +112,40 @@ def encode_rank(
     tensors' host bytes and patches while the packer waits for the link.
     `context` asks for the codec's context encoding: True everywhere, None (auto) where
     the old bytes are on the host, False nowhere (see `Publisher` for its cost).
+    `slices` (sharded state): where each local tensor sits in its whole tensor; each
+    slice's digest at global positions is kept up to date from `base_slice_digests`.
     """
     layout = buffer.layout
+    slices = slices or {}
+    missing = [s.name for s in layout.slots if slices and s.name not in slices]
+    if missing:
+        raise ValueError(
+            f"the view of sharded tensors holds {missing[:3]}, slices of no tensor (FP8 scales?)"
+        )
     slots = {s.name: s for s in layout.slots}
     tensors = tuple((s.name, s.dtype, s.shape) for s in layout.slots)
     total = sum(s.numel for s in layout.slots)
     digests: dict[str, str] = {}  # a keyframe's are its own tensors' (names may have changed)
+    global_digests: dict[str, str] = {}
     if base is None:
-        keyframes: list[Task] = [(s, s.numel, partial(_keyframe, buffer, s)) for s in layout.slots]
-        _encode_in_order(keyframes, encoders, window, packer, digests)
-        return RankVersion(tensors, tuple(packer.finish()), digests, total, total, layout.view_bytes, 0, 0.0)
+        keyframes: list[Task] = [
+            (s, s.numel, partial(_keyframe, buffer, s, slices.get(s.name))) for s in layout.slots
+        ]
+        _encode_in_order(keyframes, encoders, window, packer, digests, global_digests)
+        return RankVersion(
+            tensors,
+            tuple(packer.finish()),
+            digests,
+            total,
+            total,
+            layout.view_bytes,
+            0,
+            0.0,
+            slices=dict(slices),
+            slice_digests=global_digests,
+        )
     digests.update(base_digests)
+    global_digests.update(base_slice_digests or {})
     changed = host_bytes = hint_bytes = 0
     diff_s = 0.0
     started = time.perf_counter()
@@ -96,19 +157,43 @@ def encode_rank(
             (
                 slots[name],
                 c.count,
-                partial(_delta, c, base_digests[name], *_context(base, slots[name], part.hints, context)),
+                partial(
+                    _delta,
+                    c,
+                    base_digests[name],
+                    _where(slices, global_digests, slots[name]),
+                    *_context(base, slots[name], part.hints, context),
+                ),
             )
             for name, c in part.changes.items()
         ]
-        _encode_in_order(deltas, encoders, window, packer, digests)
+        _encode_in_order(deltas, encoders, window, packer, digests, global_digests)
         changed += sum(c.count for c in part.changes.values())
         host_bytes += part.host_bytes - part.hint_bytes
         hint_bytes += part.hint_bytes
         started = time.perf_counter()
     parts = tuple(packer.finish())
     return RankVersion(
-        tensors, parts, digests, changed, total, layout.view_bytes, host_bytes, diff_s, hint_bytes
+        tensors,
+        parts,
+        digests,
+        changed,
+        total,
+        layout.view_bytes,
+        host_bytes,
+        diff_s,
+        hint_bytes,
+        slices=dict(slices),
+        slice_digests=global_digests,
     )
+
+
+def _where(
+    slices: Mapping[str, LocalSlice], global_digests: Mapping[str, str], slot: Slot
+) -> tuple[LocalSlice, tuple[int, ...], str] | None:
+    """A sliced tensor's place, local shape and global digest before this delta."""
+    at = slices.get(slot.name)
+    return None if at is None else (at, slot.shape, global_digests[slot.name])
 
 
 def _context(
@@ -124,14 +209,21 @@ def _context(
 
 
 def _encode_in_order(
-    tasks: list[Task], encoders: Executor, window: int, packer: BlobPacker, digests: dict[str, str]
+    tasks: list[Task],
+    encoders: Executor,
+    window: int,
+    packer: BlobPacker,
+    digests: dict[str, str],
+    global_digests: dict[str, str],
 ) -> None:
     """Run `tasks` on `encoders` (at most `window` submitted) and pack the results in order."""
-    pending: deque[tuple[Slot, int, Future[tuple[bytes, str]]]] = deque()
+    pending: deque[tuple[Slot, int, Future[Encoded]]] = deque()
 
     def pack_first() -> None:
         slot, changed, fut = pending.popleft()
-        patch, digests[slot.name] = fut.result()
+        patch, digests[slot.name], global_digest = fut.result()
+        if global_digest is not None:
+            global_digests[slot.name] = global_digest
         packer.add(slot.name, slot.dtype, slot.shape, patch, digests[slot.name], changed)
 
     try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from deltaboard.board import codec
-from deltaboard.board.contract.schemas import Manifest, ManifestStats, TensorEntry, ViewSpec
+from deltaboard.board.contract.schemas import Manifest, ManifestStats, TensorEntry, TensorPart, ViewSpec
 from deltaboard.board.contract.view_spec import plan_layout
 from deltaboard.publisher.encode import RankVersion
 
@@ -37,27 +37,14 @@ class Proposal:
 def build_manifest(
     run: str, proposal: Proposal, spec: ViewSpec, epoch: int, ranks: Sequence[RankVersion]
 ) -> Manifest:
-    tensors = [t for r in ranks for t in r.tensors]
-    names = [name for name, _, _ in tensors]
-    if len(set(names)) != len(names):
-        raise ValueError("two ranks published a tensor of the same name: partition the state dict")
+    if any(r.slices for r in ranks):
+        tensors, entries, digests = _sliced(ranks)
+    else:
+        tensors, entries, digests = _whole(ranks)
     layout = plan_layout(tensors, spec)
     meta = dict(proposal.meta)
     if proposal.step is not None:
         meta["step"] = proposal.step
-    entries = tuple(
-        TensorEntry(
-            name=p.name,
-            dtype=p.dtype,
-            shape=p.shape,
-            file=layout.placement[p.name],
-            blob=p.blob,
-            digest=p.digest,
-            changed=p.changed,
-        )
-        for r in ranks
-        for p in r.parts
-    )
     return Manifest(
         run=run,
         version=proposal.version,
@@ -67,8 +54,8 @@ def build_manifest(
         epoch=epoch,
         created_at=time.time(),
         meta=meta,
-        tensors=entries,
-        state_digest=codec.state_digest((n, d) for r in ranks for n, d in r.digests.items()),
+        tensors=tuple(e.model_copy(update={"file": layout.placement[e.name]}) for e in entries),
+        state_digest=codec.state_digest(digests.items()),
         stats=ManifestStats(
             changed_elements=sum(r.changed_elements for r in ranks),
             total_elements=sum(r.total_elements for r in ranks),
@@ -76,3 +63,67 @@ def build_manifest(
             view_bytes=sum(r.view_bytes for r in ranks),
         ),
     )
+
+
+Tensors = list[tuple[str, str, tuple[int, ...]]]
+NO_FILE = "model.safetensors"  # every entry's file until the layout is planned
+
+
+def _whole(ranks: Sequence[RankVersion]) -> tuple[Tensors, list[TensorEntry], dict[str, str]]:
+    """Every rank's own whole tensors, in rank order."""
+    tensors = [t for r in ranks for t in r.tensors]
+    names = [name for name, _, _ in tensors]
+    if len(set(names)) != len(names):
+        raise ValueError("two ranks published a tensor of the same name: partition the state dict")
+    entries = [
+        TensorEntry(
+            name=p.name,
+            dtype=p.dtype,
+            shape=p.shape,
+            file=NO_FILE,
+            blob=p.blob,
+            digest=p.digest,
+            changed=p.changed,
+        )
+        for r in ranks
+        for p in r.parts
+    ]
+    return tensors, entries, {n: d for r in ranks for n, d in r.digests.items()}
+
+
+def _sliced(ranks: Sequence[RankVersion]) -> tuple[Tensors, list[TensorEntry], dict[str, str]]:
+    """Slices of tensors from every rank: one entry per part, in the trainer's state order
+    (then rank order); each tensor's digest is the combination of its slices' digests."""
+    whole: dict[str, tuple[int, str, tuple[int, ...]]] = {}  # name: order, dtype, shape
+    slice_digests: dict[str, list[str]] = {}
+    for r in ranks:
+        for name, dtype, _ in r.tensors:
+            at = r.slices[name]
+            seen = whole.setdefault(name, (at.order, dtype, at.tensor_shape))
+            if seen != (at.order, dtype, at.tensor_shape):
+                raise ValueError(
+                    f"ranks disagree on tensor {name!r}: {seen} and {(at.order, dtype, at.tensor_shape)}"
+                )
+            slice_digests.setdefault(name, []).append(r.slice_digests[name])
+    digests = {name: codec.combine_digests(found) for name, found in slice_digests.items()}
+    ordered = sorted(whole.items(), key=lambda item: item[1][0])
+    tensors = [(name, dtype, shape) for name, (_, dtype, shape) in ordered]
+    placed: list[tuple[int, int, TensorEntry]] = []
+    for rank, r in enumerate(ranks):
+        for p in r.parts:
+            at = r.slices[p.name]
+            part = None
+            if p.shape != at.tensor_shape:
+                part = TensorPart(offset=at.offset, shape=p.shape, digest=r.slice_digests[p.name])
+            entry = TensorEntry(
+                name=p.name,
+                dtype=p.dtype,
+                shape=at.tensor_shape,
+                file=NO_FILE,
+                blob=p.blob,
+                digest=digests[p.name],
+                changed=p.changed,
+                part=part,
+            )
+            placed.append((at.order, rank, entry))
+    return tensors, [e for _, _, e in sorted(placed, key=lambda x: x[:2])], digests

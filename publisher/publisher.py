@@ -58,7 +58,7 @@ from deltaboard.board.contract.errors import BoardError, NotHead, StaleEpoch
 from deltaboard.board.contract.schemas import Manifest, ViewSpec
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.publisher.assets import describe_view, model_assets, read_assets
-from deltaboard.publisher.encode import RankVersion, encode_rank
+from deltaboard.publisher.encode import LocalSlice, RankVersion, encode_rank
 from deltaboard.publisher.lease import FencedError, LeaseKeeper
 from deltaboard.publisher.manifest import Proposal, build_manifest
 from deltaboard.publisher.packer import BlobPacker
@@ -163,6 +163,10 @@ class Publisher:
         )
         self._digests: dict[str, str] = {}
         self._ranks = ranks or SingleRank()
+        # sharded state: where this rank's tensors sit in whole ones (fixed for a run of
+        # several ranks), and each slice's digest at global positions
+        self._slices: Mapping[str, LocalSlice] = {}
+        self._slice_digests: dict[str, str] = {}
         # a lone publisher's first view may be the head's (`_resume`)
         self._may_resume = self._ranks.world_size == 1
         self._lease: LeaseKeeper | None = None  # the leader's only
@@ -288,7 +292,12 @@ class Publisher:
         self._check_open()
         # FP8 block rules: the weights are quantized here, on their device; the snapshot
         # copies the FP8 bytes and scales like any other tensor.
-        state = quantize_state(self._ranks.local_state(state_of(model_or_state_dict)), self.spec)
+        whole = state_of(model_or_state_dict)
+        state = quantize_state(self._ranks.local_state(whole), self.spec)
+        self._slices = self._ranks.local_slices(whole)
+        if self._slices and set(state) - set(self._slices):
+            # a block's scale depends on elements other ranks hold
+            raise ValueError("FP8 block views of sharded tensors are not supported: serve them in bf16")
         change = self._pipeline.layout_change(state)
         if change is not None and self._ranks.world_size > 1:
             raise ValueError(
@@ -364,6 +373,8 @@ class Publisher:
                 self._encoders,
                 window=2 * self._encode_workers,
                 context=self._context,
+                slices=self._slices,
+                base_slice_digests=self._slice_digests,
             )
         except Exception as exc:
             outcome = exc
@@ -372,6 +383,7 @@ class Publisher:
         assert isinstance(outcome, RankVersion)
         committed = time.perf_counter()
         self._digests = dict(outcome.digests)
+        self._slice_digests = dict(outcome.slice_digests)
         self.next_version = version + 1
         return PublishResult(
             version=version,

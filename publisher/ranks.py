@@ -5,6 +5,7 @@ are beyond that. One rank, the leader (rank 0), holds the writer lease and commi
 rank snapshots, encodes and uploads its own part of the state:
 
     ranks.local_state(state)               # the part of the state this rank publishes
+    ranks.local_slices(state)              # where those tensors sit in whole ones (sharded)
     ranks.open_run(lead)                   # the leader opens the run; all learn the version
     ranks.settle_version(outcome, decide)  # each rank's outcome to the leader, its verdict back
 
@@ -21,7 +22,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from deltaboard.publisher.encode import RankVersion
+from deltaboard.publisher.encode import LocalSlice, RankVersion
 
 RankReport = RankVersion | str
 """A rank's uploaded part of a version, or why it failed ("rank N: ..."): exceptions do not
@@ -58,6 +59,11 @@ class RankCoordinator(Protocol):
         """The part of the caller's state that this rank snapshots, encodes and uploads."""
         ...
 
+    def local_slices(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, LocalSlice]:
+        """Where each tensor of `local_state(state)` sits in its whole tensor; empty when
+        every rank publishes whole tensors of its own."""
+        ...
+
     def open_run(self, lead: Callable[[], int]) -> int:
         """The leader calls `lead` (create the run, take the lease, read the next version);
         every rank returns its result. If it raised, the leader raises that and every other
@@ -83,6 +89,9 @@ class SingleRank:
     def local_state(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         return state
 
+    def local_slices(self, state: Mapping[str, torch.Tensor]) -> Mapping[str, LocalSlice]:
+        return {}
+
     def open_run(self, lead: Callable[[], int]) -> int:
         return lead()
 
@@ -90,4 +99,4 @@ class SingleRank:
         return decide([report(self.rank, outcome)])
 
 
-__all__ = ["Decide", "RankCoordinator", "RankReport", "SingleRank", "Verdict"]
+__all__ = ["Decide", "LocalSlice", "RankCoordinator", "RankReport", "SingleRank", "Verdict"]

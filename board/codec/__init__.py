@@ -20,7 +20,15 @@ from deltaboard.board.codec.context import (
     plan_thresholds,
     sample_stride,
 )
-from deltaboard.board.codec.digest import digest, digest_bits, digest_update, state_digest
+from deltaboard.board.codec.digest import (
+    combine_digests,
+    digest,
+    digest_bits,
+    digest_slice,
+    digest_update,
+    slice_positions,
+    state_digest,
+)
 from deltaboard.board.codec.dtypes import WIDTHS, uint_dtype, width
 from deltaboard.board.codec.errors import PatchError
 from deltaboard.board.codec.header import ENCODINGS, PatchHeader
@@ -37,12 +45,14 @@ __all__ = [
     "PatchHeader",
     "apply",
     "class_limits",
+    "combine_digests",
     "compose",
     "context_hint",
     "decode",
     "diff",
     "digest",
     "digest_bits",
+    "digest_slice",
     "digest_update",
     "empty_changes",
     "encode",
@@ -52,6 +62,7 @@ __all__ = [
     "plan_thresholds",
     "read_header",
     "sample_stride",
+    "slice_positions",
     "state_digest",
     "uint_dtype",
     "width",

@@ -9,6 +9,11 @@
 * a wrong base, a flipped bit or a misplaced element changes both lanes unless two
   independent 64-bit mixes collide at once.
 
+Because each lane sums over *global* positions, a tensor cut into disjoint parts (slices
+that different ranks own) has the digest `combine_digests` of its parts' digests, each
+computed over the part's elements at their positions in the whole tensor (`digest_slice`,
+and `digest_update` on changes whose positions are global: `slice_positions`).
+
 It guards against accidents, not adversaries: blob authenticity is sha256 on the board.
 The mixes are multiply/xor-shift finalisers (splitmix/murmur style) on uint64 lanes, in a
 compiled loop that the compiler vectorises; a full pass runs on every core.
@@ -17,7 +22,8 @@ compiled loop that the compiler vectorises; a full pass runs on every core.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -68,6 +74,22 @@ def _change_sums(positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> tup
     return sa, sb
 
 
+@kernel
+def _run_sums(
+    bits: np.ndarray, run_starts: np.ndarray, run_length: int, first: int, last: int
+) -> tuple[np.uint64, np.uint64]:
+    """Both lanes' sums over runs [first, last): run r is `bits[r*run_length : (r+1)*run_length]`,
+    whose elements sit at global positions `run_starts[r] + k`."""
+    sa = sb = np.uint64(0)
+    for r in range(first, last):
+        start = np.uint64(run_starts[r])
+        for k in range(run_length):
+            a, b = _mix(start + np.uint64(k), np.uint64(bits[r * run_length + k]))
+            sa += a
+            sb += b
+    return sa, sb
+
+
 def _format(a: int, b: int) -> str:
     return f"{a & _MASK:016x}{b & _MASK:016x}"
 
@@ -91,6 +113,64 @@ def digest_bits(bits: np.ndarray) -> str:
 def digest(data: np.ndarray, dtype: str) -> str:
     """Digest of raw tensor bytes (1-D uint8) of a safetensors dtype."""
     return digest_bits(as_bits(data, dtype))
+
+
+def _run_starts(offset: Sequence[int], shape: Sequence[int], tensor_shape: Sequence[int]) -> np.ndarray:
+    """The global flat position of the first element of each last-dimension run of a box."""
+    if len(offset) != len(tensor_shape) or len(shape) != len(tensor_shape):
+        raise PatchError(
+            f"slice offset {list(offset)} / shape {list(shape)} do not match {list(tensor_shape)}"
+        )
+    if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offset, shape, tensor_shape, strict=True)):
+        raise PatchError(f"slice at {list(offset)} of shape {list(shape)} leaves {list(tensor_shape)}")
+    strides = np.cumprod((*tensor_shape[1:], 1)[::-1])[::-1].astype(np.int64)
+    starts = np.zeros((), dtype=np.int64)
+    for o, n, stride in zip(offset[:-1], shape[:-1], strides[:-1], strict=True):
+        starts = (starts[..., None] + (o + np.arange(n, dtype=np.int64)) * stride).reshape(-1)
+    return (starts.reshape(-1) + (offset[-1] if offset else 0)).astype(np.uint64)
+
+
+def slice_positions(
+    positions: np.ndarray, offset: Sequence[int], shape: Sequence[int], tensor_shape: Sequence[int]
+) -> np.ndarray:
+    """Positions within a slice (row-major over the box `offset`, `shape`) as positions in
+    the whole tensor (`tensor_shape`, row-major): int64, in the same order."""
+    if not shape:
+        return positions.astype(np.int64)
+    local = np.unravel_index(positions, tuple(shape))
+    return np.ravel_multi_index(
+        tuple(i + o for i, o in zip(local, offset, strict=True)), tuple(tensor_shape)
+    ).astype(np.int64)
+
+
+def digest_slice(
+    data: np.ndarray, dtype: str, offset: Sequence[int], shape: Sequence[int], tensor_shape: Sequence[int]
+) -> str:
+    """Digest of a slice's bytes (its elements row-major over the box `offset`, `shape` of a
+    tensor of `tensor_shape`), each element mixed at its position in the whole tensor.
+
+    The digests of disjoint slices covering a tensor combine (`combine_digests`) into the
+    tensor's `digest`. A whole tensor is the slice at offset 0 of its own shape.
+    """
+    bits = as_bits(data, dtype)
+    if math.prod(shape) != bits.size:
+        raise PatchError(f"slice of shape {list(shape)} given {bits.size} elements")
+    starts = _run_starts(offset, shape, tensor_shape)
+    run_length = int(shape[-1]) if shape else 1
+    if run_length == 0 or starts.size == 0:
+        return _format(0, 0)
+    parallel_min = max(1, (1 << 18) // run_length)
+    sums = map_ranges(
+        lambda first, last: _run_sums(bits, starts, run_length, first, last), starts.size, parallel_min
+    )
+    return _format(sum(int(s[0]) for s in sums), sum(int(s[1]) for s in sums))
+
+
+def combine_digests(digests: Iterable[str]) -> str:
+    """The digest of a tensor from the digests of disjoint slices that cover it, each
+    computed at global positions (`digest_slice`): both lanes' sums mod 2**64."""
+    lanes = [parse_digest(d) for d in digests]
+    return _format(sum(a for a, _ in lanes), sum(b for _, b in lanes))
 
 
 def digest_update(value: str, changes: Changes) -> str:

@@ -14,7 +14,7 @@ import math
 import re
 
 from deltaboard.board.contract.errors import BadManifest
-from deltaboard.board.contract.schemas import Manifest
+from deltaboard.board.contract.schemas import Manifest, TensorEntry, TensorPart
 from deltaboard.board.contract.view_spec import DTYPE_WIDTHS, nbytes, plan_layout
 
 # Far above any real tensor, far below what a follower's filesystem refuses.
@@ -54,6 +54,71 @@ def check_entries(manifest: Manifest) -> None:
             raise _refuse(f"{at}.changed", f"{entry.changed} exceeds the tensor's {elements} elements")
         if not _shard_file(entry.file):
             raise _refuse(f"{at}.file", f"{entry.file!r} is not a shard file name of the view rules")
+        if entry.part is not None:
+            _check_part(at, entry)
+    check_parts(manifest)
+
+
+def _check_part(at: str, entry: TensorEntry) -> None:
+    """A part is a box inside its tensor, with no more changed elements than it holds."""
+    part = entry.part
+    assert part is not None
+    rank = len(entry.shape)
+    if len(part.offset) != rank or len(part.shape) != rank:
+        raise _refuse(f"{at}.part", f"offset and shape must have the tensor's {rank} dimensions")
+    if any(o + n > d for o, n, d in zip(part.offset, part.shape, entry.shape, strict=True)):
+        raise _refuse(f"{at}.part", f"{list(part.offset)} + {list(part.shape)} leaves {list(entry.shape)}")
+    if entry.changed > math.prod(part.shape):
+        raise _refuse(f"{at}.changed", f"{entry.changed} exceeds the part's {math.prod(part.shape)} elements")
+
+
+def _overlap(a: TensorPart, b: TensorPart) -> bool:
+    return all(
+        oa < ob + nb and ob < oa + na
+        for oa, na, ob, nb in zip(a.offset, a.shape, b.offset, b.shape, strict=True)
+    )
+
+
+def check_parts(manifest: Manifest) -> None:
+    """A tensor appears once, or as parts that agree on the tensor (dtype, shape, file,
+    digest) and do not overlap; a keyframe's parts cover their tensor exactly (disjoint,
+    and their elements add up to the tensor's)."""
+    by_name: dict[str, list[int]] = {}
+    for i, entry in enumerate(manifest.tensors):
+        by_name.setdefault(entry.name, []).append(i)
+    for name, indices in by_name.items():
+        entries = [manifest.tensors[i] for i in indices]
+        first = entries[0]
+        if len(entries) > 1 and any(e.part is None for e in entries):
+            raise _refuse(f"tensors[{indices[1]}].name", f"{name!r} appears twice, not all as parts")
+        for i, e in zip(indices, entries, strict=True):
+            if (e.dtype, e.shape, e.file, e.digest) != (first.dtype, first.shape, first.file, first.digest):
+                raise _refuse(
+                    f"tensors[{i}]", f"parts of {name!r} disagree on its dtype, shape, file or digest"
+                )
+        if first.part is None:
+            continue
+        # sorted by first-dimension start: a part can only overlap those that start before it ends
+        boxes = sorted(
+            ((e.part, i) for e, i in zip(entries, indices, strict=True) if e.part and 0 not in e.part.shape),
+            key=_start,
+        )
+        for k, (box, i) in enumerate(boxes):
+            for later, _ in boxes[k + 1 :]:
+                if later.offset and later.offset[0] >= box.offset[0] + box.shape[0]:
+                    break
+                if _overlap(box, later):
+                    raise _refuse(f"tensors[{i}].part", f"parts of {name!r} overlap")
+        covered = sum(math.prod(b.shape) for b, _ in boxes)
+        if manifest.kind == "full" and covered != math.prod(first.shape):
+            raise _refuse(
+                f"tensors[{indices[0]}].part",
+                f"the parts of {name!r} hold {covered} of its {math.prod(first.shape)} elements",
+            )
+
+
+def _start(item: tuple[TensorPart, int]) -> tuple[int, ...]:
+    return item[0].offset
 
 
 def check_stats(manifest: Manifest) -> None:
@@ -64,10 +129,11 @@ def check_stats(manifest: Manifest) -> None:
     if stats.changed_elements != changed:
         raise _refuse("stats.changed_elements", f"{stats.changed_elements}, the entries change {changed}")
     encoded = sum(t.blob.length for t in manifest.tensors)
+    tensors = list({t.name: t for t in manifest.tensors}.values())  # a tensor in parts counts once
     if stats.encoded_bytes != encoded:
         raise _refuse("stats.encoded_bytes", f"{stats.encoded_bytes}, the entries' blob ranges are {encoded}")
-    elements = sum(math.prod(t.shape) for t in manifest.tensors)
-    view_bytes = sum(nbytes(t.dtype, t.shape) for t in manifest.tensors)
+    elements = sum(math.prod(t.shape) for t in tensors)
+    view_bytes = sum(nbytes(t.dtype, t.shape) for t in tensors)
     full = manifest.kind == "full"
     for field, stated, held in (
         ("stats.total_elements", stats.total_elements, elements),
@@ -78,7 +144,7 @@ def check_stats(manifest: Manifest) -> None:
         if stated < held:
             raise _refuse(field, f"{stated}, less than the entries' {held}")
     if full:
-        layout = plan_layout([(t.name, t.dtype, t.shape) for t in manifest.tensors], manifest.view)
+        layout = plan_layout([(t.name, t.dtype, t.shape) for t in tensors], manifest.view)
         for i, entry in enumerate(manifest.tensors):
             placed = layout.placement[entry.name]
             if placed != entry.file:

@@ -122,15 +122,28 @@ class BlobRef(Strict):
     length: NonNegative
 
 
+class TensorPart(Strict):
+    """The slice of a tensor that one entry carries (docs/contract.md, "Parts"): the box of
+    elements at `offset` of `shape` (one index range per dimension of the tensor), whose
+    elements, row-major over the box, are the entry's patch. `digest` is the codec's digest
+    of those elements at their positions in the whole tensor (`codec.digest_slice`)."""
+
+    offset: tuple[NonNegative, ...]
+    shape: tuple[NonNegative, ...]
+    digest: Digest
+
+
 class TensorEntry(Strict):
-    """One tensor of a version.
+    """One tensor of a version, or one part of it.
 
     `dtype` is the safetensors dtype name of the served bytes (BF16, F16, F32, F8_E4M3,
     I64, ...). `file` is the shard file the tensor lives in. `blob` holds the codec's
     patch (kind delta) or keyframe encoding (kind full); the codec's header says which.
-    `digest` is the codec's digest of the tensor bytes this entry produces. What a board
-    checks beyond the form (known dtype, sane shape, shard file name, ...) is in
-    `board.contract.manifest_rules`.
+    `digest` is the codec's digest of the tensor bytes this entry produces (with `part`:
+    of the whole tensor, after every part of this version). `part` (absent: the whole
+    tensor) names the slice the blob patches; a tensor published in parts has one entry per
+    part. What a board checks beyond the form (known dtype, sane shape, shard file name,
+    parts that do not overlap, ...) is in `board.contract.manifest_rules`.
     """
 
     name: str = Field(min_length=1, max_length=512)
@@ -140,6 +153,8 @@ class TensorEntry(Strict):
     blob: BlobRef
     digest: Digest
     changed: NonNegative
+    # left out of the JSON when absent, so a whole tensor's entry reads as it always did
+    part: TensorPart | None = Field(default=None, exclude_if=lambda part: part is None)
 
 
 class ManifestStats(Strict):

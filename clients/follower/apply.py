@@ -17,6 +17,12 @@ also fails the result digest. Only on that failure path is the tensor re-hashed 
 if it no longer hashes to the digest its journal records, the error is `CorruptBase`
 (refetching would not help).
 
+A tensor sent in parts (a sharded trainer's slices, docs/contract.md "Parts") is assembled
+in place: each keyframe part is written into its box of the tensor; each delta part is
+decoded against its box, its positions moved to the whole tensor's, and the tensor's
+digest (held digest plus every part's changes) must be the manifest's before any part is
+written (`_check_parts`).
+
 Bringing the other slot forward (`replay`) writes the same changes again. Its base is
 checked first, in O(changes) (`check_base`): its bits at the changed positions must be
 the changes' old bits, which the digests verified in the staging slot.
@@ -24,7 +30,8 @@ the changes' old bits, which the digests verified in the staging slot.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from typing import TypeVar
@@ -86,6 +93,71 @@ def _apply_entry(
     return changes
 
 
+def _part_box(maps: ShardMaps, entry: TensorEntry) -> np.ndarray:
+    """The elements of the slot's tensor that `entry`'s part covers: a strided view."""
+    assert entry.part is not None
+    whole = maps.tensor(entry.name).view(codec.uint_dtype(entry.dtype)).reshape(entry.shape)
+    return whole[tuple(slice(o, o + n) for o, n in zip(entry.part.offset, entry.part.shape, strict=True))]
+
+
+def _apply_part(maps: ShardMaps, kind: str, entry: TensorEntry, patch: memoryview) -> codec.Changes | None:
+    """A keyframe part is decoded, checked against its slice digest and written into its
+    box; a delta part is decoded against the box's bits and returned with positions in the
+    whole tensor, unwritten: the tensor's digest is checked over all its parts first."""
+    part = entry.part
+    assert part is not None
+    header = codec.read_header(patch)
+    if header.numel != math.prod(part.shape):
+        raise codec.PatchError(
+            f"{entry.name}: patch of {header.numel} elements for a part of {list(part.shape)}"
+        )
+    box = _part_box(maps, entry)
+    if kind == "full":
+        data = codec.apply(None, patch)
+        if codec.digest_slice(data, entry.dtype, part.offset, part.shape, entry.shape) != part.digest:
+            raise codec.PatchError(f"{entry.name}: part at {list(part.offset)} is not the manifest's")
+        box[...] = data.view(box.dtype).reshape(part.shape)
+        return None
+    old = np.ascontiguousarray(box).view(np.uint8).reshape(-1)  # a copy only for a strided box
+    local = codec.decode(patch, old, header.base_digest)  # the tensor's digest vouches for the base
+    positions = codec.slice_positions(local.positions, part.offset, part.shape, entry.shape)
+    return codec.Changes(entry.dtype, math.prod(entry.shape), positions, local.old_bits, local.new_bits)
+
+
+def _check_parts(
+    manifest: Manifest, results: list[codec.Changes | None], digests: Mapping[str, str]
+) -> dict[str, codec.Changes]:
+    """Each tensor sent in parts must reach the manifest's digest: a keyframe's from its
+    parts' digests (`combine_digests`), a delta's from the digest held plus its parts'
+    changes at global positions (O(changes)). Returns a delta's changes by tensor."""
+    parts: dict[str, list[tuple[TensorEntry, codec.Changes | None]]] = {}
+    for entry, changes in zip(manifest.tensors, results, strict=True):
+        if entry.part is not None:
+            parts.setdefault(entry.name, []).append((entry, changes))
+    merged: dict[str, codec.Changes] = {}
+    for name, found in parts.items():
+        first = found[0][0]
+        if manifest.kind == "full":
+            reached = codec.combine_digests(e.part.digest for e, _ in found if e.part is not None)
+        else:
+            merged[name] = _merge([c for _, c in found if c is not None])
+            reached = codec.digest_update(digests[name], merged[name])
+        if reached != first.digest:
+            raise BadBlob(
+                first.blob.sha256, f"version {manifest.version}: the parts of {name!r} do not add up"
+            )
+    return merged
+
+
+def _merge(parts: list[codec.Changes]) -> codec.Changes:
+    """One tensor's changes from those of its disjoint parts, positions increasing."""
+    positions = np.concatenate([c.positions for c in parts])
+    order = np.argsort(positions, kind="stable")
+    old_bits = np.concatenate([c.old_bits for c in parts])[order]
+    new_bits = np.concatenate([c.new_bits for c in parts])[order]
+    return codec.Changes(parts[0].dtype, parts[0].numel, positions[order], old_bits, new_bits)
+
+
 def apply_step(
     maps: ShardMaps,
     manifest: Manifest,
@@ -103,7 +175,14 @@ def apply_step(
         _check_entry(maps, entry)
         held = digests.get(entry.name)
         try:
-            changes = _apply_entry(maps, manifest.kind, entry, blobs.read(entry.blob), held)
+            if entry.part is not None and manifest.kind != "full" and held is None:
+                raise FollowerError(
+                    f"no digest held for tensor {entry.name!r}: the slot is not at the parent"
+                )
+            if entry.part is not None:
+                changes = _apply_part(maps, manifest.kind, entry, blobs.read(entry.blob))
+            else:
+                changes = _apply_entry(maps, manifest.kind, entry, blobs.read(entry.blob), held)
         except codec.PatchError as exc:
             if manifest.kind != "full" and held is not None and _hash(maps, entry.name) != held:
                 raise CorruptBase(
@@ -116,10 +195,15 @@ def apply_step(
             progress(1)
         return changes
 
-    for entry, changes in zip(manifest.tensors, run_all(pool, one, manifest.tensors), strict=True):
+    results = run_all(pool, one, manifest.tensors)
+    in_parts = _check_parts(manifest, results, digests)
+    run_all(pool, lambda c: maps.write_changes(c[0], c[1].positions, c[1].new_bits), list(in_parts.items()))
+    for entry, changes in zip(manifest.tensors, results, strict=True):
         digests[entry.name] = entry.digest
-        if written is not None and changes is not None:
+        if written is not None and changes is not None and entry.part is None:
             written.append(Written(entry.name, changes))
+    if written is not None:
+        written.extend(Written(name, changes) for name, changes in in_parts.items())
     if manifest.kind == "full" and set(digests) != set(maps.placements):
         raise FollowerError(f"keyframe {manifest.version} does not cover every tensor of its layout")
     if codec.state_digest(digests.items()) != manifest.state_digest:

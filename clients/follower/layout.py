@@ -38,7 +38,8 @@ def shard_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes
 def materialize(slot_dir: Path, keyframe: Manifest, assets: Mapping[str, bytes]) -> None:
     """Create the shard files (headers, allocated data), the index JSON and the assets of
     an empty slot for the keyframe's layout."""
-    tensors = [(t.name, t.dtype, t.shape) for t in keyframe.tensors]
+    # a tensor sent in parts is listed once, where its first part is
+    tensors = list({t.name: (t.name, t.dtype, t.shape) for t in keyframe.tensors}.values())
     layout = plan_layout(tensors, keyframe.view)
     wrong = [t.name for t in keyframe.tensors if layout.placement[t.name] != t.file]
     if wrong:

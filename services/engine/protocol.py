@@ -4,6 +4,13 @@ Requests accept (and ignore) fields the engine does not implement, as OpenAI-com
 servers do, but refuse values it cannot honour (n > 1, an empty prompt) with a 400. Every
 choice also carries `token_ids` and `prompt_token_ids` (as vLLM returns them) so that
 RL callers get the exact tokens without re-tokenizing.
+
+A completion's body (a stream's last event) says which weights made it:
+`"weight_version": {"start": 7, "end": 8, "spans": [[0, 7], [12, 8]]}`, tokens 0-11 from
+version 7 and from token 12 on from version 8 (one choice: `n` is 1). The spans are
+exact: each `TokenStep` records the version of the forward pass that produced it, and
+weights change only between two forward passes. A sidecar keeps them (see
+`services.sidecar.stamping`), so an RL trainer can mask or reweight off-policy tokens.
 """
 
 from __future__ import annotations
@@ -75,9 +82,19 @@ class Completion:
     def object_name(self) -> str:
         return "text_completion" if self.kind == "text" else "chat.completion"
 
-    def version_range(self) -> dict[str, int | None]:
-        versions = [s.version for s in self.steps]
-        return {"start": versions[0] if versions else None, "end": versions[-1] if versions else None}
+    def version_range(self) -> dict[str, Any]:
+        """The versions that made this completion's tokens: the range, and its spans
+        `[[first token index, version], ...]`, one per change of version (a reload or an
+        in-place update between two tokens), exact since every step records its own."""
+        spans: list[list[int | None]] = []
+        for index, step in enumerate(self.steps):
+            if not spans or spans[-1][1] != step.version:
+                spans.append([index, step.version])
+        return {
+            "start": spans[0][1] if spans else None,
+            "end": spans[-1][1] if spans else None,
+            "spans": spans,
+        }
 
     def _text(self, steps: list[TokenStep]) -> str:
         return self.codec.decode([s.token_id for s in steps])

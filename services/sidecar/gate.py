@@ -9,6 +9,15 @@ under the others. Because admission and the served version change under one lock
 response's version range (served at admission, served at release) is exact: in `quiesce`
 mode start == end; in `in_place` mode a swap may fall in between and the range says so.
 
+With `abort_stale`, a swap does not wait for the requests the new version would break:
+under the same lock that stops admissions it completes their `Admitted.stale` future with
+the refusal they would get if they arrived now (410 `WeightVersionGone`), and then waits,
+as before, until they are released. The proxy, racing its upstream work against that
+future (`unless_stale`), stops passing bytes, closes the upstream request (the engine
+stops generating) and only then releases; so the swap still happens only once nothing it
+breaks is in flight, and no aborted request passes a token of the new version. The others
+are untouched: `quiesce` drains them, `in_place` swaps under them.
+
 The range is only as true as the engine is faithful to the sidecar's swaps: anyone who
 can reach the engine's own port can load other weights into it. So the gate also keeps
 the stamps of the sidecar's own loads (`EngineStamp`, as the adapter reported after each
@@ -25,8 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -48,14 +56,6 @@ KEPT_LOADS = 64
 
 
 @dataclass(frozen=True)
-class Admitted:
-    start: int | None
-    waited_s: float
-    high: int | None  # the highest version the request accepts: a swap past it waits for it
-    load: int  # the serial of the sidecar's own engine load current at admission
-
-
-@dataclass(frozen=True)
 class Refused:
     code: SidecarCode
     message: str
@@ -64,16 +64,72 @@ class Refused:
     head: int | None
     retry_after_s: int | None
 
+    def error(self) -> dict[str, Any]:
+        """The error object of the answer: a refusal's JSON body, or a stream's last event."""
+        return {
+            "code": str(self.code),
+            "message": self.message,
+            "served": self.served,
+            "required": self.required,
+            "head": self.head,
+            "retryable": self.code != SidecarCode.WEIGHT_VERSION_GONE,
+        }
+
+
+@dataclass(frozen=True, eq=False)  # one per request: compared and hashed by identity
+class Admitted:
+    start: int | None
+    waited_s: float
+    constraint: VersionConstraint
+    load: int  # the serial of the sidecar's own engine load current at admission
+    stale: asyncio.Future[Refused]  # completed when a swap aborts the request (`abort_stale`)
+
+    @property
+    def high(self) -> int | None:
+        """The highest version the request accepts: a swap past it waits for it, or aborts it."""
+        return self.constraint.high()
+
+
+class Stale(Exception):
+    """A swap aborted the request in flight (`abort_stale`); `refused` is its answer."""
+
+    def __init__(self, refused: Refused) -> None:
+        super().__init__(refused.message)
+        self.refused = refused
+
+
+async def unless_stale(work: Awaitable[T], admitted: Admitted) -> T:
+    """`work`'s result, unless a swap aborts the request first: then `work` is cancelled
+    and `Stale` raised. Work that finished wins over an abort that came with it."""
+    task = asyncio.ensure_future(work)
+    either: set[asyncio.Future[Any]] = {task, admitted.stale}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        abandoned = not task.done()  # the abort came first, or whoever awaits us was cancelled
+        if abandoned:
+            task.cancel()
+            # Wait without `await task`: cancelling us again (anyio's cancel scopes do, until
+            # we return) would cancel the task again and cut its cleanup short, leaving the
+            # upstream connection open and the engine generating for nobody.
+            await asyncio.wait({task})
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # abandoned either way
+                task.result()
+    if abandoned:
+        raise Stale(admitted.stale.result())
+    return task.result()
+
 
 class VersionGate:
-    def __init__(self, mode: CommitMode, drain_timeout_s: float = 60.0) -> None:
+    def __init__(self, mode: CommitMode, drain_timeout_s: float = 60.0, abort_stale: bool = False) -> None:
         self.mode = mode
         self.drain_timeout_s = drain_timeout_s
+        self.abort_stale = abort_stale  # a swap aborts the requests it breaks, not waits for them
         self.served: int | None = None
         self.head: int | None = None
         self.swapping = False
         self.inflight = 0
-        self._bounded: Counter[int] = Counter()  # requests in flight by their highest version
+        self._bounded: dict[Admitted, int] = {}  # requests in flight with a highest version -> it
         self.healthy = True
         self.problem: str | None = None  # why the node is not healthy
         self.engine: EngineStamp | None = None  # what the engine holds: the sidecar's last load
@@ -108,11 +164,14 @@ class VersionGate:
                         gone = SidecarCode.WEIGHT_VERSION_GONE
                         return self._refuse(gone, decision.reason, constraint, None)
                     if isinstance(decision, Serve) and not self.swapping and self.healthy:
-                        high = constraint.high()
+                        waited = time.monotonic() - started
+                        stale: asyncio.Future[Refused] = asyncio.get_running_loop().create_future()
+                        admitted = Admitted(self.served, waited, constraint, self._serial, stale)
                         self.inflight += 1
+                        high = constraint.high()
                         if high is not None:
-                            self._bounded[high] += 1
-                        return Admitted(self.served, time.monotonic() - started, high, self._serial)
+                            self._bounded[admitted] = high
+                        return admitted
                     low = decision.low if isinstance(decision, Wait) else (self.served or 0)
                     self._pins[key] = (low, constraint.high())
                     remaining = deadline - time.monotonic()
@@ -138,14 +197,11 @@ class VersionGate:
         required = constraint.describe(self.head)
         return Refused(code, message, required, self.served, self.head, retry)
 
-    async def release(self, high: int | None) -> int | None:
-        """A request (admitted with highest version `high`) finished: the version it ends with."""
+    async def release(self, admitted: Admitted) -> int | None:
+        """The request admitted as `admitted` finished: the version it ends with."""
         async with self._cond:
             self.inflight -= 1
-            if high is not None:
-                self._bounded[high] -= 1
-                if not self._bounded[high]:
-                    del self._bounded[high]
+            self._bounded.pop(admitted, None)
             self._cond.notify_all()
             return self.served
 
@@ -206,11 +262,24 @@ class VersionGate:
     def _may_swap_to(self, version: int) -> bool:
         if self.mode == "quiesce":
             return self.inflight == 0
-        return all(high >= version for high in self._bounded)
+        return all(high >= version for high in self._bounded.values())
+
+    def _abort_below(self, version: int) -> None:
+        """Answer every request in flight that `version` would break as if it came now."""
+        for admitted, high in self._bounded.items():
+            if high < version and not admitted.stale.done():
+                message = (
+                    f"this node swaps to version {version}, past {high}, and never goes back: "
+                    "the request in flight was aborted"
+                )
+                gone = SidecarCode.WEIGHT_VERSION_GONE
+                admitted.stale.set_result(self._refuse(gone, message, admitted.constraint, None))
 
     async def _begin_swap(self, version: int) -> None:
         async with self._cond:
             self.swapping = True
+            if self.abort_stale:
+                self._abort_below(version)  # then wait for them as for any: released, upstream closed
             # Past the timeout, swap anyway: those responses' ranges will say start != end.
             with contextlib.suppress(TimeoutError):
                 drained = self._cond.wait_for(lambda: self._may_swap_to(version))
@@ -235,7 +304,8 @@ class VersionGate:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def begin_swap(self, version: int) -> None:
-        """From the follower's thread: stop admissions and drain what `version` would break."""
+        """From the follower's thread: stop admissions and drain (or, with `abort_stale`,
+        abort) what `version` would break."""
         self._call(self._begin_swap(version))
 
     def end_swap(self, version: int | None, sync_s: float, loaded: EngineStamp | str) -> None:

@@ -14,8 +14,15 @@ with:
 - headers `X-Weight-Version-Start` and `X-Weight-Version-End` (a stream's headers carry
   the end only when the gate holds its version until the request is done: `quiesce`
   mode, or a request pinned at the served version; otherwise the last event says),
-- a JSON object body gains `"weight_version": {"start": s, "end": e}`,
+- a JSON object body gains `"weight_version": {"start": s, "end": e, "spans": ...}`
+  (which version made which token: `services.sidecar.stamping`),
 - a stream's last data event (the one before `data: [DONE]`) gains the same field.
+
+With `VersionGate.abort_stale` (`deltaboard sidecar --abort-stale`), a swap aborts the
+requests in flight that the new version would break instead of waiting for them
+(`services.sidecar.gate`): a request not answered yet gets 410 `WeightVersionGone`, a
+stream already under way ends with `data: {"error": {"code": "WeightVersionGone", ...}}`,
+and the upstream request is closed, so the engine stops generating it.
 
 Before stamping, the proxy asks the gate to vouch for the weights (`VersionGate.vouch`):
 the engine's stamp, from the response's own headers where the engine stamps responses
@@ -53,7 +60,7 @@ from deltaboard.services.sidecar.constraints import (
     SidecarCode,
     parse_constraint,
 )
-from deltaboard.services.sidecar.gate import Admitted, Refused, VersionGate
+from deltaboard.services.sidecar.gate import Admitted, Refused, Stale, VersionGate, unless_stale
 from deltaboard.services.sidecar.metrics import SidecarMetrics
 from deltaboard.services.sidecar.stamping import (
     Release,
@@ -145,15 +152,8 @@ def _engine_changed(stamp: EngineStamp | str, gate: VersionGate) -> str:
 
 
 def _refusal(refused: Refused) -> JSONResponse:
-    return _error(
-        refused.code,
-        refused.message,
-        refused.retry_after_s,
-        served=refused.served,
-        required=refused.required,
-        head=refused.head,
-        retryable=refused.code != SidecarCode.WEIGHT_VERSION_GONE,
-    )
+    extra = {k: v for k, v in refused.error().items() if k not in ("code", "message")}
+    return _error(refused.code, refused.message, refused.retry_after_s, **extra)
 
 
 async def _read_body(request: Request, limit: int) -> bytes | None:
@@ -285,7 +285,7 @@ def create_proxy_app(
 
     async def _forward(request: Request, path: str, raw: bytes, admission: Admitted) -> Response:
         start = admission.start
-        release = Release(gate, admission.high)
+        release = Release(gate, admission)
         upstream_request = client.build_request(
             request.method,
             "/" + path,
@@ -294,8 +294,11 @@ def create_proxy_app(
             content=raw,
         )
         streaming = False
+        upstream: httpx.Response | None = None
         try:
-            sent, upstream = await unless_disconnected(request, client.send(upstream_request, stream=True))
+            sent, upstream = await unless_disconnected(
+                request, unless_stale(client.send(upstream_request, stream=True), admission)
+            )
             if not sent:
                 metrics.requests.labels("aborted").inc()
                 return Response(status_code=499)
@@ -309,14 +312,17 @@ def create_proxy_app(
                 headers.update(range_headers(start, start if gate.holds_until_done(admission) else None))
                 metrics.requests.labels("proxied").inc()
                 streaming = True
-                return StampedStream(
+                events = restamped_stream(
                     upstream,
+                    admission,
                     release,
-                    content=restamped_stream(upstream, start, release, lambda: vouched(None, admission)),
-                    status_code=upstream.status_code,
-                    headers=headers,
+                    lambda: vouched(None, admission),
+                    metrics.requests.labels("stale").inc,
                 )
-            read, content = await unless_disconnected(request, upstream.aread())
+                return StampedStream(
+                    upstream, release, content=events, status_code=upstream.status_code, headers=headers
+                )
+            read, content = await unless_disconnected(request, unless_stale(upstream.aread(), admission))
             await upstream.aclose()
             if not read:
                 metrics.requests.labels("aborted").inc()
@@ -330,6 +336,11 @@ def create_proxy_app(
                 content = stamp(content, start, end) or content
             metrics.requests.labels("proxied").inc()
             return Response(content, status_code=upstream.status_code, headers=headers)
+        except Stale as stale:  # the upstream request is closed before the swap may proceed
+            if upstream is not None:
+                await upstream.aclose()
+            metrics.requests.labels("stale").inc()
+            return _refusal(stale.refused)
         except httpx.TransportError as exc:
             metrics.requests.labels("engine_unavailable").inc()
             return _error(SidecarCode.ENGINE_UNAVAILABLE, f"engine unreachable: {exc}", ENGINE_RETRY_AFTER_S)

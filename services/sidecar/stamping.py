@@ -1,12 +1,32 @@
-"""How a response carries the version range it was served with.
+"""How a response carries the versions it was served with.
 
 - headers `X-Weight-Version-Start` / `X-Weight-Version-End`,
-- a JSON object body gains `"weight_version": {"start": s, "end": e}`,
+- a JSON object body gains `"weight_version": {"start": s, "end": e, "spans": ...}`,
 - a server-sent event stream is passed through holding one event back, so that its last
   data event (the one before `data: [DONE]`) can gain the same field once the range's
   end is known; a stream without a JSON last event gets one extra event carrying it.
   When the weights behind the stream cannot be vouched for at its end, the last event
-  goes out unstamped, followed by `{"error": {"code": "EngineChanged", ...}}`.
+  goes out unstamped, followed by `{"error": {"code": "EngineChanged", ...}}`; when a swap
+  aborts the request (`abort_stale`, see `services.sidecar.gate`), the events so far go
+  out unstamped, then `{"error": {"code": "WeightVersionGone", ...}}` (the error object
+  of the 410 a request arriving now would get), and the stream ends there.
+
+`spans` says which version made which token of the completion: `[[0, 7], [12, 8]]` is
+tokens 0-11 from version 7, from token 12 on version 8 (indices into the choice's
+generated tokens). Only the engine can know where a swap fell between two tokens, so
+
+- the engine's own `weight_version.spans` are kept when they fit the sidecar's range:
+  well formed (from token 0, indices and versions increasing) and every version within
+  `[start, end]` (a swap the sidecar made before the request's first token gives
+  `[[0, end]]`); the reference engine reports them, exactly, from its token steps;
+- else, when start == end, every token came from that version: `[[0, start]]`;
+- else, `"spans": null`: the range spans a swap and the engine did not say where it fell
+  (SGLang and vLLM report no per-token versions). Such tokens cannot be attributed: a
+  caller that needs them exact uses `quiesce` mode or pins `exact`, which keep start ==
+  end.
+
+For a response of several choices (`n` > 1, engines other than the reference), `[[0, v]]`
+holds for each choice; engine spans describe its one choice.
 
 `Release` ends a request's admission exactly once (its result is the range's end);
 `StampedStream` guarantees that release even if the client left before the first byte.
@@ -16,13 +36,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from itertools import pairwise
 from typing import Any
 
 import httpx
 from fastapi.responses import StreamingResponse
 
 from deltaboard.services.sidecar.constraints import SidecarCode
-from deltaboard.services.sidecar.gate import VersionGate
+from deltaboard.services.sidecar.gate import Admitted, Stale, VersionGate, unless_stale
 
 
 def range_headers(start: int | None, end: int | None) -> dict[str, str]:
@@ -34,18 +55,45 @@ def range_headers(start: int | None, end: int | None) -> dict[str, str]:
     return headers
 
 
+def _is_version(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _fits(spans: Any, start: int, end: int) -> bool:
+    """Whether an engine's `spans` are well formed and within the sidecar's range."""
+    if not isinstance(spans, list) or not spans:
+        return False
+    if not all(isinstance(s, list) and len(s) == 2 and all(map(_is_version, s)) for s in spans):
+        return False
+    indices, versions = [s[0] for s in spans], [s[1] for s in spans]
+    increasing = all(a < b for a, b in (*pairwise(indices), *pairwise(versions)))
+    return indices[0] == 0 and increasing and start <= versions[0] and versions[-1] <= end
+
+
+def version_field(start: int | None, end: int | None, reported: Any = None) -> dict[str, Any]:
+    """The `weight_version` a response carries: the sidecar's range and the token spans,
+    the engine's own (`reported`: the field it wrote) where they fit the range."""
+    engine = reported.get("spans") if isinstance(reported, dict) else None
+    spans: list[list[int]] | None = None
+    if start is not None and end is not None and _fits(engine, start, end):
+        spans = engine
+    elif start is not None and start == end:
+        spans = [[0, start]]
+    return {"start": start, "end": end, "spans": spans}
+
+
 def stamp(payload: bytes, start: int | None, end: int | None) -> bytes | None:
-    """`payload` (JSON) with the version range added (None: no range, and any range the
-    engine wrote removed), or None when it is not a JSON object."""
+    """`payload` (JSON) with the versions added (None: none, and any the engine wrote
+    removed), or None when it is not a JSON object."""
     try:
         decoded = json.loads(payload)
     except ValueError:
         return None
     if not isinstance(decoded, dict):
         return None
-    decoded.pop("weight_version", None)
+    reported = decoded.pop("weight_version", None)
     if start is not None or end is not None:
-        decoded["weight_version"] = {"start": start, "end": end}
+        decoded["weight_version"] = version_field(start, end, reported)
     return json.dumps(decoded, separators=(",", ":")).encode()
 
 
@@ -57,22 +105,22 @@ def _event_data(event: bytes) -> bytes | None:
 class Release:
     """Release a request's admission exactly once, remembering the version it ended with."""
 
-    def __init__(self, gate: VersionGate, high: int | None) -> None:
+    def __init__(self, gate: VersionGate, admitted: Admitted) -> None:
         self._gate = gate
-        self._high = high
+        self._admitted = admitted
         self._end: int | None = None
         self.done = False
 
     async def __call__(self) -> int | None:
         if not self.done:
             self.done = True
-            self._end = await self._gate.release(self._high)
+            self._end = await self._gate.release(self._admitted)
         return self._end
 
 
 class StampedStream(StreamingResponse):
-    """A stream that always releases its admission and closes the upstream, even when the
-    client went away before the first byte (when the body iterator never ran)."""
+    """A stream that always closes the upstream and then releases its admission, even when
+    the client went away before the first byte (when the body iterator never ran)."""
 
     def __init__(self, upstream: httpx.Response, release: Release, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -89,15 +137,28 @@ class StampedStream(StreamingResponse):
 
 async def restamped_stream(
     upstream: httpx.Response,
-    start: int | None,
+    admitted: Admitted,
     release: Release,
     verify: Callable[[], Awaitable[str | None]],
+    aborted: Callable[[], None],
 ) -> AsyncIterator[bytes]:
     """Pass SSE events through, holding one back so the last data event can carry the range
-    (`verify()`, asked at the end, returns why the range must not be given, or None)."""
+    (`verify()`, asked at the end, returns why the range must not be given, or None). A
+    swap that aborts the request ends the stream with its error (and calls `aborted()`);
+    the upstream is closed and the admission released after it, by `StampedStream`."""
+    start = admitted.start
     buffer = b""
     held: bytes | None = None
-    async for chunk in upstream.aiter_raw():
+    chunks = upstream.aiter_raw()
+    while True:
+        try:
+            chunk = await unless_stale(anext(chunks, None), admitted)
+        except Stale as stale:
+            aborted()
+            yield _unstamped(held) + _data_event({"error": stale.refused.error()})
+            return
+        if chunk is None:
+            break
         buffer += chunk.replace(b"\r\n", b"\n")
         while b"\n\n" in buffer:
             event, buffer = buffer.split(b"\n\n", 1)
@@ -119,18 +180,27 @@ def _data_event(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
+def _unstamped(held: bytes | None) -> bytes:
+    """The held event as it goes out before an error: without any versions, not even ones
+    the engine wrote itself."""
+    if held is None:
+        return b""
+    data = _event_data(held)
+    unstamped = stamp(data, None, None) if data is not None else None
+    return (b"data: " + unstamped if unstamped else held) + b"\n\n"
+
+
 async def _final_event(
     held: bytes | None, start: int | None, release: Release, verify: Callable[[], Awaitable[str | None]]
 ) -> bytes:
     refusal = await verify()
     end = await release()
+    if refusal is not None:
+        error = {"code": str(SidecarCode.ENGINE_CHANGED), "message": refusal}
+        return _unstamped(held) + _data_event({"error": error})
     data = _event_data(held) if held is not None else None
-    if refusal is not None:  # no range, not even one the engine wrote itself
-        unstamped = stamp(data, None, None) if data is not None else None
-        before = b"" if held is None else (b"data: " + unstamped if unstamped else held) + b"\n\n"
-        return before + _data_event({"error": {"code": str(SidecarCode.ENGINE_CHANGED), "message": refusal}})
     stamped = stamp(data, start, end) if data is not None else None
     if stamped is not None:
         return b"data: " + stamped + b"\n\n"
     before = b"" if held is None else held + b"\n\n"
-    return before + _data_event({"weight_version": {"start": start, "end": end}})
+    return before + _data_event({"weight_version": version_field(start, end)})

@@ -93,7 +93,7 @@ def test_pinned_request_returns_the_logprobs_of_that_version(board, tmp_path, mo
     for version, response in sorted(answers.items()):
         assert response.status_code == 200, response.text
         body = response.json()
-        assert body["weight_version"] == {"start": version, "end": version}
+        assert body["weight_version"] == {"start": version, "end": version, "spans": [[0, version]]}
         assert response.headers["x-weight-version-start"] == str(version)
         choice = body["choices"][0]
         expected = direct_logprobs(run_view(config, views[version]), PROMPT, choice["token_ids"])

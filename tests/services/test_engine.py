@@ -79,7 +79,7 @@ def test_logprobs_are_exactly_those_of_a_direct_forward_pass(engine):
     assert choice["prompt_token_ids"] == PROMPT and len(choice["token_ids"]) == 6
     expected = direct_logprobs(load_direct(a), PROMPT, choice["token_ids"])
     assert choice["logprobs"]["token_logprobs"] == expected  # bit-exact, not approximately
-    assert body["weight_version"] == {"start": 1, "end": 1}
+    assert body["weight_version"] == {"start": 1, "end": 1, "spans": [[0, 1]]}
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
 
 
@@ -98,7 +98,7 @@ def test_stream_carries_the_same_tokens_and_logprobs(engine):
     streamed = [c["choices"][0]["logprobs"]["token_logprobs"][0] for c in chunks]
     assert streamed == whole["logprobs"]["token_logprobs"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["weight_version"] == {"start": 1, "end": 1}
+    assert chunks[-1]["weight_version"] == {"start": 1, "end": 1, "spans": [[0, 1]]}
 
 
 def test_chat_and_text_prompts(engine):
@@ -177,7 +177,7 @@ def test_reload_while_paused_serves_the_new_version_from_the_first_token(engine)
     load(client, b, 2)
     client.post("/resume")
     worker.join()
-    assert result["weight_version"] == {"start": 2, "end": 2}
+    assert result["weight_version"] == {"start": 2, "end": 2, "spans": [[0, 2]]}
     choice = result["choices"][0]
     assert choice["logprobs"]["token_logprobs"] == direct_logprobs(
         load_direct(b), PROMPT, choice["token_ids"]

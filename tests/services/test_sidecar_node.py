@@ -91,7 +91,8 @@ def test_sidecar_recovers_from_a_failed_reload_and_keeps_up(board, published, tm
             assert refused.json()["error"]["code"] == "EngineUnavailable"
             adapter.healed.set()
             served = complete(node.url, exact=0, wait=60)
-            assert served.status_code == 200 and served.json()["weight_version"] == {"start": 0, "end": 0}
+            assert served.status_code == 200
+            assert served.json()["weight_version"] == {"start": 0, "end": 0, "spans": [[0, 0]]}
             assert httpx.get(f"{node.url}/healthz").json()["healthy"] is True
             metrics = httpx.get(f"{node.url}/metrics").text
             failures = next(
@@ -106,7 +107,7 @@ def test_sidecar_recovers_from_a_failed_reload_and_keeps_up(board, published, tm
             published()
             head = published()
             latest = complete(node.url, max_lag=0, wait=60)
-            assert latest.json()["weight_version"] == {"start": head, "end": head}
+            assert latest.json()["weight_version"] == {"start": head, "end": head, "spans": [[0, head]]}
             assert httpx.get(f"{node.url}/healthz").json()["lag"] == 0
 
 
@@ -120,7 +121,8 @@ def test_an_engine_that_restarted_empty_is_reloaded(board, published, tmp_path):
             wait_until(
                 lambda: httpx.get(f"{second.url}/health").json()["weight_version"] == 0, "never reloaded"
             )
-            assert complete(node.url, exact=0, wait=60).json()["weight_version"] == {"start": 0, "end": 0}
+            answer = complete(node.url, exact=0, wait=60)
+            assert answer.json()["weight_version"] == {"start": 0, "end": 0, "spans": [[0, 0]]}
 
 
 def test_restarted_sidecar_serves_the_version_its_directory_holds(board, published, tmp_path):

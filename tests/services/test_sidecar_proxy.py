@@ -8,8 +8,9 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +22,9 @@ from deltaboard.services.sidecar.background import BackgroundServer
 from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
 from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
+from tests.services.fakes.direct import direct_logprobs
 from tests.services.fakes.echo import echo_engine
+from tests.services.fakes.held_slot import HeldSlot
 from tests.services.fakes.polling import wait_until
 from tests.services.fakes.tiny_model import save_tiny_model
 
@@ -31,8 +34,8 @@ PROMPT = [3, 1, 4, 1, 5]
 class Node:
     """A sidecar app in front of `engine_url`, with the gate in the test's hands."""
 
-    def __init__(self, engine_url: str, mode: str = "quiesce") -> None:
-        self.gate = VersionGate(mode, drain_timeout_s=30)  # type: ignore[arg-type]
+    def __init__(self, engine_url: str, mode: str = "quiesce", abort_stale: bool = False) -> None:
+        self.gate = VersionGate(mode, drain_timeout_s=30, abort_stale=abort_stale)  # type: ignore[arg-type]
 
         @asynccontextmanager
         async def bind(app):
@@ -117,7 +120,7 @@ def test_satisfied_request_is_proxied_and_stamped(node):
     assert (
         response.headers["x-weight-version-start"] == "1" and response.headers["x-weight-version-end"] == "1"
     )
-    assert response.json()["weight_version"] == {"start": 1, "end": 1}
+    assert response.json()["weight_version"] == {"start": 1, "end": 1, "spans": [[0, 1]]}
     assert len(response.json()["choices"][0]["token_ids"]) == 3
     # the sidecar's server dates and names its responses: the engine's are not passed on too
     assert len(response.headers.get_list("date")) == 1 and len(response.headers.get_list("server")) == 1
@@ -173,12 +176,13 @@ def test_constraint_is_removed_before_forwarding_and_everything_else_passes(echo
     seen = response.json()
     assert seen["body"] == {"a": 1} and seen["query"] == {"x": "1"}
     assert seen["headers"]["x-custom"] == "kept" and "x-weight-version-max" not in seen["headers"]
-    assert seen["weight_version"] == {"start": 4, "end": 4}
+    assert seen["weight_version"] == {"start": 4, "end": 4, "spans": [[0, 4]]}
     models = echo_node.client.get("/v1/models")
     assert models.text == "plain"  # not JSON: only headers carry the range
     assert models.headers["x-weight-version-start"] == "4"
     failed = echo_node.client.post("/v1/completions?status=422", json={})
-    assert failed.status_code == 422 and failed.json()["weight_version"] == {"start": 4, "end": 4}
+    assert failed.status_code == 422
+    assert failed.json()["weight_version"] == {"start": 4, "end": 4, "spans": [[0, 4]]}
 
 
 def test_stream_last_event_carries_the_range(node):
@@ -191,7 +195,7 @@ def test_stream_last_event_carries_the_range(node):
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert len(chunks) == 4 and chunks[-1]["weight_version"] == {"start": 1, "end": 1}
+    assert len(chunks) == 4 and chunks[-1]["weight_version"] == {"start": 1, "end": 1, "spans": [[0, 1]]}
     assert all("weight_version" not in c for c in chunks[:-1])
 
 
@@ -202,7 +206,7 @@ def test_stream_restamping_keeps_every_event(echo_node, done):
         events = [line for line in response.iter_lines() if line]
     data = [json.loads(line[6:]) for line in events if line.startswith("data: {")]
     assert [d.get("i") for d in data] == [0, 1, 2]
-    assert data[-1]["weight_version"] == {"start": 4, "end": 4}
+    assert data[-1]["weight_version"] == {"start": 4, "end": 4, "spans": [[0, 4]]}
     assert events[0] == ": a comment" and (events[-1] == "data: [DONE]") == done
 
 
@@ -214,7 +218,8 @@ def test_behind_request_waits_for_catch_up(node, engine, model_dir):
         time.sleep(0.01)
     node.serve(2, lambda: httpx.post(f"{engine}/reload", json={"model": str(model_dir), "weight_version": 2}))
     waiter.join()
-    assert result["r"].status_code == 200 and result["r"].json()["weight_version"] == {"start": 2, "end": 2}
+    assert result["r"].status_code == 200
+    assert result["r"].json()["weight_version"] == {"start": 2, "end": 2, "spans": [[0, 2]]}
 
 
 def test_not_ready_is_409_with_retry_after(node):
@@ -304,7 +309,7 @@ def test_quiesce_swap_drains_in_flight_requests_first(node, engine):
     httpx.post(f"{engine}/resume")
     request.join()
     swap.join()
-    assert result["r"].json()["weight_version"] == {"start": 1, "end": 1}
+    assert result["r"].json()["weight_version"] == {"start": 1, "end": 1, "spans": [[0, 1]]}
     assert node.gate.served == 2
 
 
@@ -322,7 +327,8 @@ def test_in_place_swap_reports_the_range_it_spanned(engine, model_dir):
         )
         httpx.post(f"{engine}/resume")
         request.join()
-        assert result["r"].json()["weight_version"] == {"start": 1, "end": 2}
+        # admitted at 1, every token from 2: the engine says so, within the sidecar's range
+        assert result["r"].json()["weight_version"] == {"start": 1, "end": 2, "spans": [[0, 2]]}
         assert result["r"].headers["x-weight-version-end"] == "2"
     finally:
         n.close()
@@ -344,10 +350,158 @@ def test_in_place_swap_waits_for_requests_pinned_below_the_new_version(engine, m
         httpx.post(f"{engine}/resume")
         request.join()
         swap.join()
-        assert result["r"].json()["weight_version"] == {"start": 1, "end": 1}
+        assert result["r"].json()["weight_version"] == {"start": 1, "end": 1, "spans": [[0, 1]]}
         assert n.gate.served == 2
     finally:
         n.close()
+
+
+@contextmanager
+def held_engine(model_dir: Path, after: int) -> Iterator[tuple[str, HeldSlot]]:
+    """A reference engine serving `model_dir` as version 1 that holds every request after
+    `after` tokens (`HeldSlot`), so that a swap lands exactly there."""
+    slot = HeldSlot(after)
+    with BackgroundServer(create_app(EngineState("tiny", slot=slot))) as server:
+        load = {"model": str(model_dir), "weight_version": 1}
+        httpx.post(f"{server.url}/reload", json=load).raise_for_status()
+        yield server.url, slot
+
+
+def load_direct(directory: Path) -> Any:
+    """The checkpoint run directly, as the engine computes (stored dtype, eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype="auto", attn_implementation="eager")
+
+
+def generated(response: httpx.Response, stream: bool) -> tuple[list[int], list[float], Any]:
+    """(token ids, their logprobs, weight_version) of a completion, streamed or whole."""
+    if not stream:
+        body = response.json()
+        choice = body["choices"][0]
+        return choice["token_ids"], choice["logprobs"]["token_logprobs"], body["weight_version"]
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    ids = [token for e in events for token in e["choices"][0]["token_ids"]]
+    logprobs = [lp for e in events for lp in e["choices"][0]["logprobs"]["token_logprobs"]]
+    return ids, logprobs, events[-1]["weight_version"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_spans_say_exactly_which_version_made_each_token(model_dir, other_model_dir, stream):
+    swap_at, tokens = 4, 9
+    with held_engine(model_dir, after=swap_at) as (engine, slot):
+        n = Node(engine, mode="in_place")
+        try:
+            n.serve(1)
+            result: dict[str, httpx.Response] = {}
+            request = threading.Thread(
+                target=lambda: result.update(r=completion(n, max_tokens=tokens, stream=stream))
+            )
+            request.start()
+            slot.wait_held(1)  # 4 tokens made by version 1, the 5th not begun
+            reload = {"model": str(other_model_dir), "weight_version": 2}
+            n.serve(2, lambda: httpx.post(f"{engine}/reload", json=reload))
+            slot.go()
+            request.join()
+        finally:
+            n.close()
+    assert result["r"].status_code == 200
+    ids, logprobs, versions = generated(result["r"], stream)
+    assert versions == {"start": 1, "end": 2, "spans": [[0, 1], [swap_at, 2]]}
+    first, second = load_direct(model_dir), load_direct(other_model_dir)
+    before, after = ids[:swap_at], ids[swap_at:]
+    assert len(ids) == tokens
+    # each span's logprobs are exactly those of its version run on the same prefix
+    assert logprobs[:swap_at] == direct_logprobs(first, PROMPT, before)
+    assert logprobs[swap_at:] == direct_logprobs(second, PROMPT + before, after)
+    # and the check can tell the versions apart
+    assert logprobs[:swap_at] != direct_logprobs(second, PROMPT, before)
+    assert logprobs[swap_at:] != direct_logprobs(first, PROMPT + before, after)
+
+
+def stream_events(node: Node, body: dict[str, Any], first: threading.Event) -> list[str]:
+    """The stream's data events; `first` is set once the first one arrived (the sidecar
+    passes an event on once it holds the next, which it keeps back for the range)."""
+    events = []
+    with node.client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                first.set()
+    return events
+
+
+@pytest.mark.parametrize("mode", ["in_place", "quiesce"])
+def test_abort_stale_ends_the_requests_a_swap_breaks_and_only_those(model_dir, other_model_dir, mode):
+    held_at, tokens = 2, 6
+    with held_engine(model_dir, after=held_at) as (engine, slot):
+        n = Node(engine, mode=mode, abort_stale=True)
+        try:
+            n.serve(1)
+            answers: dict[str, Any] = {}
+            streaming = threading.Event()
+            long = {"prompt": PROMPT, "max_tokens": 50, "temperature": 0, "logprobs": 0}
+            requests = [
+                threading.Thread(
+                    target=lambda: answers.update(pinned=completion(n, {"exact": 1}, max_tokens=50))
+                ),
+                threading.Thread(
+                    target=lambda: answers.update(
+                        streamed=stream_events(
+                            n, {**long, "stream": True, "weight_version": {"max": 1}}, streaming
+                        )
+                    )
+                ),
+                threading.Thread(
+                    target=lambda: answers.update(kept=completion(n, {"min": 1}, max_tokens=tokens))
+                ),
+            ]
+            for request in requests:
+                request.start()
+            slot.wait_held(3)
+            assert streaming.wait(60)  # the sidecar holds the stream's 2nd event: both came through
+            reload = {"model": str(other_model_dir), "weight_version": 2}
+            swap = threading.Thread(
+                target=n.serve, args=(2, lambda: httpx.post(f"{engine}/reload", json=reload))
+            )
+            swap.start()
+            # the engine saw both stale requests go (their upstream requests were closed)
+            wait_until(lambda: aborted(engine) == 2, "the engine kept generating the stale requests")
+            requests[0].join()
+            requests[1].join()
+            if mode == "in_place":
+                swap.join()  # under the request version 2 satisfies, held after its 2 tokens
+                slot.go()
+            else:
+                slot.go()  # the swap drains it first
+                swap.join()
+            requests[2].join()
+            wait_until(lambda: httpx.get(f"{engine}/health").json()["generating"] == 0, "still generating")
+            health = httpx.get(f"{engine}/health").json()
+            metrics = n.client.get("/metrics").text
+        finally:
+            n.close()
+    pinned = answers["pinned"]
+    assert pinned.status_code == 410 and "retry-after" not in pinned.headers
+    error = pinned.json()["error"]
+    assert error["code"] == "WeightVersionGone" and error["retryable"] is False
+    assert error["served"] == 1 and error["required"] == {"min": 1, "max": 1} and error["head"] is None
+    assert "weight_version" not in pinned.json()
+    events = answers["streamed"]
+    assert events[-1] != "[DONE]"  # the stream ends with the error event
+    chunks = [json.loads(e) for e in events]
+    assert len(chunks) == held_at + 1 and all("weight_version" not in c for c in chunks)
+    assert chunks[-1] == {"error": {**error, "required": {"min": None, "max": 1}}}
+    # each stale request ran at most one more forward pass, not to its 50 tokens
+    assert health["tokens"] <= tokens + 2 * (held_at + 1)
+    assert 'deltaboard_sidecar_requests_total{outcome="stale"} 2.0' in metrics
+    kept = answers["kept"]
+    assert kept.status_code == 200 and len(kept.json()["choices"][0]["token_ids"]) == tokens
+    if mode == "in_place":
+        assert kept.json()["weight_version"] == {"start": 1, "end": 2, "spans": [[0, 1], [held_at, 2]]}
+    else:
+        assert kept.json()["weight_version"] == {"start": 1, "end": 1, "spans": [[0, 1]]}
 
 
 def test_healthz_and_metrics(node):

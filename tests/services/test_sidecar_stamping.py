@@ -1,4 +1,5 @@
-"""Version-range stamping of responses: JSON bodies and SSE streams cut at any byte."""
+"""Version stamping of responses (range and token spans): JSON bodies and SSE streams cut
+at any byte, and streams a swap aborts."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deltaboard.services.sidecar.gate import VersionGate
-from deltaboard.services.sidecar.stamping import Release, restamped_stream, stamp
+from deltaboard.services.sidecar.constraints import SidecarCode, VersionConstraint
+from deltaboard.services.sidecar.gate import Admitted, Refused, VersionGate
+from deltaboard.services.sidecar.stamping import Release, restamped_stream, stamp, version_field
 
 
 class EndsAt:
@@ -21,17 +24,23 @@ class EndsAt:
         self.end = end
         self.released = 0
 
-    async def release(self, high: int | None) -> int:
+    async def release(self, admitted: Admitted) -> int:
         self.released += 1
         return self.end
 
 
-class Chunked:
-    """An upstream response whose raw body arrives cut at the given offsets."""
+GONE = Refused(SidecarCode.WEIGHT_VERSION_GONE, "swapped past it", {"min": None, "max": 3}, 3, 4, None)
 
-    def __init__(self, body: bytes, cuts: list[int]) -> None:
+
+class Chunked:
+    """An upstream response whose raw body arrives cut at the given offsets. With `abort`,
+    once all of it went out, a swap aborts the request (`abort` is its `stale` future) while
+    the engine is still generating: no more bytes, no end."""
+
+    def __init__(self, body: bytes, cuts: list[int], abort: asyncio.Future[Refused] | None = None) -> None:
         self.body = body
         self.cuts = sorted({c % (len(body) + 1) for c in cuts})
+        self.abort = abort
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         last = 0
@@ -39,10 +48,13 @@ class Chunked:
             if cut > last:
                 yield self.body[last:cut]
                 last = cut
+        if self.abort is not None:
+            self.abort.set_result(GONE)
+            await asyncio.Event().wait()  # still generating: only the abort ends the read
 
 
 def run_stream(
-    body: bytes, cuts: list[int], start: int, end: int, refusal: str | None = None
+    body: bytes, cuts: list[int], start: int, end: int, refusal: str | None = None, aborted: bool = False
 ) -> tuple[list[bytes], int]:
     gate = EndsAt(end)
 
@@ -50,12 +62,22 @@ def run_stream(
         return refusal
 
     async def collect() -> list[bytes]:
-        release = Release(cast(VersionGate, gate), None)
-        stream = restamped_stream(cast(Any, Chunked(body, cuts)), start, release, verify)
+        stale: asyncio.Future[Refused] = asyncio.get_running_loop().create_future()
+        admitted = Admitted(start, 0.0, VersionConstraint(max=3), 0, stale)
+        release = Release(cast(VersionGate, gate), admitted)
+        upstream = Chunked(body, cuts, stale if aborted else None)
+        stream = restamped_stream(cast(Any, upstream), admitted, release, verify, lambda: counted.append(1))
         return [part async for part in stream]
 
+    counted: list[int] = []
     out = asyncio.run(collect())
+    assert len(counted) == aborted
     return b"".join(out).split(b"\n\n")[:-1], gate.released
+
+
+def whole(start: int, end: int) -> dict[str, Any]:
+    """The versions of a response the engine said nothing about."""
+    return {"start": start, "end": end, "spans": [[0, start]] if start == end else None}
 
 
 payloads = st.dictionaries(
@@ -82,7 +104,7 @@ def test_every_event_passes_and_only_the_last_data_event_is_stamped(events, comm
     assert released == 1
     data = [json.loads(e[6:]) for e in out if e.startswith(b"data: {")]
     assert data[:-1] == events[:-1]
-    assert data[-1] == {**events[-1], "weight_version": {"start": start, "end": end}}
+    assert data[-1] == {**events[-1], "weight_version": whole(start, end)}
     assert (out[-1] == b"data: [DONE]") == done
     assert (out[0] == b": keep-alive") == comment
 
@@ -102,16 +124,63 @@ def test_a_stream_the_gate_does_not_vouch_for_ends_with_an_error_not_a_range(eve
 def test_a_stream_without_data_events_still_reports_its_range():
     out, released = run_stream(b": only a comment\n\n", [3], 4, 5)
     assert released == 1
-    assert out == [b": only a comment", b'data: {"weight_version": {"start": 4, "end": 5}}']
+    assert out == [b": only a comment", b'data: {"weight_version": {"start": 4, "end": 5, "spans": null}}']
 
 
 @given(payloads, st.integers(0, 9), st.integers(0, 9))
 def test_json_objects_gain_the_range_and_keep_everything_else(payload, start, end):
     stamped = stamp(json.dumps(payload).encode(), start, end)
     assert stamped is not None
-    assert json.loads(stamped) == {**payload, "weight_version": {"start": start, "end": end}}
+    assert json.loads(stamped) == {**payload, "weight_version": whole(start, end)}
 
 
 def test_non_objects_are_left_alone():
     assert stamp(b"[1, 2]", 1, 1) is None
     assert stamp(b"not json", 1, 1) is None
+
+
+@given(
+    st.lists(payloads, min_size=1, max_size=4),
+    st.lists(st.integers(0, 10_000), max_size=4),
+    st.sampled_from([None, {"start": 3, "end": 3, "spans": [[0, 3]]}]),
+)
+def test_a_stream_a_swap_aborts_ends_with_the_refusal_and_no_versions(events, cuts, engine_versions):
+    if engine_versions is not None:  # the engine's last event: its versions must not go out either
+        events = [*events[:-1], {**events[-1], "weight_version": engine_versions}]
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    out, released = run_stream(body, cuts, 3, 3, aborted=True)
+    assert released == 0  # `StampedStream` releases, once the upstream is closed
+    data = [json.loads(e[6:]) for e in out if e.startswith(b"data: ")]
+    unstamped = [{k: v for k, v in e.items() if k != "weight_version"} for e in events]
+    assert data == [*unstamped, {"error": GONE.error()}]
+    assert GONE.error()["code"] == "WeightVersionGone" and GONE.error()["retryable"] is False
+
+
+def test_the_engines_spans_are_kept_where_they_fit_the_range():
+    swap = {"start": 7, "end": 8, "spans": [[0, 7], [12, 8]]}
+    assert version_field(7, 8, swap) == swap
+    # the swap fell before the first token: exact, and within the sidecar's range
+    assert version_field(7, 8, {"start": 8, "end": 8, "spans": [[0, 8]]})["spans"] == [[0, 8]]
+    assert version_field(7, 9, {"spans": [[0, 7], [3, 8], [5, 9]]})["spans"] == [[0, 7], [3, 8], [5, 9]]
+
+
+@pytest.mark.parametrize(
+    "reported",
+    [
+        None,
+        "8",  # an engine's own version label, not spans
+        {"spans": None},
+        {"spans": []},
+        {"spans": [[0, 6], [12, 8]]},  # a version outside the range
+        {"spans": [[0, 7], [12, 9]]},
+        {"spans": [[1, 7], [12, 8]]},  # not from the first token
+        {"spans": [[0, 8], [12, 7]]},  # versions go back
+        {"spans": [[0, 7], [0, 8]]},  # indices do not increase
+        {"spans": [[0, 7], [12, True]]},
+        {"spans": [[0, 7, 1]]},
+        {"spans": [[0, "7"]]},
+    ],
+)
+def test_spans_the_sidecar_cannot_vouch_for_are_null_or_the_one_version(reported):
+    assert version_field(7, 8, reported)["spans"] is None  # the swap's place is not known
+    assert version_field(7, 7, reported)["spans"] == [[0, 7]]  # one version made every token

@@ -77,6 +77,19 @@ class VersionConstraint:
     def describe(self, head: int | None) -> dict[str, int | None]:
         return {"min": self.low(head), "max": self.high()}
 
+    def words(self, head: int | None) -> str:
+        """What the request accepts, for a person: "version 5", "version 5 or later"..."""
+        low, high = self.low(head), self.high()
+        if low is not None and low == high:
+            return f"version {low}"
+        if low is not None and high is not None:
+            return f"a version from {low} to {high}"
+        if low is not None:
+            return f"version {low} or later"
+        if high is not None:
+            return f"version {high} or earlier"
+        return "any version"
+
 
 @dataclass(frozen=True)
 class Serve:

@@ -187,8 +187,8 @@ class VersionGate:
         if not self.healthy:
             message = self.problem or "the engine failed to load"
             return self._refuse(SidecarCode.ENGINE_UNAVAILABLE, message, constraint, retry)
-        needs = constraint.describe(self.head)
-        message = f"this node serves {self.served}; the request needs {needs}"
+        serves = "no version yet" if self.served is None else f"version {self.served}"
+        message = f"this node serves {serves}; the request needs {constraint.words(self.head)}"
         return self._refuse(SidecarCode.WEIGHT_VERSION_NOT_READY, message, constraint, retry)
 
     def _refuse(

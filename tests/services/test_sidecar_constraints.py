@@ -141,3 +141,17 @@ def test_every_sidecar_code_has_its_status_in_the_proxy():
     assert HTTP_STATUS[SidecarCode.WEIGHT_VERSION_NOT_READY] == 409
     assert HTTP_STATUS[SidecarCode.WEIGHT_VERSION_GONE] == 410
     assert set(OUTCOME) <= set(SidecarCode)
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ({"exact": 5}, "version 5"),
+        ({"min": 5}, "version 5 or later"),
+        ({"max": 5}, "version 5 or earlier"),
+        ({"min": 2, "max": 4}, "a version from 2 to 4"),
+        ({}, "any version"),
+    ],
+)
+def test_a_refusal_says_what_the_request_accepts_in_words(spec, words):
+    assert parse_constraint({"weight_version": spec}, {})[0].words(head=9) == words

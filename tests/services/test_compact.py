@@ -3,19 +3,25 @@ registered once however many workers race, refused with wrong digests, read back
 
 from __future__ import annotations
 
+import os
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from deltaboard.board import codec
 from deltaboard.board.contract.errors import BadManifest, Forbidden
-from deltaboard.board.contract.spans import SpanManifest
+from deltaboard.board.contract.spans import SpanEntry, SpanManifest
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower import Follower, IntegrityError
+from deltaboard.services.bench import follow_bench
 from deltaboard.services.compact.build import build_spans
+from deltaboard.services.compact.worker import compact_head
 from tests.clients.support import assert_view, publish_states
+from tests.support.servers import VENV_BIN
 
 SIZES = {"embed.weight": (128, 32), "layers.0.weight": (32, 32), "layers.0.bias": (32,)}
 
@@ -23,6 +29,10 @@ SIZES = {"embed.weight": (128, 32), "layers.0.weight": (32, 32), "layers.0.bias"
 def built(client: BoardClient, tmp: Path, head: int) -> dict[int, tuple[SpanManifest, bytes]]:
     with Follower(client, "r", tmp / "compact", node_id="compact") as follower:
         return {span.from_version: (span, blob) for span, blob in build_spans(client, "r", follower, head)}
+
+
+def patch_of(blob: bytes, entry: SpanEntry) -> bytes:
+    return blob[entry.blob.offset : entry.blob.offset + entry.blob.length]
 
 
 @pytest.fixture
@@ -41,7 +51,7 @@ def test_spans_end_at_head_in_powers_of_two_and_patch_like_the_deltas(chain):
             n for n in SIZES if views[a][n].tobytes() != views[9][n].tobytes()
         }
         for entry in span.tensors:
-            patch = blob[entry.blob.offset : entry.blob.offset + entry.blob.length]
+            patch = patch_of(blob, entry)
             dtype = entry.dtype
             assert entry.base_digest == codec.digest(views[a][entry.name], dtype)
             assert codec.apply(views[a][entry.name], patch).tobytes() == views[9][entry.name].tobytes()
@@ -133,3 +143,63 @@ def test_a_span_with_wrong_patches_is_refused_by_the_follower(chain, board, tmp_
             node.sync(9)
         assert node.version == 1
         assert_view(tmp_path / "node", views[1])
+
+
+def test_a_node_32_behind_fetches_under_0_4x_the_replay(board, tmp_path):
+    """On the synthetic view with the recorded run's change statistics (`bench follow`'s)."""
+    config = follow_bench.BenchConfig(view_gb=0.004, tensor_elements=1 << 18)
+    trainer = follow_bench.SyntheticTrainer(config, follow_bench.trajectory_stats())
+    client, run = board.client(board.publish_token), follow_bench.RUN
+    follow_bench.publish(client, trainer, 33, lambda _: None)
+    replay = client.plan(run, 0, 32)
+    with Follower(client, run, tmp_path / "compact", node_id="compact") as worker:
+        assert compact_head(client, run, worker, 32) == 5  # spans of 2, 4, 8, 16 and 32 versions
+    plan = client.plan(run, 0, 32)
+    assert [s.kind for s in plan.steps] == ["span"]
+    ratio = (plan.total_bytes + plan.manifest_bytes) / (replay.total_bytes + replay.manifest_bytes)
+    assert ratio <= 0.4, ratio
+    with Follower(board.client(board.read_token), run, tmp_path / "node", node_id="n1") as node:
+        node.sync(0)
+        node.sync(32)
+        assert_view(tmp_path / "node", {n: b.view(np.uint8) for n, b in trainer.bits.items()})
+
+
+def test_kill_9_of_the_worker_leaves_only_complete_verified_spans(board, tmp_path):
+    """The worker is killed as soon as it has registered its first span of head 9 (the
+    others built or uploading): every span the board shows is whole and patches exactly."""
+    views = publish_states(board.client(board.publish_token), "r", SIZES, 10, keyframe_every=100)
+    worker = subprocess.Popen(
+        [
+            str(VENV_BIN / "deltaboard"),
+            "compact",
+            "--board",
+            board.url,
+            "--run",
+            "r",
+            "--dir",
+            str(tmp_path / "w"),
+        ],
+        env={**os.environ, "DELTABOARD_TOKEN": board.publish_token},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stderr is not None
+        for line in worker.stderr:
+            if " span " in line:
+                break
+        worker.kill()
+    finally:
+        worker.kill()
+        worker.wait()
+    reader = board.client(board.read_token)
+    stored = sorted((board.data_dir / "store" / "runs" / "r" / "spans").iterdir())
+    assert stored, "the worker registered a span before it was killed"
+    for path in stored:
+        a, b = (int(part) for part in path.stem.split("-"))
+        span = reader.span("r", a, b)
+        for entry in span.tensors:
+            patch = reader.get_blob("r", entry.blob.sha256)[
+                entry.blob.offset : entry.blob.offset + entry.blob.length
+            ]
+            assert codec.apply(views[a][entry.name], patch).tobytes() == views[b][entry.name].tobytes()

@@ -7,6 +7,9 @@ follow the run and serve completions pinned to versions. The live view shows eac
 version's changed fraction and patch size against the full view, and each node's
 version and lag; a summary table closes it. The exit code is non-zero if a node did not
 converge to the last version or a pinned request was not served with exactly its version.
+It prints where to look meanwhile: the board's dashboard (`/ui`) with the read token to
+enter there, and each node's status page; with `--keep` the board and the nodes stay up
+after the summary until Ctrl-C.
 
 With `--board URL --token T --nodes 0` it is only the trainer, publishing to an existing
 board (what the compose file's demo trainer runs).
@@ -373,6 +376,25 @@ def logs_to_file(path: Path) -> Iterator[None]:
         handler.close()
 
 
+def addresses(board_url: str, read_token: str | None, nodes: list[Node]) -> list[str]:
+    """Where to look while the demo runs: the board's dashboard with the read token to enter
+    there (when the demo made it), and each node's status page."""
+    lines = [f"dashboard: {board_url}/ui"]
+    if read_token is not None:
+        lines.append(f"read token to enter there: {read_token}")
+    lines += [f"{node.id} status page: {node.url}/ui" for node in nodes]
+    return lines
+
+
+def keep_up(console: Any, lines: list[str]) -> None:
+    """`--keep`: the board and the nodes stay up for a look at the pages, until Ctrl-C."""
+    for line in [*lines, "keeping the board and the nodes up; Ctrl-C stops them"]:
+        console.print(line, highlight=False, soft_wrap=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            time.sleep(3600)
+
+
 def demo(
     steps: int = typer.Option(30, help="AdamW steps to train (one version each)"),
     nodes: int = typer.Option(3, min=0, max=8, help="rollout nodes (follower + sidecar + engine)"),
@@ -405,6 +427,9 @@ def demo(
     json_path: Path | None = typer.Option(
         None, "--json", help="write the summary as JSON (default: no)", show_default=False
     ),
+    keep: bool = typer.Option(
+        False, "--keep", help="keep the board and the nodes up after the demo, until Ctrl-C"
+    ),
 ) -> None:
     """Train, publish, follow and serve pinned completions end to end on embedded defaults."""
     from rich.console import Console
@@ -428,14 +453,18 @@ def demo(
         stack.enter_context(logs_to_file(root / "logs" / "nodes.log"))
         processes = Processes(root / "logs")
         stack.callback(processes.stop)
+        shown_token: str | None = None  # a token the demo made; one passed in is not printed
         if board is None:
             board, token, read_token = start_board(processes, root)
+            shown_token = read_token
             console.print(f"board on {board}", highlight=False)
         else:
             read_token = token or ""
         if nodes:
             console.print(f"starting {nodes} engine(s) and sidecar(s) (each engine loads torch)")
         fleet = start_nodes(processes, root, nodes, board, read_token, mode)
+        for line in addresses(board, shown_token, fleet):
+            console.print(line, highlight=False, soft_wrap=True)
         console.print("training; each step is published as a new version")
         for node in fleet:
             stack.callback(node.server.stop)
@@ -445,10 +474,12 @@ def demo(
             train_and_publish(state, board, token or "", fleet, settings)
             converged = await_convergence(fleet, state.head, timeout_s=60)
         report = summary(state, fleet, converged, time.monotonic() - started)
-    console.print()
-    console.print(summary_table(report))
-    if json_path is not None:
-        json_path.write_text(json.dumps(report, indent=2))
+        console.print()
+        console.print(summary_table(report))
+        if json_path is not None:
+            json_path.write_text(json.dumps(report, indent=2))
+        if keep:
+            keep_up(console, addresses(board, shown_token, fleet))
     if not succeeded(report):
         console.print("[red]FAILED[/red]: a node did not converge or a pinned request got another version")
         raise typer.Exit(1)

@@ -4,12 +4,42 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+
+def output_until(process: subprocess.Popen[str], last: str, timeout_s: float) -> list[str]:
+    """The lines `process` prints up to one containing `last` (a reader thread, so that a
+    demo that hangs fails the test at `timeout_s` instead of blocking it)."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not seen or last not in seen[-1]:
+        line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+        assert line is not None, "\n".join(seen[-60:])
+        seen.append(line)
+    return seen
 
 
 def test_demo_converges_and_serves_every_pinned_version(tmp_path):
+    """The demo as the README runs it (`--keep`): it converges, and the dashboard it prints
+    serves the page while the board is kept up, until Ctrl-C."""
     summary = tmp_path / "summary.json"
     command = [
         sys.executable,
@@ -19,11 +49,38 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
         "--steps=2",
         "--warmup=0",
         "--nodes=1",
+        "--keep",
         f"--workdir={tmp_path / 'work'}",
         f"--json={summary}",
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = output_until(process, "Ctrl-C stops them", timeout_s=240)
+        printed = "\n".join(lines)
+        dashboard = re.findall(r"^dashboard: (http://127\.0\.0\.1:\d+/ui)$", printed, re.M)
+        token = re.findall(r"^read token to enter there: (\S+)$", printed, re.M)
+        node_page = re.findall(r"^node-0 status page: (http://127\.0\.0\.1:\d+/ui)$", printed, re.M)
+        # printed once when they come up and again once the demo is done
+        assert len(dashboard) == len(token) == len(node_page) == 2, printed
+        page = httpx.get(dashboard[-1], follow_redirects=True)
+        assert page.status_code == 200 and "<title>deltaboard</title>" in page.text
+        runs = httpx.get(
+            dashboard[-1].removesuffix("/ui") + "/v1/runs", headers={"Authorization": f"Bearer {token[-1]}"}
+        )
+        assert runs.status_code == 200 and "demo" in runs.text
+        status_page = httpx.get(node_page[-1], follow_redirects=True)
+        assert status_page.status_code == 200 and "<title>deltaboard sidecar</title>" in status_page.text
+        assert process.poll() is None  # kept up
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, printed[-3000:] + rest[-3000:]
+    with pytest.raises(httpx.ConnectError):  # the board stopped with the demo
+        httpx.get(dashboard[-1])
     report = json.loads(summary.read_text())
     assert set(report) == {
         "versions",
@@ -41,7 +98,7 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
     assert report["pinned_requests"] == 3 and report["pinned_mismatches"] == 0
     assert 0 < report["mean_patch_bytes"] < report["full_bytes"] / 10
     assert 0 < report["mean_changed_fraction"] < 0.2
-    assert "summary" in done.stdout
+    assert "summary" in printed
 
 
 def test_demo_refuses_an_unknown_commit_mode(tmp_path):

@@ -37,7 +37,7 @@ A client that disconnects cancels the upstream request (the engine sees the
 disconnect and stops generating); an engine that cannot be reached gives 503 with
 `Retry-After`. The engine's `Date` and `Server` headers are dropped (the sidecar's server
 sends its own), so a response carries one of each. The sidecar's own routes are
-`/healthz`, `/metrics` and `/sidecar/status`.
+`/healthz`, `/metrics`, `/sidecar/status` and its status page `/ui` (`sidecar.ui`).
 """
 
 from __future__ import annotations

@@ -42,6 +42,9 @@ def prepare_patch(
     """
     if manifest.kind != "delta" or manifest.parent is None:
         raise ResidentError(f"version {manifest.version} is a keyframe: it is loaded, not patched")
+    if any(e.part is not None for e in manifest.tensors):
+        # a part's patch covers a slice of its tensor; resident tensors are patched whole
+        raise ResidentError(f"version {manifest.version} is published in parts: it is loaded, not patched")
 
     def one(entry: TensorEntry) -> TensorPatch:
         held = held_digests.get(entry.name)

@@ -13,7 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltaboard.board import codec
-from deltaboard.board.contract.schemas import BlobRef, Manifest, ManifestStats, TensorEntry, ViewSpec
+from deltaboard.board.contract.schemas import (
+    BlobRef,
+    Manifest,
+    ManifestStats,
+    TensorEntry,
+    TensorPart,
+    ViewSpec,
+)
 from deltaboard.clients.resident import (
     BaseMismatch,
     HotPatch,
@@ -25,6 +32,7 @@ from deltaboard.clients.resident import (
     write_patch,
 )
 from tests.board.codec_cases import PATTERNS, make_case
+from tests.board.test_manifest_rules import build
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TORCH = {
@@ -242,3 +250,13 @@ def test_a_patch_survives_its_file(tmp_path: Path) -> None:
     (tmp_path / "x.hot").write_bytes(b"not a patch")
     with pytest.raises(Exception):  # noqa: B017 - safetensors' own error for a garbage file
         read_patch(tmp_path / "x.hot")
+
+
+def test_a_version_in_parts_is_loaded_not_patched() -> None:
+    """A sharded trainer's delta patches slices of tensors: the hot path refuses it (the
+    sidecar then reloads it from disk) instead of decoding a part against a whole tensor."""
+    delta = build([("w", "BF16", (4, 6))], kind="delta")
+    part = TensorPart(offset=(0, 0), shape=(4, 3), digest="0" * 32)
+    in_parts = delta.model_copy(update={"tensors": (delta.tensors[0].model_copy(update={"part": part}),)})
+    with pytest.raises(ResidentError, match="in parts"):
+        prepare_patch(in_parts, lambda ref: b"", lambda name: np.zeros(48, np.uint8), {"w": "0" * 32})

@@ -44,6 +44,6 @@ def serve_engine(
             flush=True,
         )
         holds = "serving nothing yet"
-    how = f" on {device}" + (", hot updates in place" if hot else "")
-    print(f"deltaboard engine {name!r} listening on http://{host}:{port}{how}, {holds}", flush=True)
+    how = f" (on {device}" + (", hot updates in place)" if hot else ")")
+    print(f"deltaboard engine {name!r} listening on http://{host}:{port}, {holds}{how}", flush=True)
     uvicorn_server(create_app(state)).run(sockets=[sock])

@@ -23,16 +23,14 @@ Memory, in bytes (documented bound, see `memory_bound_bytes`):
           plus 2 * encode_workers tensors' bytes while a keyframe encodes, plus the changes of two
           diff batches (`device_diff.iter_diffs`: ~12 bytes per changed bf16 element).
 
-The codec's context encoding (`context`) makes fp32-master deltas about 22% smaller (7.7
-instead of 9.9 bits per changed element; bf16: 5.7 instead of 13): every follower
-downloads, and the board stores, that much less. It reads the old exponent class of every
-element. On the CPU the publisher hands the codec the old bytes in place; the pass costs
-background time only (`bench publish`, 1 GB bf16 view, 2 cores: 0.66 instead of 0.40 s
-from call to commit, none of it on the trainer thread), so the default (`None`, auto)
-uses it there. On CUDA it needs a hint computed on the device
-(`device_diff.context_hints`), which cut snapshot + diff from ~211 to ~58 GB/s on an
-H200, so auto leaves it off there; `context=True` asks for it everywhere,
-`context=False` nowhere.
+The codec's context encoding (`context`) makes deltas smaller (docs/design.md has the
+measured figures): every follower downloads, and the board stores, that much less. It
+reads the old exponent class of every element. On the CPU the publisher hands the codec
+the old bytes in place; the pass costs background time only, none of it on the trainer
+thread, so the default (`None`, auto) uses it there. On CUDA it needs a hint computed on
+the device (`device_diff.context_hints`), which costs the snapshot + diff pass a large
+part of its throughput, so auto leaves it off there; `context=True` asks for it
+everywhere, `context=False` nowhere.
 
 Threads: the caller's (snapshot only), one worker (orders the stages, commits), a diff
 helper, an encoder pool (`encode_workers`, default min(4, cores)), an upload pool, and

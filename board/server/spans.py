@@ -5,10 +5,11 @@ The board folds the manifests from the keyframe at or below the span's first ver
 to its last (a delta lists only the tensors it changed; the latest entry of a tensor is
 its digest) into each tensor's digest at both ends, then refuses (`BadManifest`) a span
 unless: its ends are committed, at least two versions apart and in one keyframe chain;
-its state digests are the two manifests'; each entry's tensor has the layout's dtype,
-shape and file, its `base_digest` is the tensor's digest at the first version and its
-`digest` the one at the last; and every tensor that differs between the ends has an
-entry, so that the base's digests updated by the entries are the last version's.
+its state digests are the two manifests'; each entry is a whole tensor (no part) with
+the layout's dtype, shape and file, its `base_digest` is the tensor's digest at the first
+version and its `digest` the one at the last; and every tensor that differs between the
+ends has an entry, so that the base's digests updated by the entries are the last
+version's. Runs published in parts get no spans from the worker yet.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def check_span(span: SpanManifest, run: str, chain: Sequence[Manifest]) -> None:
         if entry.name in seen:
             raise BadManifest(f"span {a} -> {b}: tensor {entry.name!r} appears twice")
         seen.add(entry.name)
+        if entry.part is not None:
+            raise BadManifest(
+                f"span {a} -> {b}: tensor {entry.name!r} is a part; a span patches whole tensors"
+            )
         if layout.get(entry.name) != (entry.dtype, tuple(entry.shape), entry.file):
             raise BadManifest(f"span {a} -> {b}: tensor {entry.name!r} is not in the layout as given")
         if entry.base_digest != before[entry.name] or entry.digest != after[entry.name]:

@@ -28,8 +28,12 @@ process (loopback); the nodes are real `Follower`s on local disk. Figures:
 * `bootstrap_s`: an empty node to serving the head (the run's one keyframe plus every
   delta after it: the worst case of a keyframe schedule; download included), and
   `bootstrap_keyframe_s` to serving the keyframe's version itself;
-* `catchup_*`: a node k = 32 versions behind: bytes it fetched, against one keyframe
-  (`keyframe_bytes`) and against all k deltas (`replay_bytes`).
+* `catchup_*`: a node k = 32 versions behind, on the plan once the spans ending at k
+  are registered (`catchup_s`, `catchup_bytes`, of which `span_bytes` in spans), and
+  the same node by the deltas alone, before they were (`catchup_deltas_s`,
+  `catchup_deltas_bytes`); against one keyframe (`keyframe_bytes`) and all k deltas'
+  encoded bytes (`replay_bytes`). `compact_s`: building and registering the spans of one
+  head, as the compaction worker does on that head's event (here in-process).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from deltaboard.clients.follower.follower import APPLY_THREADS
 from deltaboard.clients.follower.layout import materialize
 from deltaboard.clients.follower.patcher import read_placements
 from deltaboard.services.bench.publish_bench import board_process
+from deltaboard.services.compact.worker import compact_head
 
 RUN = "bench-follow"
 PAGE = 4096
@@ -369,7 +374,6 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
             del base
             manifests = [client.manifest(RUN, v) for v in range(1, 1 + k)]
             keyframe_bytes = client.plan(RUN, None, 0).total_bytes
-            planned = client.plan(RUN, 0, k)
 
             status("bootstrapping new nodes")
             fresh = node(client, tmp / "fresh", "fresh")
@@ -378,6 +382,20 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
             fresh = node(client, tmp / "fresh-head", "fresh-head")
             bootstrap_s = fresh.sync(k + config.steady).ready_s
             fresh.follower.close()
+
+            status(f"a node {k} versions behind catching up by the deltas")
+            replaying = node(client, tmp / "replaying", "replaying")
+            replaying.sync(0)
+            timeline = replaying.sync(k)
+            catchup_deltas_s, catchup_deltas_bytes = timeline.ready_s, timeline.fetched
+            replaying.follower.close()
+
+            status(f"building the spans ending at version {k}")
+            started = time.perf_counter()
+            with Follower(client, RUN, tmp / "compact", node_id="compact") as worker:
+                compact_head(client, RUN, worker, k)
+            compact_s = time.perf_counter() - started
+            planned = client.plan(RUN, 0, k)
 
             status(f"a node {k} versions behind catching up")
             behind = node(client, tmp / "behind", "behind")
@@ -417,11 +435,16 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
         "catchup_s": catchup_s,
         "catchup_bytes": catchup_bytes,
         "catchup_strategy": planned.strategy,
+        "catchup_deltas_s": catchup_deltas_s,
+        "catchup_deltas_bytes": catchup_deltas_bytes,
+        "span_bytes": sum(b.size for s in planned.steps if s.kind == "span" for b in s.blobs),
+        "compact_s": compact_s,
         "keyframe_bytes": keyframe_bytes,
         "replay_bytes": sum(m.stats.encoded_bytes for m in manifests),
         "targets": {
             "apply_verify_le_0.1x_full_write": apply_s <= 0.1 * full_s,
             "catchup_le_one_keyframe": catchup_bytes <= keyframe_bytes,
+            "catchup_le_0.4x_replay": catchup_bytes <= 0.4 * catchup_deltas_bytes,
         },
         "pages_touched": trainer.pages_touched,
         "trajectory_changed_fraction": stats.fraction,
@@ -462,6 +485,12 @@ def render(report: dict[str, Any], console: Console) -> None:
         ("new node serving a keyframe version", f"{report['bootstrap_keyframe_s']:.3f} s"),
         (f"catch-up from {report['catchup_k']} behind", f"{report['catchup_s']:.3f} s"),
         ("  bytes fetched", f"{report['catchup_bytes']:,} ({report['catchup_strategy']})"),
+        ("  of which spans", f"{report['span_bytes']:,}"),
+        (
+            "  by the deltas alone",
+            f"{report['catchup_deltas_s']:.3f} s, {report['catchup_deltas_bytes']:,} bytes",
+        ),
+        (f"  building the spans ending at {report['catchup_k']}", f"{report['compact_s']:.3f} s"),
         ("  one keyframe", f"{report['keyframe_bytes']:,}"),
         (f"  replaying {report['catchup_k']} deltas", f"{report['replay_bytes']:,}"),
     ]

@@ -14,6 +14,7 @@ import pytest
 
 from deltaboard.board import codec
 from deltaboard.board.contract.errors import BadManifest, Forbidden
+from deltaboard.board.contract.schemas import TensorPart
 from deltaboard.board.contract.spans import SpanEntry, SpanManifest
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower import Follower, IntegrityError
@@ -76,6 +77,7 @@ def test_wrong_digests_are_refused_with_422_and_nothing_is_stored(chain, board):
     span, blob = spans[5]
     publisher.upload_blob("r", blob)
     first = span.tensors[0]
+    whole = TensorPart(offset=(0,) * len(first.shape), shape=first.shape, digest=first.digest)
     wrong = [
         span.model_copy(
             update={"tensors": (first.model_copy(update={"digest": "0" * 32}), *span.tensors[1:])}
@@ -86,6 +88,7 @@ def test_wrong_digests_are_refused_with_422_and_nothing_is_stored(chain, board):
         span.model_copy(update={"tensors": span.tensors[1:]}),  # a changed tensor left out
         span.model_copy(update={"state_digest": spans[7][0].base_state_digest}),
         span.model_copy(update={"from_version": 8}),  # one version is a delta, not a span
+        span.model_copy(update={"tensors": (first.model_copy(update={"part": whole}), *span.tensors[1:])}),
     ]
     for bad in wrong:
         with pytest.raises(BadManifest) as refused:

@@ -12,6 +12,13 @@ def test_bench_follow_small_view() -> None:
     for key in ("apply_verify_s", "full_write_s", "page_touch_s", "codec_decode_s", "bootstrap_s"):
         assert report[key] > 0, key
     assert report["page_touch_ratio"] == report["page_touch_s"] / report["full_write_s"]
-    # the plan fetches the cheaper of a keyframe and the chain of deltas
-    assert report["catchup_bytes"] == min(report["keyframe_bytes"], report["replay_bytes"])
-    assert set(report["targets"]) == {"apply_verify_le_0.1x_full_write", "catchup_le_one_keyframe"}
+    # without spans the plan fetches the cheaper of a keyframe and the chain of deltas;
+    # with the span 1 -> 3, less: the delta to 1, then the span
+    assert report["catchup_deltas_bytes"] == min(report["keyframe_bytes"], report["replay_bytes"])
+    assert 0 < report["span_bytes"] < report["catchup_bytes"] < report["catchup_deltas_bytes"]
+    assert report["catchup_strategy"] == "spans" and report["compact_s"] > 0
+    assert set(report["targets"]) == {
+        "apply_verify_le_0.1x_full_write",
+        "catchup_le_one_keyframe",
+        "catchup_le_0.4x_replay",
+    }

@@ -4,6 +4,7 @@ tensor, disagree, or (in a keyframe) do not cover it."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -38,7 +39,7 @@ def test_slice_digests_combine_into_the_tensor_digest(shape, pieces, dim, rnd):
     cuts = sorted(rnd.randint(0, shape[dim]) for _ in range(pieces - 1))
     bounds = [0, *cuts, shape[dim]]
     digests = []
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
+    for lo, hi in itertools.pairwise(bounds):
         box = data[(slice(None),) * dim + (slice(lo, hi),)]
         offset = tuple(lo if d == dim else 0 for d in range(len(shape)))
         digests.append(codec.digest_slice(_bytes(box), "BF16", offset, box.shape, shape))
@@ -50,7 +51,8 @@ def test_slice_digests_combine_into_the_tensor_digest(shape, pieces, dim, rnd):
             moved = codec.Changes("BF16", data.size, at, local.old_bits, local.new_bits)
             whole = data.copy()
             whole.reshape(-1)[at] = local.new_bits
-            assert codec.digest_update(codec.digest(_bytes(data), "BF16"), moved) == codec.digest(_bytes(whole), "BF16")
+            before, after = codec.digest(_bytes(data), "BF16"), codec.digest(_bytes(whole), "BF16")
+            assert codec.digest_update(before, moved) == after
             assert codec.digest_update(digests[-1], moved) == codec.digest_slice(
                 _bytes(new), "BF16", offset, box.shape, shape
             )

@@ -408,7 +408,7 @@ class BoardService:
             r.version: r for r in await self.blocking(self.ledger.committed_versions, run, current.version)
         }
         touches = await self.index.blob_touches(run)
-        spans = await self.spans.records(run)
+        spans = await self.spans.records(run, reload=True)
         selection = select_versions(versions, current.version, policy.keep_last, spans)
         await self.index.drop_versions(run, list(selection.delete))
         for version in selection.delete:

@@ -77,10 +77,11 @@ class SpanBook:
             raise UnknownVersion(f"no span {from_version} -> {to_version} is stored")
         return data
 
-    async def records(self, run: str) -> dict[tuple[int, int], SpanRecord]:
-        """The run's spans by their ends (loaded from the store on first use)."""
+    async def records(self, run: str, *, reload: bool = False) -> dict[tuple[int, int], SpanRecord]:
+        """The run's spans by their ends, loaded from the store on first use or when asked
+        (retention does: a span another replica stored must keep its blobs)."""
         known = self._records.get(run)
-        if known is None:
+        if known is None or reload:
             ledger = self.service.ledger
             known = {}
             for span, size in await self.service.blocking(ledger.spans, run):

@@ -14,7 +14,7 @@ import pytest
 
 from deltaboard.board import codec
 from deltaboard.board.contract.errors import BadManifest, Forbidden
-from deltaboard.board.contract.schemas import TensorPart
+from deltaboard.board.contract.schemas import RetentionPolicy, TensorPart
 from deltaboard.board.contract.spans import SpanEntry, SpanManifest
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower import Follower, IntegrityError
@@ -206,3 +206,20 @@ def test_kill_9_of_the_worker_leaves_only_complete_verified_spans(board, tmp_pat
                 entry.blob.offset : entry.blob.offset + entry.blob.length
             ]
             assert codec.apply(views[a][entry.name], patch).tobytes() == views[b][entry.name].tobytes()
+
+
+def test_retention_keeps_the_spans_plans_take_and_their_blobs(chain, board):
+    """The span 1 -> 9 reaches the store behind this board's back (as through another
+    replica): retention still reads it, and keeps it and its blob (a plan from 1 takes it)."""
+    publisher, _, spans = chain
+    for a in (1, 5):
+        publisher.upload_blob("r", spans[a][1])
+    publisher.register_span("r", spans[5][0])
+    store = board.data_dir / "store" / "runs" / "r" / "spans"
+    (store / "000000000001-000000000009.json").write_text(spans[1][0].model_dump_json())
+    report = board.client().retention("r", RetentionPolicy(keep_last=9, grace_s=0))
+    assert report.kept_versions == tuple(range(10))
+    assert "000000000001-000000000009.json" in [p.name for p in store.iterdir()]
+    reader = board.client(board.read_token)
+    assert reader.blob_size("r", spans[1][0].tensors[0].blob.sha256) == len(spans[1][1])
+    assert [s.kind for s in reader.plan("r", 1, 9).steps] == ["span"]

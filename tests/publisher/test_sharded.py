@@ -277,6 +277,7 @@ def _declared_main(rank: int, world: int, init_file: str, url: str, token: str, 
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 processes for what the DTensor cases already cover by boxes; the long form runs it
 def test_plain_local_tensors_with_declared_slices(board, tmp_path, monkeypatch):
     """Column and row slices of plain tensors, declared by the caller, assemble into the
     checkpoint an unsharded publisher of the whole tensors produces."""

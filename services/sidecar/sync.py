@@ -228,10 +228,14 @@ class VersionSync:
             self.on_fatal(reason)
 
     def _engine_holds_own_load(self) -> bool:
+        """Whether the engine still holds the sidecar's last load. An engine that does not
+        answer this time (busy, restarting) says nothing either way: the next idle turn
+        asks again, and a restarted one answers with a stamp that differs."""
         try:
             return self.adapter.loaded() == self.gate.engine
-        except EngineAdapterError:
-            return False
+        except EngineAdapterError as exc:
+            log.warning("could not read what the engine holds (%s): checking again on the next turn", exc)
+            return True
 
     def _step(self, follower: FollowerPort, stop: threading.Event) -> None:
         """One turn: load what the follower holds if the engine lacks it; else sync toward the

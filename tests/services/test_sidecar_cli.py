@@ -82,7 +82,9 @@ def test_engine_and_sidecar_processes_serve_and_a_sidecar_on_a_taken_port_never_
         assert answer.status_code == 200
         assert answer.json()["weight_version"] == {"start": 0, "end": 0, "spans": [[0, 0]]}
         health = httpx.get(f"{engine_url}/health").json()
-        assert health["weight_version"] == 0 and health["loads"] == 1
+        # at least one load (a reload the sidecar timed out on under load is retried)
+        assert health["weight_version"] == 0 and health["loads"] >= 1
+        loads = health["loads"]
         said = logs["engine"].read_text()
         assert "does not exist: the engine serves nothing (503) until POST /reload" in said
         assert f"listening on {engine_url}, serving nothing yet" in said
@@ -100,7 +102,7 @@ def test_engine_and_sidecar_processes_serve_and_a_sidecar_on_a_taken_port_never_
         )
         assert second.returncode == 1 and "Traceback" not in second.stderr
         assert f"cannot listen on 127.0.0.1:{sidecar_port}" in second.stderr
-        assert httpx.get(f"{engine_url}/health").json()["loads"] == 1
+        assert httpx.get(f"{engine_url}/health").json()["loads"] == loads
     finally:
         for process in (sidecar, engine):
             process.terminate()

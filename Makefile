@@ -23,8 +23,9 @@ demo: install-demo
 # The dashboard's browser test (tests/ui) drives Debian's chromium; install it when missing
 # (as root, or through sudo without a password). Without it that test skips, saying why.
 chromium:
-	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y chromium; } \
-		|| sudo -n apt-get install -y chromium || echo "chromium could not be installed: tests/ui will skip"
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq chromium; } \
+		|| { sudo -n apt-get update -qq && sudo -n apt-get install -y -qq chromium; } \
+		|| echo "chromium could not be installed: tests/ui will skip"
 
 test: install chromium
 	$(BIN)/ruff check .

@@ -63,6 +63,9 @@ def test_engine_and_sidecar_processes_serve_and_a_sidecar_on_a_taken_port_never_
         engine = subprocess.Popen(
             [*CLI, "engine", f"--dir={tmp_path / 'dir'}", f"--port={engine_port}"], stdout=out, stderr=out
         )
+    # The engine must have looked at its directory before the sidecar creates it: wait until
+    # it listens (its import of torch can outlast the publish below on a busy machine).
+    wait_for(f"{engine_url}/health", engine, logs["engine"])
     model = build_model("tiny", seed=2)
     config: Any = model.config
     assets = {"config.json": config.to_json_string().encode()}

@@ -1,9 +1,12 @@
-"""Bearer-token authorisation: scopes `read` < `publish` < `admin` on run-name globs.
+"""Bearer-token authorisation: scopes `read` < `compact` < `publish` < `admin` on run-name globs.
 
 Tokens come from a config file (YAML or JSON) or from `scope:token[:glob]` strings (env or
 flags). Tokens are compared in constant time against every configured token, so response
 timing does not reveal how much of a guess was right. A higher scope includes the lower
-ones; `read` can never publish or delete.
+ones; `read` can never publish or delete. `compact` is the compaction worker's: it may
+upload blobs and register derived data (spans, keyframes), which the board checks against
+the committed manifests, but never take a lease, commit a version, create a run or write
+an asset, so a leaked worker token cannot change what a run serves.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deltaboard.board.contract.errors import Forbidden, Unauthorized
 
-Scope = Literal["read", "publish", "admin"]
-SCOPE_RANK: dict[str, int] = {"read": 0, "publish": 1, "admin": 2}
+Scope = Literal["read", "compact", "publish", "admin"]
+SCOPE_RANK: dict[str, int] = {"read": 0, "compact": 1, "publish": 2, "admin": 3}
 
 
 class TokenGrant(BaseModel):

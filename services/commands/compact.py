@@ -20,7 +20,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     def compact(
         run: str = typer.Option(..., "--run", help="The run to build spans for."),
         board: str = board_option(),
-        token: str | None = token_option("publish"),
+        token: str | None = token_option("compact"),
         directory: Path | None = typer.Option(
             None,
             "--dir",

@@ -36,6 +36,18 @@ def test_scopes_and_patterns():
     assert status(auth, "Token reader-token", "read", "x") == 401
 
 
+def test_compact_lies_between_read_and_publish():
+    """The compaction worker's scope: enough to register derived data, not to publish."""
+    grants = AuthConfig.parse_grants(["compact:compact-token", "read:reader-token", "publish:pub-token-x"])
+    auth = Authorizer(AuthConfig(tokens=grants))
+    c, r, p = "Bearer compact-token", "Bearer reader-token", "Bearer pub-token-x"
+    assert status(auth, c, "compact", "x") == 200
+    assert status(auth, c, "read", "x") == 200
+    assert status(auth, c, "publish", "x") == 403
+    assert status(auth, r, "compact", "x") == 403
+    assert status(auth, p, "compact", "x") == 200
+
+
 def test_anonymous_read_only_when_configured(tmp_path):
     path = tmp_path / "auth.yaml"
     path.write_text("anonymous_read: true\ntokens:\n  - {token: pub-token-y, scope: publish, runs: ['a*']}\n")

@@ -101,11 +101,30 @@ def test_wrong_digests_are_refused_with_422_and_nothing_is_stored(chain, board):
     assert not (board.data_dir / "store" / "runs" / "r" / "spans").exists()
 
 
-def test_registering_needs_a_publish_token(chain, board):
-    _, _, spans = chain
+def test_a_compact_token_registers_spans_but_cannot_publish(chain, board):
+    """The worker's scope: blobs and spans yes; a lease, a commit, a run or an asset no
+    (403 `Forbidden`, the typed class); a read token cannot register a span."""
+    publisher, _, spans = chain
+    span, blob = spans[7]
     reader = board.client(board.read_token)
     with pytest.raises(Forbidden):
-        reader.register_span("r", spans[7][0])
+        reader.register_span("r", span)
+    compactor = board.client(board.compact_token)
+    compactor.upload_blob("r", blob)
+    assert compactor.register_span("r", span).created
+    manifest = publisher.manifest("r", 9)
+    refused = [
+        lambda: compactor.acquire_lease("r", "compact"),
+        lambda: compactor.commit("r", manifest.model_copy(update={"version": 10, "parent": 9})),
+        lambda: compactor.create_run("r2"),
+        lambda: compactor.put_asset("r", "config.json", b"{}"),
+        lambda: compactor.retention("r"),
+    ]
+    for call in refused:
+        with pytest.raises(Forbidden) as denied:
+            call()
+        assert denied.value.http_status == 403
+    assert publisher.head("r").version == 9
 
 
 def test_a_node_behind_catches_up_by_one_span(chain, board, tmp_path):
@@ -182,7 +201,7 @@ def test_kill_9_of_the_worker_leaves_only_complete_verified_spans(board, tmp_pat
             "--dir",
             str(tmp_path / "w"),
         ],
-        env={**os.environ, "DELTABOARD_TOKEN": board.publish_token},
+        env={**os.environ, "DELTABOARD_TOKEN": board.compact_token},
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -74,6 +74,7 @@ class BoardServer:
     admin_token: str
     publish_token: str
     read_token: str
+    compact_token: str
     port: int = 0
     process: subprocess.Popen[bytes] | None = None
     _clients: list[BoardClient] = field(default_factory=list)
@@ -139,6 +140,7 @@ class BoardServer:
             admin_token=self.admin_token,
             publish_token=self.publish_token,
             read_token=self.read_token,
+            compact_token=self.compact_token,
         )
 
     def restart(self) -> BoardServer:
@@ -147,10 +149,10 @@ class BoardServer:
 
 
 def board_server(data_dir: Path, **settings: str) -> BoardServer:
-    """A board on a fresh data dir with three tokens (admin, publish, read on every run);
+    """A board on a fresh data dir with four tokens (admin, publish, compact, read on every run);
     `settings` are extra DELTABOARD_* values, e.g. `store="s3://bucket/prefix"`."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    tokens = {scope: f"{scope}-{secrets.token_hex(12)}" for scope in ("admin", "publish", "read")}
+    tokens = {scope: f"{scope}-{secrets.token_hex(12)}" for scope in ("admin", "publish", "compact", "read")}
     auth = data_dir / "auth.json"
     auth.write_text(
         json.dumps({"tokens": [{"token": t, "scope": s, "runs": ["*"]} for s, t in tokens.items()]})
@@ -167,6 +169,7 @@ def board_server(data_dir: Path, **settings: str) -> BoardServer:
         admin_token=tokens["admin"],
         publish_token=tokens["publish"],
         read_token=tokens["read"],
+        compact_token=tokens["compact"],
     )
 
 

@@ -20,7 +20,7 @@ from deltaboard.board.contract.errors import ErrorCode, InvalidRequest, UnknownB
 from deltaboard.board.contract.schemas import BlobSize, BlobUploadTarget
 from deltaboard.board.server.api.errors import documented
 from deltaboard.board.server.api.routing import BINARY, INPUT_ERRORS, RAW_UPLOAD, RUN_ERRORS, BoardRoute
-from deltaboard.board.server.api.state import BoardState, Publisher, Reader, RunPath, ShaPath, check_sha
+from deltaboard.board.server.api.state import BoardState, Compactor, Reader, RunPath, ShaPath, check_sha
 from deltaboard.board.server.api.uploads import receive_to_file
 
 router = APIRouter(prefix="/v1/runs/{run}/blobs", route_class=BoardRoute)
@@ -108,7 +108,7 @@ class BlobFileResponse(FileResponse):
     "/{sha256}/upload", response_model=BlobUploadTarget, responses=documented(*RUN_ERRORS, *INPUT_ERRORS)
 )
 async def upload_target(
-    run: RunPath, sha256: ShaPath, size: int = Query(ge=0), state: BoardState = Publisher
+    run: RunPath, sha256: ShaPath, size: int = Query(ge=0), state: BoardState = Compactor
 ) -> BlobUploadTarget:
     check_sha(sha256)
     return await state.service.upload_target(run, sha256, size)
@@ -116,7 +116,7 @@ async def upload_target(
 
 @router.put("/{sha256}", response_model=BlobSize, **RAW_UPLOAD)
 async def put_blob(
-    run: RunPath, sha256: ShaPath, request: Request, state: BoardState = Publisher
+    run: RunPath, sha256: ShaPath, request: Request, state: BoardState = Compactor
 ) -> BlobSize:
     check_sha(sha256)
     await state.service.require_run(run)

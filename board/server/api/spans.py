@@ -1,5 +1,5 @@
-"""Routes for spans: register one (publish scope: the compaction worker holds a publish
-token of the run) and read one's manifest back."""
+"""Routes for spans: register one (compact scope, which publish includes: the compaction
+worker's token may register derived data but not commit) and read one's manifest back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from deltaboard.board.contract.schemas import MAX_VERSION
 from deltaboard.board.contract.spans import SpanManifest, SpanRegistered
 from deltaboard.board.server.api.errors import documented
 from deltaboard.board.server.api.routing import INPUT_ERRORS, RUN_ERRORS, BoardRoute
-from deltaboard.board.server.api.state import BoardState, Publisher, Reader, RunPath
+from deltaboard.board.server.api.state import BoardState, Compactor, Reader, RunPath
 
 router = APIRouter(prefix="/v1/runs/{run}", route_class=BoardRoute)
 
@@ -24,7 +24,7 @@ router = APIRouter(prefix="/v1/runs/{run}", route_class=BoardRoute)
         **documented(*RUN_ERRORS, *INPUT_ERRORS),
     },
 )
-async def register(run: RunPath, body: SpanManifest, state: BoardState = Publisher) -> JSONResponse:
+async def register(run: RunPath, body: SpanManifest, state: BoardState = Compactor) -> JSONResponse:
     """Store a span checked against the committed manifests of its ends (201), or answer
     the one stored already with the same ends (200): registering is idempotent."""
     registered = await state.service.spans.register(run, body)

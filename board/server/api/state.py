@@ -96,7 +96,7 @@ def board_state(request: Request) -> BoardState:
 
 
 # Declares the bearer scheme in the OpenAPI schema; `Authorizer` checks the header itself.
-BEARER = HTTPBearer(auto_error=False, description="a token of scope read, publish or admin")
+BEARER = HTTPBearer(auto_error=False, description="a token of scope read, compact, publish or admin")
 
 
 def authorized(scope: Scope) -> Callable[..., Awaitable[BoardState]]:
@@ -118,5 +118,6 @@ def authorized(scope: Scope) -> Callable[..., Awaitable[BoardState]]:
 
 
 Reader = Depends(authorized("read"))
+Compactor = Depends(authorized("compact"))
 Publisher = Depends(authorized("publish"))
 Admin = Depends(authorized("admin"))

@@ -1,6 +1,7 @@
 """Shared fixtures: real servers on loopback.
 
-- `board` (per test): a board process on a fresh data dir with admin/publish/read tokens.
+- `board` (per test): a board process on a fresh data dir with admin/publish/read tokens,
+  started while the test before ran (`BoardPool`).
   Its log is printed when the test fails, and a test whose board logged a traceback fails:
   a 500 that the client's retries hid is still a server bug.
 - `s3_server` (per session): SeaweedFS with S3; `s3_server.make_bucket()` gives a fresh bucket.
@@ -9,7 +10,9 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Generator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,9 +37,42 @@ def failed(request: pytest.FixtureRequest) -> bool:
     return any(r.failed for r in request.node.stash.get(PHASE_REPORTS, {}).values())
 
 
+class BoardPool:
+    """Boards started one test ahead: while a test runs, the next test's board imports and
+    binds in a thread, so the ~100 tests that take a fresh board do not each wait a second
+    for its start. Each board still has a data dir and tokens of its own."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.starter = ThreadPoolExecutor(1, thread_name_prefix="board-pool")
+        self.spare: Future[BoardServer] | None = None
+
+    def _start(self) -> Future[BoardServer]:
+        return self.starter.submit(lambda: board_server(Path(tempfile.mkdtemp(dir=self.root))).start())
+
+    def take(self) -> BoardServer:
+        taken = (self.spare or self._start()).result()
+        self.spare = self._start()
+        return taken
+
+    def close(self) -> None:
+        if self.spare is not None:
+            self.spare.result().stop()
+        self.starter.shutdown()
+
+
+@pytest.fixture(scope="session")
+def board_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BoardPool]:
+    pool = BoardPool(tmp_path_factory.mktemp("boards"))
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture
-def board(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[BoardServer]:
-    server = board_server(tmp_path / "board").start()
+def board(board_pool: BoardPool, request: pytest.FixtureRequest) -> Iterator[BoardServer]:
+    server = board_pool.take()
     try:
         yield server
     finally:

@@ -179,3 +179,37 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from deltaboard.services.bench.board_bench import run_board_bench
 
         run_board_bench(quick, pollers, json_path)
+
+    @bench.command("ui")
+    def bench_ui(
+        quick: bool = typer.Option(False, "--quick", help="100 versions and 20 nodes, one page load."),
+        json_path: Path | None = typer.Option(
+            None, "--json", help="Also write the figures to this JSON file."
+        ),
+        versions: int | None = typer.Option(None, min=1, help="Versions published (default 1000)."),
+        nodes: int | None = typer.Option(None, min=0, help="Nodes reporting (default 200)."),
+    ) -> None:
+        """The dashboard's first render in headless Chromium with a long run and a large fleet."""
+        import json
+        from dataclasses import replace
+
+        from rich.console import Console
+
+        from deltaboard.services.bench import ui_bench
+
+        config = ui_bench.QUICK if quick else ui_bench.BenchConfig()
+        config = replace(
+            config,
+            versions=config.versions if versions is None else versions,
+            nodes=config.nodes if nodes is None else nodes,
+        )
+        console = Console()
+        try:
+            with console.status("starting") as status:
+                report = ui_bench.run(config, lambda what: status.update(what))
+        except ui_bench.NoBrowser as exc:
+            raise UserError(str(exc)) from exc
+        ui_bench.render(report, console)
+        if json_path is not None:
+            json_path.write_text(json.dumps(report, indent=2))
+            console.print(f"wrote {json_path}")

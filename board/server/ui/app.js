@@ -24,6 +24,7 @@ const state = {
   headSeries: [],
   charts: {},
   stream: null, // AbortController of the event stream
+  rendered: false, // the run's first complete render was marked
 };
 
 function token() {
@@ -126,6 +127,7 @@ async function openRun(run) {
     fleetTimes: [],
     fleetSeries: new Map(),
     headSeries: [],
+    rendered: false,
   });
   for (const row of $("runs").tBodies[0].rows) row.className = row.dataset.run === run ? "selected" : "";
   $("run").hidden = run === null;
@@ -203,6 +205,12 @@ async function onCommit(head) {
   }
   say(`connected: head ${head.version} at ${new Date().toLocaleTimeString()}`);
   await Promise.all([loadFleet(), loadRuns()]);
+  if (!state.rendered) {
+    // Charts, head and fleet are drawn: mark the first complete render in the frame that
+    // shows it (`deltaboard bench ui` reads this mark).
+    state.rendered = true;
+    requestAnimationFrame(() => performance.mark("deltaboard:rendered"));
+  }
 }
 
 // ---- fleet --------------------------------------------------------------------------

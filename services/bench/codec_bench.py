@@ -295,3 +295,211 @@ def _print_targets(report: Report, console: Console) -> None:
     for what, value, ok in checks:
         mark = "[green]met[/green]" if ok else "[red]missed[/red]"
         console.print(f"target {what}: {value:.3f} {mark}")
+
+
+# ---- `--view fp8`: the FP8 block-scaled view against the bf16 view of the same steps ----
+#
+# The trajectory cache keeps bf16 views only, so this part trains its own fp32-master run
+# (`trajectory.build_model` and `train`, as the cache's runs are trained) and takes, at
+# every step, both views of the same masters: bf16 (`ViewSpec()`) and FP8 with 128x128
+# block scales on the linear weights (`view_spec.fp8_view`, the rest bf16). The views at
+# steps 1..pairs are kept; a pair (t, t + k) is measured when step t + k is reached.
+
+
+@dataclass(frozen=True)
+class Fp8Record:
+    """Medians over the pairs of one (scale rule, lr, k): what changes in the FP8 view and
+    what its deltas cost, beside the bf16 view's deltas of the same steps."""
+
+    scale: str
+    lr: float
+    k: int
+    fp8_changed_fraction: float  # of the F8_E4M3 weight elements
+    scale_changed_fraction: float  # of the fp32 block scales
+    view_changed_fraction: float  # of the whole FP8 view's elements (bf16 rest included)
+    bits_per_changed: float  # FP8 view's delta bits per changed element of the view
+    fp8_bytes: float  # FP8 view's delta per version
+    bf16_bytes: float  # bf16 view's delta per version, same steps
+    fp8_full_bytes: int  # the FP8 view whole: a full checkpoint of it
+    bf16_full_bytes: int  # the bf16 view whole
+    encode_gbps: float  # FP8 view's delta, GB of FP8 view per second
+    apply_gbps: float
+    exact: bool
+
+
+@dataclass(frozen=True)
+class _Views:
+    fp8: View
+    bf16: View
+
+
+def _views(model: Any, spec_fp8: Any) -> tuple[_Views, dict[str, str], dict[str, str]]:
+    """Both views of the model's current masters, as raw bytes, with each view's dtypes."""
+    from deltaboard.board.contract.schemas import ViewSpec
+    from deltaboard.publisher.view import rollout_view, safetensors_dtype, tensor_bytes
+
+    state = model.state_dict()
+    fp8, bf16 = rollout_view(state, spec_fp8), rollout_view(state, ViewSpec())
+    raw = _Views(
+        fp8={n: tensor_bytes(t).copy() for n, t in fp8.items()},
+        bf16={n: tensor_bytes(t).copy() for n, t in bf16.items()},
+    )
+    return (
+        raw,
+        {n: safetensors_dtype(t) for n, t in fp8.items()},
+        {n: safetensors_dtype(t) for n, t in bf16.items()},
+    )
+
+
+def _fraction_changed(old: View, new: View, dtypes: Mapping[str, str], dtype: str) -> float:
+    """Changed fraction of the elements of the tensors of `dtype` only."""
+    names = [n for n in old if dtypes[n] == dtype]
+    total = sum(old[n].size // codec.width(dtype) for n in names)
+    return _changed({n: old[n] for n in names}, {n: new[n] for n in names}, dtypes) / max(1, total)
+
+
+@dataclass(frozen=True)
+class _Fp8Pair:
+    """One pair (t, t + k) of both views; `Fp8Record` holds the medians."""
+
+    fp8_changed: float
+    scale_changed: float
+    view_changed: float
+    bits: float
+    fp8_bytes: int
+    bf16_bytes: int
+    encode_gbps: float
+    apply_gbps: float
+    exact: bool
+
+
+def _fp8_pair(
+    old: _Views, new: _Views, fp8_dtypes: dict[str, str], bf16_dtypes: dict[str, str], repeats: int
+) -> _Fp8Pair:
+    numel = sum(a.size // codec.width(fp8_dtypes[n]) for n, a in old.fp8.items())
+    changed = _changed(old.fp8, new.fp8, fp8_dtypes)
+    digests = {n: codec.digest(a, fp8_dtypes[n]) for n, a in old.fp8.items()}
+    size, enc_s, app_s, exact = _measure("deltaboard", old.fp8, new.fp8, fp8_dtypes, digests, repeats)
+    bf16_digests = {n: codec.digest(a, bf16_dtypes[n]) for n, a in old.bf16.items()}
+    bf16_size = _measure("deltaboard", old.bf16, new.bf16, bf16_dtypes, bf16_digests, 1)[0]
+    view_gb = sum(a.size for a in old.fp8.values()) / 1e9
+    return _Fp8Pair(
+        fp8_changed=_fraction_changed(old.fp8, new.fp8, fp8_dtypes, "F8_E4M3"),
+        scale_changed=_fraction_changed(old.fp8, new.fp8, fp8_dtypes, "F32"),
+        view_changed=changed / numel,
+        bits=size * 8 / max(1, changed),
+        fp8_bytes=size,
+        bf16_bytes=bf16_size,
+        encode_gbps=view_gb / enc_s,
+        apply_gbps=view_gb / app_s,
+        exact=exact,
+    )
+
+
+def run_fp8(
+    config: BenchConfig, scale: str = "amax", progress: Callable[[str, int, int], None] | None = None
+) -> list[Fp8Record]:
+    """Train fp32-master runs (one per lr) and measure the FP8 view's deltas; see above."""
+    import torch
+
+    from deltaboard.board.contract.view_spec import fp8_view
+    from deltaboard.services.trajectory import build_model, train
+
+    torch.set_num_threads(2)
+    spec = fp8_view("ue8m0" if scale == "ue8m0" else "amax")
+    records: list[Fp8Record] = []
+    for lr in config.lrs:
+        model = build_model(config.size, config.seed)
+        kept: dict[int, _Views] = {}
+        pairs: dict[int, list[_Fp8Pair]] = {k: [] for k in config.ks}
+        full = (0, 0)
+        steps = train(
+            model,
+            steps=config.steps,
+            lr=lr,
+            regime="fp32-master",
+            seed=config.seed,
+            warmup_steps=config.warmup_steps,
+        )
+        for step in steps:
+            if progress is not None:
+                progress(f"fp8: training and measuring lr={lr:g}", step, config.steps)
+            if step == 0:
+                continue
+            views, fp8_dtypes, bf16_dtypes = _views(model, spec)
+            full = (sum(a.size for a in views.fp8.values()), sum(a.size for a in views.bf16.values()))
+            if step <= config.pairs:
+                kept[step] = views
+            for k in config.ks:
+                if 1 <= step - k <= config.pairs:
+                    pairs[k].append(_fp8_pair(kept[step - k], views, fp8_dtypes, bf16_dtypes, config.repeats))
+        for k, values in pairs.items():
+
+            def median(field: str, values: list[_Fp8Pair] = values) -> float:
+                return float(statistics.median(getattr(v, field) for v in values))
+
+            records.append(
+                Fp8Record(
+                    scale=scale,
+                    lr=lr,
+                    k=k,
+                    fp8_changed_fraction=median("fp8_changed"),
+                    scale_changed_fraction=median("scale_changed"),
+                    view_changed_fraction=median("view_changed"),
+                    bits_per_changed=median("bits"),
+                    fp8_bytes=median("fp8_bytes"),
+                    bf16_bytes=median("bf16_bytes"),
+                    fp8_full_bytes=full[0],
+                    bf16_full_bytes=full[1],
+                    encode_gbps=median("encode_gbps"),
+                    apply_gbps=median("apply_gbps"),
+                    exact=all(v.exact for v in values),
+                )
+            )
+    return records
+
+
+def render_fp8(records: list[Fp8Record], console: Console) -> None:
+    """The FP8 table and the issue's target (fp32 master, lr 1e-6, k = 1)."""
+    table = Table(title="FP8 block-scaled view vs bf16 view, same fp32-master steps (medians over pairs)")
+    columns = ("scale", "lr", "k", "fp8 changed %", "scales changed %", "view changed %", "bits/changed")
+    for col in (
+        *columns,
+        "fp8 bytes",
+        "bf16 bytes",
+        "x bf16",
+        "x fp8 full",
+        "x bf16 full",
+        "enc GB/s",
+        "dec GB/s",
+    ):
+        table.add_column(col, justify="right")
+    table.add_column("exact", justify="right")
+    for r in records:
+        table.add_row(
+            r.scale,
+            f"{r.lr:g}",
+            str(r.k),
+            f"{100 * r.fp8_changed_fraction:.3f}",
+            f"{100 * r.scale_changed_fraction:.3f}",
+            f"{100 * r.view_changed_fraction:.3f}",
+            f"{r.bits_per_changed:.2f}",
+            f"{r.fp8_bytes:,.0f}",
+            f"{r.bf16_bytes:,.0f}",
+            f"{r.fp8_bytes / max(1.0, r.bf16_bytes):.3f}",
+            f"{r.fp8_bytes / r.fp8_full_bytes:.4f}",
+            f"{r.fp8_bytes / r.bf16_full_bytes:.4f}",
+            f"{r.encode_gbps:.2f}",
+            f"{r.apply_gbps:.2f}",
+            "yes" if r.exact else "[red]NO[/red]",
+        )
+    console.print(table)
+    target = next((r for r in records if r.lr == 1e-6 and r.k == 1), None)
+    if target is not None:
+        ok = target.fp8_bytes <= target.bf16_bytes
+        mark = "[green]met[/green]" if ok else "[red]missed[/red]"
+        ratio = target.fp8_bytes / max(1.0, target.bf16_bytes)
+        console.print(
+            f"target FP8 bytes per version <= bf16 view's (lr 1e-6, k = 1): "
+            f"{target.fp8_bytes:,.0f} vs {target.bf16_bytes:,.0f} ({ratio:.3f}x) {mark}"
+        )

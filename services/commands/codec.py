@@ -34,9 +34,16 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             help="Encodings (default: full coo32 pulse xor-zstd deltaboard; also deltaboard-sparse).",
         ),
         cache: Path = typer.Option(DEFAULT_CACHE, help="Where trajectories are kept between runs."),
+        view: str = typer.Option(
+            "bf16",
+            help="bf16: every encoding on the cached bf16 views; fp8: the FP8 block-scaled view "
+            "against the bf16 view of the same fp32-master steps (trained in the run).",
+        ),
+        scale: str = typer.Option("amax", help="With --view fp8: the block scale rule, amax or ue8m0."),
     ) -> None:
-        """Bits per changed element, throughput and exactness of every encoding."""
-        from dataclasses import replace
+        """Bits per changed element, throughput and exactness of every encoding (--view fp8:
+        what the FP8 view's deltas cost against the bf16 view's)."""
+        from dataclasses import asdict, replace
 
         from rich.console import Console
         from rich.progress import Progress
@@ -63,17 +70,29 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             warmup_steps=config.warmup_steps if warmup is None else warmup,
             encodings=tuple(encoding) or config.encodings,
         )
+        if view not in ("bf16", "fp8"):
+            raise typer.BadParameter("view must be bf16 or fp8", param_hint="'--view'")
+        if scale not in ("amax", "ue8m0"):
+            raise typer.BadParameter("scale must be amax or ue8m0", param_hint="'--scale'")
         console = Console()
         if not console.is_terminal:  # logs and pipes: keep the table's columns readable
-            console = Console(width=160)
+            console = Console(width=200)
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("starting", total=None)
 
             def progress(what: str, done: int, total: int) -> None:
                 bar.update(task, description=what, completed=done, total=total)
 
-            report = codec_bench.run(config, progress)
-        codec_bench.render(report, console)
+            if view == "fp8":
+                records = codec_bench.run_fp8(config, scale, progress)
+            else:
+                report = codec_bench.run(config, progress)
+        if view == "fp8":
+            codec_bench.render_fp8(records, console)
+            figures: dict[str, object] = {"fp8": [asdict(r) for r in records]}
+        else:
+            codec_bench.render(report, console)
+            figures = report.to_json()
         if json_path is not None:
-            json_path.write_text(json.dumps(report.to_json(), indent=2))
+            json_path.write_text(json.dumps(figures, indent=2))
             console.print(f"wrote {json_path}")

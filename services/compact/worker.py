@@ -21,17 +21,18 @@ from deltaboard.board.codec import PatchError
 from deltaboard.board.contract.errors import BoardUnavailable, InvalidRequest
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower import Follower, FollowerError
-from deltaboard.services.compact.build import build_spans
+from deltaboard.services.compact.build import SpanBuilder
 
 log = logging.getLogger("deltaboard.compact")
 
 RETRY_S = 2.0
 
 
-def compact_head(client: BoardClient, run: str, follower: Follower, head: int) -> int:
+def compact_head(builder: SpanBuilder, head: int) -> int:
     """Build and register the spans ending at `head`; returns how many this call stored."""
+    client, run = builder.client, builder.run
     stored = 0
-    for span, blob in build_spans(client, run, follower, head):
+    for span, blob in builder.build(head):
         if span.tensors:
             client.upload_blob(run, blob)
         registered = client.register_span(run, span)
@@ -50,7 +51,10 @@ def run_worker(client: BoardClient, run: str, directory: Path, node_id: str, sto
     """Follow the run's commits until `stop` is set, building the spans of each new head.
     Board and network trouble is logged and retried; a refused token or a gone run is
     raised; a head whose spans cannot be built or are refused is logged and passed."""
-    with Follower(client, run, directory, node_id=node_id, engine="compact") as follower:
+    with (
+        Follower(client, run, directory, node_id=node_id, engine="compact") as follower,
+        SpanBuilder(client, run, follower) as builder,
+    ):
         done: int | None = None
         while not stop.is_set():
             try:
@@ -59,7 +63,7 @@ def run_worker(client: BoardClient, run: str, directory: Path, node_id: str, sto
                         return
                     if head.version is not None and head.version != done:
                         try:
-                            compact_head(client, run, follower, head.version)
+                            compact_head(builder, head.version)
                         except (PatchError, FollowerError, InvalidRequest) as exc:
                             # the chain or this worker's copy is wrong: no span from it
                             log.error("no spans to %d: %s", head.version, exc)

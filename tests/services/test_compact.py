@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from deltaboard.board.contract.spans import SpanEntry, SpanManifest
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower import Follower, IntegrityError
 from deltaboard.services.bench import follow_bench
-from deltaboard.services.compact.build import build_spans
+from deltaboard.services.compact.build import SpanBuilder
 from deltaboard.services.compact.worker import compact_head
 from tests.clients.support import assert_view, publish_states
 from tests.support.servers import VENV_BIN
@@ -28,8 +29,11 @@ SIZES = {"embed.weight": (128, 32), "layers.0.weight": (32, 32), "layers.0.bias"
 
 
 def built(client: BoardClient, tmp: Path, head: int) -> dict[int, tuple[SpanManifest, bytes]]:
-    with Follower(client, "r", tmp / "compact", node_id="compact") as follower:
-        return {span.from_version: (span, blob) for span, blob in build_spans(client, "r", follower, head)}
+    with (
+        Follower(client, "r", tmp / "compact", node_id="compact") as follower,
+        SpanBuilder(client, "r", follower) as builder,
+    ):
+        return {span.from_version: (span, blob) for span, blob in builder.build(head)}
 
 
 def patch_of(blob: bytes, entry: SpanEntry) -> bytes:
@@ -56,6 +60,42 @@ def test_spans_end_at_head_in_powers_of_two_and_patch_like_the_deltas(chain):
             dtype = entry.dtype
             assert entry.base_digest == codec.digest(views[a][entry.name], dtype)
             assert codec.apply(views[a][entry.name], patch).tobytes() == views[9][entry.name].tobytes()
+
+
+class CountingClient(BoardClient):
+    """Records the blobs it downloads whole (the worker's deltas)."""
+
+    def __init__(self, url: str, token: str) -> None:
+        super().__init__(url, token)
+        self.fetched: list[str] = []
+
+    def get_blob(self, run: str, sha256: str, start: int | None = None, end: int | None = None) -> bytes:
+        self.fetched.append(sha256)
+        return super().get_blob(run, sha256, start, end)
+
+
+def test_each_head_is_built_from_the_last_one(board, tmp_path):
+    """One builder for heads 9, 10, 11 and 13: each next head downloads and decodes only
+    its own delta, and its spans are bit for bit those of a fresh worker; past the
+    keyframe at 12 there is no span to build (none crosses it)."""
+    publisher = board.client(board.publish_token)
+    publish_states(publisher, "r", SIZES, 14, keyframe_every=12)
+    assert publisher.manifest("r", 12).kind == "full"
+    counting = CountingClient(board.url, board.compact_token)
+    with (
+        counting,
+        Follower(counting, "r", tmp_path / "w", node_id="w") as follower,
+        SpanBuilder(counting, "r", follower) as builder,
+    ):
+        builder.build(9)
+        for head in (10, 11, 13):
+            counting.fetched.clear()
+            spans = {span.from_version: (span, blob) for span, blob in builder.build(head)}
+            assert spans == built(publisher, tmp_path / f"fresh-{head}", head)
+            assert follower.version == head
+            if head != 13:
+                assert sorted(set(counting.fetched)) == sorted(publisher.manifest("r", head).blob_shas())
+        assert spans == {}
 
 
 def test_registration_is_idempotent_and_racing_workers_leave_one_span(chain, board):
@@ -113,7 +153,7 @@ def test_a_compact_token_registers_spans_but_cannot_publish(chain, board):
     compactor.upload_blob("r", blob)
     assert compactor.register_span("r", span).created
     manifest = publisher.manifest("r", 9)
-    refused = [
+    refused: list[Callable[[], object]] = [
         lambda: compactor.acquire_lease("r", "compact"),
         lambda: compactor.commit("r", manifest.model_copy(update={"version": 10, "parent": 9})),
         lambda: compactor.create_run("r2"),
@@ -174,8 +214,11 @@ def test_a_node_32_behind_fetches_under_0_4x_the_replay(board, tmp_path):
     client, run = board.client(board.publish_token), follow_bench.RUN
     follow_bench.publish(client, trainer, 33, lambda _: None)
     replay = client.plan(run, 0, 32)
-    with Follower(client, run, tmp_path / "compact", node_id="compact") as worker:
-        assert compact_head(client, run, worker, 32) == 5  # spans of 2, 4, 8, 16 and 32 versions
+    with (
+        Follower(client, run, tmp_path / "compact", node_id="compact") as worker,
+        SpanBuilder(client, run, worker) as builder,
+    ):
+        assert compact_head(builder, 32) == 5  # spans of 2, 4, 8, 16 and 32 versions
     plan = client.plan(run, 0, 32)
     assert [s.kind for s in plan.steps] == ["span"]
     ratio = (plan.total_bytes + plan.manifest_bytes) / (replay.total_bytes + replay.manifest_bytes)

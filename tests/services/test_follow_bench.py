@@ -17,6 +17,7 @@ def test_bench_follow_small_view() -> None:
     assert report["catchup_deltas_bytes"] == min(report["keyframe_bytes"], report["replay_bytes"])
     assert 0 < report["span_bytes"] < report["catchup_bytes"] < report["catchup_deltas_bytes"]
     assert report["catchup_strategy"] == "spans" and report["compact_s"] > 0
+    assert report["compact_incremental_s"] > 0
     assert set(report["targets"]) == {
         "apply_verify_le_0.1x_full_write",
         "catchup_le_one_keyframe",

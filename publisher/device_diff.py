@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from deltaboard.board import codec
+from deltaboard.publisher import fused_diff
 from deltaboard.publisher.snapshot import Slot, ViewBuffer, ViewLayout, word_aligned
 
 CHUNK_ELEMENTS = 1 << 27
@@ -86,28 +87,61 @@ def _changed(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8}
 
 
+class HostCopy:
+    """Small device tensors on their way to the host (`to_host`); `wait()` gives them."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._host: torch.Tensor | None = None
+        self._done: torch.cuda.Event | None = None
+        if tensors[0].device.type == "cpu":
+            return
+        device = tensors[0].device
+        packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+        stream = _copy_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        self._host = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.stream(stream):
+            self._host.copy_(packed, non_blocking=True)
+            packed.record_stream(stream)
+            self._done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._done.record()
+
+    def wait(self) -> list[np.ndarray]:
+        if self._host is None:
+            return [t.numpy() for t in self._tensors]
+        assert self._done is not None
+        self._done.synchronize()
+        flat = self._host.numpy()
+        out, offset = [], 0
+        for t in self._tensors:
+            size = t.numel() * t.element_size()
+            out.append(flat[offset : offset + size].view(_NUMPY[t.dtype]))
+            offset += size
+        return out
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream of the device->host copies: they run while the next kernels do."""
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return _copy_streams[device]
+
+
 def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     """Small device tensors on the host, in one copy into pinned memory.
 
     The only device->host traffic of the diff. One packed copy into page-locked memory
     (torch's caching host allocator reuses the blocks) runs at the bus' speed, where one
-    pageable copy per array would pay a staging copy and a synchronisation each. CPU
-    tensors are returned as they are (numpy views, no copy). The int64 arrays come
-    first, so every array starts aligned.
+    pageable copy per array would pay a staging copy and a synchronisation each. The copy
+    runs on a stream of its own (`HostCopy`), so a caller that starts it before its next
+    kernels overlaps the two. CPU tensors are returned as they are (numpy views, no copy).
+    The int64 arrays come first, so every array starts aligned.
     """
-    if tensors[0].device.type == "cpu":
-        return [t.numpy() for t in tensors]
-    packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
-    host = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=True)
-    host.copy_(packed, non_blocking=True)
-    torch.cuda.current_stream(packed.device).synchronize()
-    flat = host.numpy()
-    out, offset = [], 0
-    for t in tensors:
-        size = t.numel() * t.element_size()
-        out.append(flat[offset : offset + size].view(_NUMPY[t.dtype]))
-        offset += size
-    return out
+    return HostCopy(tensors).wait()
 
 
 def batches(layout: ViewLayout, batch_bytes: int) -> list[list[Slot]]:
@@ -149,16 +183,14 @@ def _class_ranks(
     rank_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Rank of each changed position within its class (step 4 of the contract in
-    `codec.plan_thresholds`).
+    `codec.plan_thresholds`), the class limits as `_limits` gives them.
 
-    A class test `magnitude < limit` is written `magnitude <= limit - 1` clamped to the
-    largest sign-less pattern, so that the limit fits the signed element type. Members up
-    to each position come from cumulative counts, chunk by chunk; the position's own
-    membership (known from its old bits) is taken off once. `rank_dtype` (`_rank_dtype`)
-    holds the counts.
+    Members up to each position come from cumulative counts, chunk by chunk; the
+    position's own membership (known from its old bits) is taken off once. `rank_dtype`
+    (`_rank_dtype`) holds the counts.
     """
     top = _sign_less_max(bits)
-    low_max, small_max = (min(limit - 1, top) for limit in limits)
+    low_max, small_max = limits
     magnitude = changed_old & top
     is_low, is_small = magnitude <= low_max, magnitude <= small_max
     below_low, below_small = is_low.to(rank_dtype).neg_(), is_small.to(rank_dtype).neg_()
@@ -182,52 +214,160 @@ def _class_ranks(
 
 @torch.no_grad()
 def diff_slots(
-    old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot], hints: bool | None = None
+    old: ViewBuffer,
+    new: ViewBuffer,
+    slots: Sequence[Slot],
+    hints: bool | None = None,
+    fused: bool | None = None,
 ) -> ViewDiff:
     """Changes of consecutive slots of one group (see `batches`).
 
-    One comparison over their range, one gather of the changed words, a `searchsorted`
-    over the slots' offsets to cut the result per tensor, all on the device; then one
-    small transfer to the host (`to_host`). `hints` (default: off the host) adds the
-    changed tensors' context hints (`context_hints`).
+    Found on the device for the whole batch at once: by the fused Triton pass
+    (`fused_diff`; `fused` None: wherever it can run) or by the torch reference (one
+    comparison over the batch's range, one gather of the changed words, a `searchsorted`
+    over the slots' offsets to cut the result per tensor); then one small transfer to the
+    host (`HostCopy`). `hints` (default: off the host) adds the changed tensors' context
+    hints, whose rank pass runs while the changes are copied to the host.
     """
-    result = ViewDiff()
     group = slots[0].group
-    if group[0] == "cpu" and not hints:
+    want_hints = hints if hints is not None else group[0] != "cpu"
+    use_fused = fused_diff.available(group[0]) if fused is None else fused
+    if group[0] == "cpu" and not want_hints and not use_fused:
         return _diff_on_host(old, new, slots)
-    start = slots[0].offset
-    stop = word_aligned(slots[-1].offset + slots[-1].numel, group[1])
-    pos, old_changed, new_changed = _changed(old.groups[group][start:stop], new.groups[group][start:stop])
-    if pos.numel() == 0:
-        return result
-    starts = torch.tensor([s.offset - start for s in slots], dtype=torch.int64, device=pos.device)
-    owner = torch.searchsorted(starts, pos, right=True) - 1
-    local, counts, old_h, new_h = to_host(
-        pos - starts[owner], torch.bincount(owner, minlength=len(slots)), old_changed, new_changed
-    )
-    result.host_bytes += local.nbytes + counts.nbytes + old_h.nbytes + new_h.nbytes
+    old_g, new_g = old.groups[group], new.groups[group]
+    if use_fused:
+        found = fused_diff.changes(old_g, new_g, slots, want_hints)
+        copy = HostCopy((found.positions, found.old_bits, found.new_bits))
+        counts = found.slot_counts
+        ranks = _fused_hints(old_g, slots, found, counts) if want_hints else None
+        local, old_h, new_h = copy.wait()
+    else:
+        start = slots[0].offset
+        stop = word_aligned(slots[-1].offset + slots[-1].numel, group[1])
+        pos, old_changed, new_changed = _changed(old_g[start:stop], new_g[start:stop])
+        starts = torch.tensor([s.offset - start for s in slots], dtype=torch.int64, device=pos.device)
+        owner = torch.searchsorted(starts, pos, right=True) - 1
+        device_local = pos - starts[owner]
+        local, counts, old_h, new_h = to_host(
+            device_local, torch.bincount(owner, minlength=len(slots)), old_changed, new_changed
+        )
+        ranks = (
+            _torch_hints(old, slots, counts, device_local, old_changed)
+            if want_hints and pos.numel()
+            else None
+        )
+    result = ViewDiff(host_bytes=local.nbytes + old_h.nbytes + new_h.nbytes + 8 * len(slots))
     bounds = np.concatenate(([0], np.cumsum(counts)))
-    ranges: dict[str, tuple[int, int]] = {}
     for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):
         if hi > lo:
             unsigned = codec.uint_dtype(slot.dtype)
             result.changes[slot.name] = codec.Changes(
-                slot.dtype,
-                slot.numel,
-                local[lo:hi],
-                old_h[lo:hi].view(unsigned),
-                new_h[lo:hi].view(unsigned),
+                slot.dtype, slot.numel, local[lo:hi], old_h[lo:hi].view(unsigned), new_h[lo:hi].view(unsigned)
             )
-            ranges[slot.name] = (int(lo), int(hi))
-    if hints if hints is not None else group[0] != "cpu":
-        device_local = pos - starts[owner]
-        changed = [
-            (s, device_local[slice(*ranges[s.name])], old_changed[slice(*ranges[s.name])])
-            for s in slots
-            if s.name in ranges
-        ]
-        context_hints(old, changed, result)
+    if ranks is not None:
+        plans, host_ranks, result.hint_bytes = ranks
+        for i, (t_low, t_top) in plans.items():
+            result.hints[slots[i].name] = codec.ContextHint(
+                t_low, t_top, host_ranks[bounds[i] : bounds[i + 1]]
+            )
+        result.host_bytes += result.hint_bytes
     return result
+
+
+Hints = tuple[dict[int, tuple[int, int]], np.ndarray, int]
+"""Per planned slot (index in the batch) its thresholds; the ranks of the batch's changes
+(meaningful in the planned slots' ranges); the bytes that crossed to the host for them."""
+
+
+def _plans(
+    slots: Sequence[Slot], counts: np.ndarray, sampled: np.ndarray, changed: np.ndarray
+) -> dict[int, tuple[int, int]]:
+    """Step 3 of the contract in `codec.plan_thresholds`, for each changed floating slot whose
+    exponent counts (rows of `sampled` and `changed`, at least as wide as its exponent range)
+    make the classes pay off."""
+    plans = {}
+    for i, slot in enumerate(slots):
+        if counts[i] and slot.dtype in codec.EXPONENT_FIELDS:
+            bins = codec.EXPONENT_FIELDS[slot.dtype][1] + 1
+            plan = codec.plan_thresholds(sampled[i, :bins], changed[i, :bins], slot.numel)
+            if plan is not None:
+                plans[i] = plan
+    return plans
+
+
+def _limits(slot: Slot, plan: tuple[int, int], top: int) -> tuple[int, int]:
+    """The class tests `magnitude < limit` as `magnitude <= limit - 1`, clamped to the largest
+    sign-less pattern so that the limit fits the signed element type."""
+    low, small = codec.class_limits(slot.dtype, *plan)
+    return min(low - 1, top), min(small - 1, top)
+
+
+def _fused_hints(
+    old: torch.Tensor, slots: Sequence[Slot], found: fused_diff.FusedChanges, counts: np.ndarray
+) -> Hints:
+    """The fused pass' histograms to the host, the thresholds, then the ranks on the device."""
+    assert found.sampled is not None and found.changed is not None
+    rows = np.flatnonzero(counts)
+    picked = torch.from_numpy(rows).to(old.device)
+    sampled_rows, changed_rows = to_host(found.sampled[picked], found.changed[picked])
+    sampled = np.zeros((len(slots), found.sampled.shape[1]), dtype=sampled_rows.dtype)
+    changed = np.zeros_like(sampled)
+    sampled[rows], changed[rows] = sampled_rows, changed_rows
+    plans = _plans(slots, counts, sampled, changed)
+    top = (1 << (8 * old.element_size() - 1)) - 1
+    limits = {i: _limits(slots[i], plan, top) for i, plan in plans.items()}
+    ranks = fused_diff.class_ranks(old, slots, found, limits, _rank_dtype(slots))
+    (host_ranks,) = to_host(ranks) if plans else (np.empty(0, dtype=np.int64),)
+    return plans, host_ranks, sampled_rows.nbytes + changed_rows.nbytes + (host_ranks.nbytes if plans else 0)
+
+
+def _torch_hints(
+    old: ViewBuffer,
+    slots: Sequence[Slot],
+    counts: np.ndarray,
+    device_local: torch.Tensor,
+    old_changed: torch.Tensor,
+) -> Hints:
+    """The reference of `_fused_hints` in torch.
+
+    Two small transfers for all the slots together (torch's `bincount` waits for the
+    device on each call, so there is one): exponent counts (of each sampled old tensor and
+    of its changed elements, one `bincount` over keys offset per slot), from which the host
+    picks the thresholds exactly as the codec does, then the ranks of the slots whose
+    classes pay off.
+    """
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    changed = {
+        i: (device_local[bounds[i] : bounds[i + 1]], old_changed[bounds[i] : bounds[i + 1]])
+        for i, slot in enumerate(slots)
+        if counts[i] and slot.dtype in codec.EXPONENT_FIELDS
+    }
+    if not changed:
+        return {}, np.empty(0, dtype=np.int64), 0
+    bins = fused_diff.hint_bins(slots)
+    # per changed slot: the exponent counts of the sampled old tensor and of the changed
+    # elements (step 2 of the contract in `codec.plan_thresholds`), each in its own range of keys
+    keys: list[torch.Tensor] = []
+    for j, (i, (_, changed_old)) in enumerate(changed.items()):
+        slot = slots[i]
+        for at, b in ((2 * j, old.bits(slot)[:: codec.sample_stride(slot.numel)]), (2 * j + 1, changed_old)):
+            keys.append(_exponent_keys(b, slot.dtype, at * bins))
+    (found,) = to_host(torch.bincount(torch.cat(keys), minlength=2 * len(changed) * bins))
+    hist = np.zeros((len(slots), 2, bins), dtype=found.dtype)
+    hist[list(changed)] = found.reshape(len(changed), 2, bins)
+    plans = _plans(slots, counts, hist[:, 0], hist[:, 1])
+    if not plans:
+        return plans, np.empty(0, dtype=np.int64), found.nbytes
+    top = (1 << (8 * old_changed.element_size() - 1)) - 1
+    rank_dtype = _rank_dtype(slots)
+    ranks = torch.zeros(old_changed.numel(), dtype=rank_dtype, device=old_changed.device)
+    for i, plan in plans.items():
+        pos, bits = changed[i]
+        ranks[bounds[i] : bounds[i + 1]] = _class_ranks(
+            old.bits(slots[i]), pos, bits, _limits(slots[i], plan, top), rank_dtype
+        )
+    (host_ranks,) = to_host(ranks)
+    return plans, host_ranks, found.nbytes + host_ranks.nbytes
 
 
 def _diff_on_host(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> ViewDiff:
@@ -239,50 +379,6 @@ def _diff_on_host(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> Vi
             result.changes[slot.name] = changes
             result.host_bytes += changes.positions.nbytes + changes.old_bits.nbytes + changes.new_bits.nbytes
     return result
-
-
-def context_hints(
-    old: ViewBuffer, changed: Sequence[tuple[Slot, torch.Tensor, torch.Tensor]], result: ViewDiff
-) -> None:
-    """Add to `result` the context hints of the changed floating slots.
-
-    `changed` holds each slot's local positions and old bits on the device (the host has
-    its `Changes` in `result`). Two small transfers for all the slots together (torch's
-    `bincount` waits for the device on each call, so there is one): exponent counts (of each
-    sampled old tensor and of its changed elements, one `bincount` over keys offset per
-    slot), from which the host picks the thresholds exactly as the codec does, then the
-    ranks of the slots whose classes pay off.
-    """
-    floating = [(slot, pos, bits) for slot, pos, bits in changed if slot.dtype in codec.EXPONENT_FIELDS]
-    if not floating:
-        return
-    # per slot: the exponent counts of the sampled old tensor and of the changed elements
-    # (step 2 of the contract in `codec.plan_thresholds`), each in its own range of keys
-    keys: list[torch.Tensor] = []
-    edges = [0]
-    for slot, _, changed_old in floating:
-        for b in (old.bits(slot)[:: codec.sample_stride(slot.numel)], changed_old):
-            keys.append(_exponent_keys(b, slot.dtype, edges[-1]))
-            edges.append(edges[-1] + codec.EXPONENT_FIELDS[slot.dtype][1] + 1)
-    (counts,) = to_host(torch.bincount(torch.cat(keys), minlength=edges[-1]))
-    planned: list[tuple[Slot, tuple[int, int]]] = []
-    ranks: list[torch.Tensor] = []
-    rank_dtype = _rank_dtype(slot for slot, _, _ in floating)
-    for i, (slot, pos, bits) in enumerate(floating):
-        sampled, changed_counts = (counts[edges[j] : edges[j + 1]] for j in (2 * i, 2 * i + 1))
-        plan = codec.plan_thresholds(sampled, changed_counts, slot.numel)
-        if plan is not None:
-            planned.append((slot, plan))
-            ranks.append(
-                _class_ranks(old.bits(slot), pos, bits, codec.class_limits(slot.dtype, *plan), rank_dtype)
-            )
-    result.hint_bytes += counts.nbytes
-    if planned:
-        host_ranks = to_host(*ranks)
-        result.hint_bytes += sum(r.nbytes for r in host_ranks)
-        for (slot, (t_low, t_top)), r in zip(planned, host_ranks, strict=True):
-            result.hints[slot.name] = codec.ContextHint(t_low, t_top, r)
-    result.host_bytes += result.hint_bytes
 
 
 def batch_bytes_for(layout: ViewLayout) -> int:

@@ -1,0 +1,109 @@
+"""The Triton kernels of `fused_diff` (which says what each does); importing this module
+imports Triton, so `fused_diff` imports it only once Triton is known to be there."""
+
+# mypy: ignore-errors
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def bitwise_or(a, b):
+    return a | b
+
+
+@triton.jit
+def count(
+    old, new, t_start, t_stop, t_slot, counts, masks,
+    s_offset, s_stride, s_shift, s_keymask, sampled,
+    HIST: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    start = tl.load(t_start + t)
+    idx = start + tl.arange(0, TILE)
+    inside = idx < tl.load(t_stop + t)
+    a = tl.load(old + idx, mask=inside, other=0)
+    b = tl.load(new + idx, mask=inside, other=0)
+    ne = (a != b) & inside
+    tl.store(counts + t, tl.sum(ne.to(tl.int32), axis=0))
+    lanes = tl.reshape(ne.to(tl.int32), (TILE // 32, 32)) << tl.arange(0, 32)[None, :]
+    words = tl.reduce(lanes, 1, bitwise_or)
+    tl.store(masks + t * (TILE // 32) + tl.arange(0, TILE // 32), words)
+    if HIST:
+        slot = tl.load(t_slot + t)
+        stride = tl.load(s_stride + slot)
+        if stride > 0:  # a floating slot: the sampled old exponents
+            keys = ((a >> tl.load(s_shift + slot)) & tl.load(s_keymask + slot)).to(tl.int32)
+            take = inside & ((idx - tl.load(s_offset + slot)) % stride == 0)
+            hist = tl.histogram(keys, BINS, mask=take)
+            tl.atomic_add(sampled + slot * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
+
+
+@triton.jit
+def changed_lanes(masks, t, TILE: tl.constexpr):
+    words = tl.load(masks + t * (TILE // 32) + tl.arange(0, TILE // 32))
+    bits = (words[:, None] >> tl.arange(0, 32)[None, :]) & 1
+    return tl.reshape(bits, (TILE,))
+
+
+@triton.jit
+def scatter(
+    old, new, t_start, t_slot, counts, offsets, masks, s_offset,
+    pos_out, old_out, new_out, s_shift, s_keymask, s_stride, changed_hist,
+    HIST: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    if tl.load(counts + t) > 0:
+        bits = changed_lanes(masks, t, TILE)
+        hit = bits != 0
+        dst = tl.load(offsets + t) + tl.cumsum(bits, 0) - bits
+        idx = tl.load(t_start + t) + tl.arange(0, TILE)
+        slot = tl.load(t_slot + t)
+        a = tl.load(old + idx, mask=hit, other=0)
+        tl.store(pos_out + dst, idx - tl.load(s_offset + slot), mask=hit)
+        tl.store(old_out + dst, a, mask=hit)
+        tl.store(new_out + dst, tl.load(new + idx, mask=hit, other=0), mask=hit)
+        if HIST:  # noqa: SIM102 - a constexpr test, then a runtime one
+            if tl.load(s_stride + slot) > 0:
+                keys = ((a >> tl.load(s_shift + slot)) & tl.load(s_keymask + slot)).to(tl.int32)
+                hist = tl.histogram(keys, BINS, mask=hit)
+                tl.atomic_add(changed_hist + slot * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
+
+
+@triton.jit
+def class_counts(old, tiles, t_start, t_stop, t_slot, limits, out, TOP: tl.constexpr, TILE: tl.constexpr):
+    i = tl.program_id(0)
+    t = tl.load(tiles + i)
+    idx = tl.load(t_start + t) + tl.arange(0, TILE)
+    inside = idx < tl.load(t_stop + t)
+    slot = tl.load(t_slot + t)
+    magnitude = tl.load(old + idx, mask=inside, other=0) & TOP
+    low = (magnitude <= tl.load(limits + 2 * slot)) & inside
+    small = (magnitude <= tl.load(limits + 2 * slot + 1)) & inside
+    tl.store(out + 2 * i, tl.sum(low.to(tl.int64), axis=0))
+    tl.store(out + 2 * i + 1, tl.sum(small.to(tl.int64), axis=0))
+
+
+@triton.jit
+def class_ranks(
+    old, tiles, t_start, t_stop, t_slot, counts, offsets, masks, s_offset, limits, before, ranks,
+    TOP: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    t = tl.load(tiles + i)
+    if tl.load(counts + t) > 0:
+        bits = changed_lanes(masks, t, TILE)
+        hit = bits != 0
+        dst = tl.load(offsets + t) + tl.cumsum(bits, 0) - bits
+        idx = tl.load(t_start + t) + tl.arange(0, TILE)
+        slot = tl.load(t_slot + t)
+        magnitude = tl.load(old + idx, mask=idx < tl.load(t_stop + t), other=0) & TOP
+        low = (magnitude <= tl.load(limits + 2 * slot)).to(tl.int64)
+        small = (magnitude <= tl.load(limits + 2 * slot + 1)).to(tl.int64)
+        low_before = tl.load(before + 2 * i) + tl.cumsum(low, 0) - low
+        small_before = tl.load(before + 2 * i + 1) + tl.cumsum(small, 0) - small
+        local = idx - tl.load(s_offset + slot)
+        rank = tl.where(
+            low != 0, low_before, tl.where(small != 0, small_before - low_before, local - small_before)
+        )
+        tl.store(ranks + dst, rank, mask=hit)

@@ -1,0 +1,99 @@
+"""The fused Triton pass gives what the torch reference gives, bit for bit.
+
+Without CUDA the kernels run under Triton's CPU interpreter (`TRITON_INTERPRET=1`, set here
+before the kernels are built) on small CPU tensors, with small tiles so that tensors cross
+tile edges; `test_fused_diff_cuda.py` repeats the comparison at full size on a GPU. Both
+need Triton (skipped where it is not installed).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltaboard.board.contract.schemas import ViewRule, ViewSpec
+from deltaboard.publisher import device_diff, fused_diff
+from deltaboard.publisher.device_diff import ViewDiff
+from deltaboard.publisher.snapshot import ViewBuffer, ViewLayout
+from tests.publisher.test_device_diff import SPEC, float_pairs, state_pairs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # Triton's interpreter is chosen when Triton is imported, so before; the publisher never
+    # runs the kernels on CPU tensors unless asked (`diff_slots(fused=True)`), so other
+    # tests are unaffected by the variable.
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module", params=[32, 256])
+def tile(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Small tiles: tensors of a few hundred elements cross several tile edges."""
+    saved = fused_diff.TILE
+    fused_diff.TILE = request.param if DEVICE == "cpu" else saved
+    yield fused_diff.TILE
+    fused_diff.TILE = saved
+
+
+def assert_same(reference: ViewDiff, fused: ViewDiff) -> None:
+    """Same changed tensors with the same positions, bits and context hints."""
+    assert reference.changes.keys() == fused.changes.keys()
+    for name, want in reference.changes.items():
+        got = fused.changes[name]
+        assert (got.dtype, got.numel) == (want.dtype, want.numel)
+        for field in ("positions", "old_bits", "new_bits"):
+            a, b = getattr(want, field), getattr(got, field)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (name, field)
+    assert reference.hints.keys() == fused.hints.keys()
+    for name, want_hint in reference.hints.items():
+        got_hint = fused.hints[name]
+        assert (got_hint.t_low, got_hint.t_top) == (want_hint.t_low, want_hint.t_top)
+        assert np.array_equal(got_hint.ranks, want_hint.ranks), name
+
+
+def both(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], spec: ViewSpec, hints: bool) -> None:
+    layout = ViewLayout.of({k: v.to(DEVICE) for k, v in old.items()}, spec)
+    a, b = ViewBuffer(layout), ViewBuffer(layout)
+    a.fill({k: v.to(DEVICE) for k, v in old.items()})
+    b.fill({k: v.to(DEVICE) for k, v in new.items()})
+    for group in layout.group_numel:  # one launch per group: every slot of it at once
+        slots = [s for s in layout.slots if s.group == group]
+        reference = device_diff.diff_slots(a, b, slots, hints=hints, fused=False)
+        assert_same(reference, device_diff.diff_slots(a, b, slots, hints=hints, fused=True))
+
+
+@settings(max_examples=12, deadline=None)
+@given(pair=state_pairs(), hints=st.booleans())
+def test_fused_changes_match_torch_for_every_dtype(tile, pair, hints):
+    """Every dtype the view supports (fp32, bf16, fp16, fp8, int64, int8, bool), ragged
+    sizes (0 to 729 elements, several tensors sharing a group buffer)."""
+    both(pair[0], pair[1], SPEC, hints)
+
+
+@settings(max_examples=10, deadline=None)
+@given(pair=float_pairs().filter(lambda p: p[0].numel() <= 5000), extra=float_pairs())
+def test_fused_hints_match_torch(tile, pair, extra):
+    """Changes that favour small weights, so that the classes pay off and ranks are computed;
+    two tensors of possibly different dtypes and widths in one call."""
+    old = {"w": pair[0], "v": extra[0][:300]}
+    new = {"w": pair[1], "v": extra[1][:300]}
+    both(old, new, ViewSpec(rules=(ViewRule(pattern=".*", dtype="raw"),)), hints=True)
+
+
+def test_many_tensors_in_one_launch_match(tile):
+    """A hundred tiny tensors (some empty, some of one element) in one batch."""
+    g = torch.Generator().manual_seed(3)
+    sizes = torch.randint(0, 40, (100,), generator=g).tolist()
+    old = {f"t{i}": (torch.randn(n, generator=g) * 1e-3).to(torch.bfloat16) for i, n in enumerate(sizes)}
+    new = {}
+    for name, t in old.items():
+        bits = t.clone().view(torch.int16)
+        bits[torch.rand(t.numel(), generator=g) < 0.2] += 1
+        new[name] = bits.view(torch.bfloat16)
+    both(old, new, ViewSpec(), hints=True)

@@ -86,8 +86,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         device_context: bool = typer.Option(
             False, "--device-context", help="With --throughput: also compute the codec's context hints."
         ),
+        ranks: int | None = typer.Option(
+            None, min=2, help="N ranks (gloo, CPU) publish their row slices vs one rank the whole view."
+        ),
     ) -> None:
-        """Deltas vs full checkpoints of a bf16 view through a board across an emulated link."""
+        """Deltas vs full checkpoints of a bf16 view through a board across an emulated link
+        (--ranks N: sharded publishing, per rank)."""
         from dataclasses import replace
 
         from rich.console import Console
@@ -96,6 +100,17 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from deltaboard.services.bench import publish_bench
 
         console = Console()
+        if ranks is not None:
+            from deltaboard.services.bench import publish_ranks
+
+            base = publish_ranks.QUICK_RANKS if quick else publish_ranks.RanksConfig()
+            sharded = replace(base, ranks=ranks, view_mb=1e3 * view_gb if view_gb else base.view_mb)
+            with console.status("starting") as status:
+                figures = publish_ranks.run_ranks(sharded, status.update)
+            publish_ranks.render_ranks(figures, console)
+            if json_path is not None:
+                json_path.write_text(json.dumps(figures, indent=2))
+            return
         if throughput:
             figures = publish_bench.device_throughput(
                 view_gb or (1.0 if quick else 8.0), device, hints=device_context

@@ -160,12 +160,12 @@ def rank_main(
         BoardClient(url, token) as client,
         Publisher(client, f"ranks-{world}", ranks=ranks, assets={}, lease_ttl_s=300) as publisher,
     ):
-        bound = publisher.memory_bound_bytes
         for version in range(config.deltas + 1):
             if version:
                 for i, weight in enumerate(state.values()):
                     _step(weight, i, mine, version, config.lr)
             results.append(publisher.publish(state, step=version).result())
+        bound = publisher.memory_bound_bytes  # its view buffers exist once it has published
     peak_bytes = peak.stop()
     if world > 1:
         dist.destroy_process_group()

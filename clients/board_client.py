@@ -47,7 +47,7 @@ from deltaboard.board.contract.schemas import (
     RunCreate,
     RunInfo,
 )
-from deltaboard.board.contract.spans import SpanManifest, SpanRegistered
+from deltaboard.board.contract.spans import KeyframeManifest, KeyframeRegistered, SpanManifest, SpanRegistered
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -422,6 +422,13 @@ class BoardClient:
 
     def span(self, run: str, from_version: int, to_version: int) -> SpanManifest:
         return self._json("GET", f"/v1/runs/{run}/spans/{from_version}/{to_version}", SpanManifest)
+
+    def register_keyframe(self, run: str, keyframe: KeyframeManifest) -> KeyframeRegistered:
+        """Register a worker keyframe whose blobs are uploaded; idempotent."""
+        return self._json("POST", f"/v1/runs/{run}/keyframes", KeyframeRegistered, **self._body(keyframe))
+
+    def keyframe(self, run: str, version: int) -> KeyframeManifest:
+        return self._json("GET", f"/v1/runs/{run}/keyframes/{version}", KeyframeManifest)
 
     # ---- fleet, retention, metrics -----------------------------------------------------
 

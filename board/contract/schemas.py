@@ -275,10 +275,12 @@ class StoredAsset(Strict):
 class PlanStep(Strict):
     """`manifest_bytes`: the stored (uncompressed) size of the step's manifest. A `span`
     step reaches `version` from the previous step's (its manifest is a
-    `board.contract.spans.SpanManifest`); it is applied like a delta."""
+    `board.contract.spans.SpanManifest`); it is applied like a delta. A `keyframe` step
+    (always first) is a worker keyframe of `version` (`board.contract.spans.
+    KeyframeManifest`), applied like the trainer's `full` ones."""
 
     version: Version
-    kind: Literal["full", "delta", "span"]
+    kind: Literal["full", "delta", "span", "keyframe"]
     manifest_url: str
     blobs: tuple[BlobSize, ...]
     manifest_bytes: NonNegative = 0

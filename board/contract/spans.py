@@ -1,4 +1,6 @@
-"""Span manifests: derived patches from version `from_version` to `to_version` of a run.
+"""Derived data: span manifests (patches from version `from_version` to `to_version` of a
+run) and worker keyframes (a committed version's whole tensors), both built by the
+compaction worker from what the trainer published.
 
 A span lists, for every tensor whose digest differs between the two versions, one codec
 patch whose base is the tensor at `from_version` (`base_digest`) and whose result is the
@@ -6,6 +8,11 @@ tensor at `to_version` (`digest`), so that a follower applies it like a delta. I
 replaces the deltas: a board stores it beside them only after checking every digest
 against the committed manifests of both ends (docs/contract.md §3), and a follower checks
 the same digests again against what its slot holds.
+
+A worker keyframe lists every tensor of a committed version whole, in the layout's order,
+so that a new node starts there instead of at the trainer's last keyframe. Each entry also
+carries the sha256 of its own byte range (`range_sha256`): a node downloads the ranges in
+parallel and checks each as it arrives, instead of one sha256 over the whole blob.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from pydantic import Field
 from deltaboard.board.contract.schemas import Digest, RunName, Sha256, Strict, TensorEntry, Version
 
 SPAN_FORMAT: Literal["deltaboard/span/v1"] = "deltaboard/span/v1"
+KEYFRAME_FORMAT: Literal["deltaboard/keyframe/v1"] = "deltaboard/keyframe/v1"
 
 
 class SpanEntry(TensorEntry):
@@ -49,6 +57,36 @@ class SpanRegistered(Strict):
     run: RunName
     from_version: Version
     to_version: Version
+    manifest_url: str
+    created: bool
+    bytes: int = Field(ge=0)
+
+
+class KeyframeEntry(TensorEntry):
+    """One tensor of a worker keyframe: its keyframe encoding (the codec's `encode(None,
+    ...)`), whole, and the sha256 of the blob's bytes in its range."""
+
+    range_sha256: Sha256
+
+
+class KeyframeManifest(Strict):
+    """Every tensor of committed version `version`, whole; `state_digest` is the version's."""
+
+    format: Literal["deltaboard/keyframe/v1"] = KEYFRAME_FORMAT
+    run: RunName
+    version: Version
+    tensors: tuple[KeyframeEntry, ...]
+    state_digest: Sha256
+
+    def blob_shas(self) -> set[str]:
+        return {t.blob.sha256 for t in self.tensors}
+
+
+class KeyframeRegistered(Strict):
+    """The answer to a keyframe registration (`created` False: one was there first)."""
+
+    run: RunName
+    version: Version
     manifest_url: str
     created: bool
     bytes: int = Field(ge=0)

@@ -26,7 +26,7 @@ from deltaboard.board.contract.schemas import (
     RetentionReport,
     RunCreate,
 )
-from deltaboard.board.contract.spans import SpanManifest
+from deltaboard.board.contract.spans import KeyframeManifest, SpanManifest
 from deltaboard.board.server import rules
 from deltaboard.board.server.clock import Clock, SystemClock
 from deltaboard.board.server.metrics import BoardMetrics
@@ -38,6 +38,8 @@ from deltaboard.board.server.storage import (
     PreconditionFailed,
     blob_key,
     head_key,
+    keyframe_key,
+    keyframe_prefix,
     lease_key,
     manifest_key,
     manifest_prefix,
@@ -272,39 +274,55 @@ class Ledger:
                 pass
         raise NotHead(f"version {manifest.version} is being committed by another writer", head=head.version)
 
-    # ---- spans -------------------------------------------------------------------------
+    # ---- derived data: spans and worker keyframes --------------------------------------
 
-    def put_span(self, run: str, span: SpanManifest) -> tuple[bytes, bool]:
-        """Store a verified span unless one with the same ends is there: create-if-absent is
-        one atomic write, so racing workers leave exactly one span and a killed one leaves
+    def _put_once(self, key: str, data: bytes) -> tuple[bytes, bool]:
+        """Store verified derived data unless the same name is there: create-if-absent is
+        one atomic write, so racing workers leave exactly one and a killed one leaves
         none. The stored bytes, and whether this call stored them."""
-        key = span_key(run, span.from_version, span.to_version)
-        data = encode(span)
         try:
             self.store.put(key, data, if_none_match=True)
         except PreconditionFailed:
             return self.store.get(key), False
         return data, True
 
-    def span_bytes(self, run: str, from_version: int, to_version: int) -> bytes | None:
+    def _get(self, key: str) -> bytes | None:
         try:
-            return self.store.get(span_key(run, from_version, to_version))
+            return self.store.get(key)
         except ObjectNotFound:
             return None
 
-    def spans(self, run: str) -> list[tuple[SpanManifest, int]]:
-        """Every stored span this board can read, with its stored size (the others are
-        reported and skipped: plans route around them)."""
+    def _all(self, prefix: str, model: type[M]) -> list[tuple[M, int]]:
+        """Every stored object under `prefix` this board can read, with its stored size
+        (the others are reported and skipped: plans route around them)."""
         out = []
-        for info in self.store.list(span_prefix(run)):
+        for info in self.store.list(prefix):
             try:
                 data = self.store.get(info.key)
-                out.append((SpanManifest.model_validate_json(data), len(data)))
+                out.append((model.model_validate_json(data), len(data)))
             except ObjectNotFound:
                 continue
             except ValidationError as e:
                 self.unreadable(info.key, e)
         return out
+
+    def put_span(self, run: str, span: SpanManifest) -> tuple[bytes, bool]:
+        return self._put_once(span_key(run, span.from_version, span.to_version), encode(span))
+
+    def span_bytes(self, run: str, from_version: int, to_version: int) -> bytes | None:
+        return self._get(span_key(run, from_version, to_version))
+
+    def spans(self, run: str) -> list[tuple[SpanManifest, int]]:
+        return self._all(span_prefix(run), SpanManifest)
+
+    def put_keyframe(self, run: str, keyframe: KeyframeManifest) -> tuple[bytes, bool]:
+        return self._put_once(keyframe_key(run, keyframe.version), encode(keyframe))
+
+    def keyframe_bytes(self, run: str, version: int) -> bytes | None:
+        return self._get(keyframe_key(run, version))
+
+    def keyframes(self, run: str) -> list[tuple[KeyframeManifest, int]]:
+        return self._all(keyframe_prefix(run), KeyframeManifest)
 
     # ---- rebuilding the index -----------------------------------------------------------
 

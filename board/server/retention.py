@@ -1,8 +1,9 @@
 """Retention: which versions and blobs a run may shed, and the deletion itself.
 
 Keep the last `keep_last` versions and the keyframe chain the oldest of them needs (a node
-can always bootstrap to any kept version), and the spans that the cheapest plan from a
-kept version (or from nothing) to head takes; the other spans go, with their blobs. A
+can always bootstrap to any kept version), and the spans and worker keyframes that the
+cheapest plan from a kept version (or from nothing) to head takes; the others go, with
+their blobs. The trainer's chain stays even where a worker keyframe could replace it. A
 blob goes only when no kept manifest or span (nor a manifest above head, which may be a
 commit in flight) references it and it has been idle, i.e. neither uploaded nor claimed
 by a deduplicated upload, for longer than the grace period; the grace period protects
@@ -20,11 +21,12 @@ from pydantic import ValidationError
 from deltaboard.board.contract.schemas import Manifest, RetentionReport
 from deltaboard.board.server.plan import cheapest
 from deltaboard.board.server.records import VersionRecord
-from deltaboard.board.server.spans import SpanRecord
+from deltaboard.board.server.spans import SpanEnds, SpanRecord
 from deltaboard.board.server.storage import (
     ObjectNotFound,
     ObjectStore,
     blob_key,
+    keyframe_key,
     manifest_key,
     manifest_prefix,
     manifest_version,
@@ -44,7 +46,7 @@ def select_versions(
     versions: Mapping[int, VersionRecord],
     head: int | None,
     keep_last: int,
-    spans: Mapping[tuple[int, int], SpanRecord] | None = None,
+    spans: Mapping[SpanEnds, SpanRecord] | None = None,
 ) -> VersionSelection:
     """Split committed versions, and stored spans, into kept and deleted (pure)."""
     spans = spans or {}
@@ -57,8 +59,13 @@ def select_versions(
     keep = tuple(sorted(v for v in versions if v >= oldest_kept))
     delete = tuple(sorted(v for v in versions if v < oldest_kept))
     kept = {v: versions[v] for v in keep}
-    usable = {ends: s for ends, s in spans.items() if s.from_version >= oldest_kept and s.to_version <= head}
-    needed: set[tuple[int, int]] = set()
+    usable = {
+        ends: s
+        for ends, s in spans.items()
+        if (s.from_version if s.from_version is not None else s.to_version) >= oldest_kept
+        and s.to_version <= head
+    }
+    needed: set[SpanEnds] = set()
     for start in (None, *keep):
         for step in cheapest(kept, usable, start, head) or ():
             if isinstance(step, SpanRecord):
@@ -66,9 +73,16 @@ def select_versions(
     return VersionSelection(
         keep=keep,
         delete=delete,
-        keep_spans=tuple(spans[ends] for ends in sorted(needed)),
-        delete_spans=tuple(s for ends, s in sorted(spans.items()) if ends not in needed),
+        keep_spans=tuple(spans[ends] for ends in sorted(needed, key=_order)),
+        delete_spans=tuple(
+            s for ends, s in sorted(spans.items(), key=lambda e: _order(e[0])) if ends not in needed
+        ),
     )
+
+
+def _order(ends: SpanEnds) -> tuple[int, int]:
+    """Spans and worker keyframes (first version None) in order of their ends."""
+    return (-1 if ends[0] is None else ends[0], ends[1])
 
 
 def select_blobs(
@@ -101,7 +115,10 @@ def apply_retention(
     for version in selection.delete:
         store.delete_record(manifest_key(run, version))
     for span in selection.delete_spans:
-        store.delete(span_key(run, span.from_version, span.to_version))
+        if span.from_version is None:
+            store.delete(keyframe_key(run, span.to_version))
+        else:
+            store.delete(span_key(run, span.from_version, span.to_version))
     prefix = blob_key(run, "")
     last_active = {
         info.key[len(prefix) :]: max(info.modified, touches.get(info.key[len(prefix) :], 0.0))

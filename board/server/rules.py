@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from deltaboard.board.contract.errors import BadManifest, MissingBlobs, NoLease, NotHead, StaleEpoch
 from deltaboard.board.contract.manifest_rules import check_manifest
 from deltaboard.board.contract.schemas import Manifest
-from deltaboard.board.contract.spans import SpanManifest
+from deltaboard.board.contract.spans import KeyframeManifest, SpanManifest
 from deltaboard.board.server.records import HeadRecord, LeaseRecord
 
 
@@ -69,7 +69,9 @@ def check_succession(manifest: Manifest, head: HeadRecord) -> None:
         )
 
 
-def check_blob_ranges(manifest: Manifest | SpanManifest, sizes: Mapping[str, int | None]) -> None:
+def check_blob_ranges(
+    manifest: Manifest | SpanManifest | KeyframeManifest, sizes: Mapping[str, int | None]
+) -> None:
     """Every referenced blob exists and covers each entry's offset + length (of a version or
     of a span alike)."""
     missing = sorted(sha for sha in manifest.blob_shas() if sizes.get(sha) is None)

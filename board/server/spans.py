@@ -10,6 +10,11 @@ the layout's dtype, shape and file, its `base_digest` is the tensor's digest at 
 version and its `digest` the one at the last; and every tensor that differs between the
 ends has an entry, so that the base's digests updated by the entries are the last
 version's. Runs published in parts get no spans from the worker yet.
+
+A worker keyframe is checked the same way against the chain up to its version: its state
+digest is the version's, and its entries are exactly the layout's tensors, in the layout's
+order (so a node's shard files are the trainer keyframe's), whole, each with the layout's
+dtype, shape and file and the tensor's digest at that version.
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ from dataclasses import dataclass
 
 from deltaboard.board.contract.errors import BadManifest
 from deltaboard.board.contract.schemas import Manifest
-from deltaboard.board.contract.spans import SpanManifest
+from deltaboard.board.contract.spans import KeyframeManifest, SpanManifest
 
 
 def span_url(run: str, from_version: int, to_version: int) -> str:
     return f"/v1/runs/{run}/spans/{from_version}/{to_version}"
+
+
+def keyframe_url(run: str, version: int) -> str:
+    return f"/v1/runs/{run}/keyframes/{version}"
 
 
 def fold_digests(manifests: Sequence[Manifest]) -> dict[str, str]:
@@ -34,20 +43,26 @@ def fold_digests(manifests: Sequence[Manifest]) -> dict[str, str]:
     return digests
 
 
+def _check_chain(what: str, claimed: str, run: str, chain: Sequence[Manifest], last: int) -> None:
+    """Derived data `what` names `run` (`claimed`), and `chain` is one committed keyframe
+    chain up to `last`."""
+    if claimed != run:
+        raise BadManifest(f"{what} is for run {claimed!r}, posted to {run!r}")
+    if (
+        not chain
+        or chain[0].kind != "full"
+        or [m.version for m in chain] != list(range(chain[0].version, last + 1))
+    ):
+        raise BadManifest(f"{what}: the versions up to {last} are not one committed keyframe chain")
+
+
 def check_span(span: SpanManifest, run: str, chain: Sequence[Manifest]) -> None:
     """`chain` holds the committed manifests from a keyframe at or below the span's first
     version to its last, in order."""
     a, b = span.from_version, span.to_version
-    if span.run != run:
-        raise BadManifest(f"span is for run {span.run!r}, posted to {run!r}")
+    _check_chain(f"span {a} -> {b}", span.run, run, chain, b)
     if b - a < 2:
         raise BadManifest(f"a span covers at least two versions ({a} -> {b} does not)")
-    if (
-        not chain
-        or chain[0].kind != "full"
-        or [m.version for m in chain] != list(range(chain[0].version, b + 1))
-    ):
-        raise BadManifest(f"versions {a}..{b} are not one committed keyframe chain")
     first = a - chain[0].version
     if any(m.kind == "full" for m in chain[first + 1 :]):
         raise BadManifest(f"a keyframe lies inside span {a} -> {b}: bootstrap from it instead")
@@ -75,17 +90,54 @@ def check_span(span: SpanManifest, run: str, chain: Sequence[Manifest]) -> None:
         raise BadManifest(f"span {a} -> {b} leaves out {len(missing)} changed tensors", missing=missing[:16])
 
 
+def check_keyframe(keyframe: KeyframeManifest, run: str, chain: Sequence[Manifest]) -> None:
+    """`chain` holds the committed manifests from a keyframe at or below the keyframe's
+    version to it, in order."""
+    v = keyframe.version
+    _check_chain(f"keyframe {v}", keyframe.run, run, chain, v)
+    if keyframe.state_digest != chain[-1].state_digest:
+        raise BadManifest(f"keyframe {v}: the state digest is not version {v}'s")
+    layout = {t.name: (t.dtype, tuple(t.shape), t.file) for t in chain[0].tensors}
+    digests = fold_digests(chain)
+    names = [entry.name for entry in keyframe.tensors]
+    if names != list(layout):
+        raise BadManifest(f"keyframe {v}: its tensors are not the layout's, in its order")
+    for entry in keyframe.tensors:
+        if entry.part is not None:
+            raise BadManifest(
+                f"keyframe {v}: tensor {entry.name!r} is a part; a keyframe holds whole tensors"
+            )
+        if layout[entry.name] != (entry.dtype, tuple(entry.shape), entry.file):
+            raise BadManifest(f"keyframe {v}: tensor {entry.name!r} is not in the layout as given")
+        if entry.digest != digests[entry.name]:
+            raise BadManifest(f"keyframe {v}: tensor {entry.name!r} digest is not its digest at {v}")
+
+
+SpanEnds = tuple[int | None, int]  # a span's first and last versions; None first: a keyframe
+
+
 @dataclass(frozen=True)
 class SpanRecord:
-    """What planning and retention need of a stored span: its ends, the sizes of the whole
-    blobs it references and the stored size of its manifest."""
+    """What planning and retention need of a stored span or worker keyframe: its ends
+    (`from_version` None: a keyframe, a span from nothing), the sizes of the whole blobs
+    it references and the stored size of its manifest."""
 
-    from_version: int
+    from_version: int | None
     to_version: int
     blobs: dict[str, int]
     manifest_bytes: int
 
     @classmethod
-    def of(cls, span: SpanManifest, sizes: Mapping[str, int | None], manifest_bytes: int) -> SpanRecord:
+    def of(
+        cls, span: SpanManifest | KeyframeManifest, sizes: Mapping[str, int | None], manifest_bytes: int
+    ) -> SpanRecord:
         blobs = {sha: sizes.get(sha) or 0 for sha in sorted(span.blob_shas())}
+        if isinstance(span, KeyframeManifest):
+            return cls(None, span.version, blobs, manifest_bytes)
         return cls(span.from_version, span.to_version, blobs, manifest_bytes)
+
+    def url(self, run: str) -> str:
+        """Where its manifest is read."""
+        if self.from_version is None:
+            return keyframe_url(run, self.to_version)
+        return span_url(run, self.from_version, self.to_version)

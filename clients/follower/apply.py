@@ -41,7 +41,7 @@ import numpy as np
 from deltaboard.board import codec
 from deltaboard.board.contract.schemas import Manifest, TensorEntry
 from deltaboard.clients.follower.errors import CorruptBase, FollowerError
-from deltaboard.clients.follower.fetch import BlobReader
+from deltaboard.clients.follower.fetch import PatchSource
 from deltaboard.clients.follower.patcher import ShardMaps
 
 TensorProgress = Callable[[int], None]
@@ -161,7 +161,7 @@ def _merge(parts: list[codec.Changes]) -> codec.Changes:
 def apply_step(
     maps: ShardMaps,
     manifest: Manifest,
-    blobs: BlobReader,
+    blobs: PatchSource,
     digests: dict[str, str],
     pool: Executor,
     *,

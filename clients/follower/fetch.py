@@ -7,21 +7,30 @@ therefore always complete and authentic. Transport failures and 5xx answers are 
 with exponential backoff (the client retries single requests; this retries whole
 downloads, which resume where they stopped). A blob whose bytes hash wrong is discarded
 and fetched once more; a second mismatch is an `IntegrityError`.
+
+A worker keyframe is not cached: `RangedReader` fetches each tensor's range when the apply
+asks for it, on the apply's threads, so ranges download in parallel and each is decoded and
+written as soon as it arrives (a new node writes its shards once, with no copy of the blob
+on disk). Each range is checked against the sha256 its entry carries, fetched once more on
+a mismatch, and a second mismatch is an `IntegrityError`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
 from deltaboard.board.contract.errors import BoardError, BoardUnavailable
 from deltaboard.board.contract.schemas import BlobRef, BlobSize
+from deltaboard.board.contract.spans import KeyframeManifest
 from deltaboard.clients.board_client import BlobIntegrityError, BoardClient
 from deltaboard.clients.follower.errors import FollowerError, IntegrityError
 
@@ -49,6 +58,12 @@ class BlobCache:
         for path in self.directory.iterdir():
             if path.name.removesuffix(".part") not in shas:
                 path.unlink(missing_ok=True)
+
+
+class PatchSource(Protocol):
+    """Where an apply reads each entry's patch bytes."""
+
+    def read(self, ref: BlobRef) -> memoryview: ...
 
 
 class BlobReader:
@@ -139,3 +154,35 @@ class Fetcher:
                 raise FollowerError(f"cannot fetch blob {sha[:12]}: {exc}") from exc
             time.sleep(self.backoff_s * 2**attempt)
         raise FollowerError(f"cannot fetch blob {sha[:12]} after {self.attempts} attempts: {last}")
+
+
+class RangedReader:
+    """A worker keyframe's patches, each fetched by a ranged request when read (see the
+    module docstring); `progress` receives the bytes downloaded."""
+
+    def __init__(
+        self, board: BoardClient, keyframe: KeyframeManifest, progress: ByteProgress | None = None
+    ) -> None:
+        self._board = board
+        self._run = keyframe.run
+        self._expected = {
+            (t.blob.sha256, t.blob.offset, t.blob.length): t.range_sha256 for t in keyframe.tensors
+        }
+        self._progress = progress
+
+    def read(self, ref: BlobRef) -> memoryview:
+        expected = self._expected.get((ref.sha256, ref.offset, ref.length))
+        if expected is None:
+            raise FollowerError(
+                f"blob {ref.sha256[:12]} range {ref.offset}+{ref.length} is not the keyframe's"
+            )
+        for _ in range(2):
+            try:
+                data = self._board.get_blob(self._run, ref.sha256, ref.offset, ref.offset + ref.length)
+            except BoardError as exc:
+                raise FollowerError(f"cannot fetch blob {ref.sha256[:12]}: {exc}") from exc
+            if self._progress is not None:
+                self._progress(len(data))
+            if len(data) == ref.length and hashlib.sha256(data).hexdigest() == expected:
+                return memoryview(data)
+        raise IntegrityError(f"blob {ref.sha256[:12]} range {ref.offset}+{ref.length} hashed wrong twice")

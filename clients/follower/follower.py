@@ -10,7 +10,9 @@ One update (`sync`) goes:
    plus deltas for an empty or pruned node); steps before the chain's last keyframe are
    dropped, since a keyframe replaces everything;
 2. fetch: the chain's manifests and blobs into the local cache, in parallel, resumable,
-   sha256-checked (`fetch`);
+   sha256-checked (`fetch`). A worker keyframe's blob is not cached: its tensors' ranges
+   are fetched in parallel during the apply, each checked and decoded as it arrives
+   (`fetch.RangedReader`);
 3. stage: the chain is applied in place to the other slot (`slots`), which already holds
    the served version (see 5), each tensor verified in O(changed elements) before it is
    written and the state digest checked per version (`apply`). The journal marks the slot
@@ -50,7 +52,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -58,6 +60,7 @@ import httpx
 
 from deltaboard.board.contract.errors import AuthError, BoardError, UnknownBase, UnknownRun
 from deltaboard.board.contract.schemas import Heartbeat, Manifest, Plan
+from deltaboard.board.contract.spans import KeyframeManifest
 from deltaboard.board.contract.view_spec import INDEX_FILE
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower.apply import BadBlob, Written, apply_step, check_base, replay
@@ -68,13 +71,13 @@ from deltaboard.clients.follower.errors import (
     IntegrityError,
     UnusableManifest,
 )
-from deltaboard.clients.follower.fetch import BlobCache, BlobReader, Fetcher
+from deltaboard.clients.follower.fetch import BlobCache, BlobReader, Fetcher, PatchSource, RangedReader
 from deltaboard.clients.follower.journal import Journal, SlotName, SlotRecord
 from deltaboard.clients.follower.layout import materialize
 from deltaboard.clients.follower.manifests import ManifestCache
 from deltaboard.clients.follower.patcher import ShardMaps
 from deltaboard.clients.follower.slots import CURRENT, SLOT_NAMES, Slots, other
-from deltaboard.clients.follower.spans import as_delta
+from deltaboard.clients.follower.spans import as_delta, as_full
 from deltaboard.clients.follower.verify import damaged, hash_tensors
 from deltaboard.clients.resident import HotPatch, prepare_patch
 
@@ -85,6 +88,9 @@ log = logging.getLogger("deltaboard.follower")
 CHANGE_BYTES = 24
 # Tensors decoded and written at once: numpy and zstd release the GIL, so one per core.
 APPLY_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Ranges of a worker keyframe downloaded, decoded and written at once: at least four, so
+# that downloads overlap decoding even on few cores.
+BOOTSTRAP_THREADS = max(4, min(16, os.cpu_count() or 1))
 
 CommitHook = Callable[[int, Callable[[], None]], None]
 
@@ -276,7 +282,7 @@ class Follower:
             held, current = self.version, self._slots.current()
             if held is None or current is None:
                 raise FollowerError("nothing is served yet: a resident view starts from a loaded version")
-            chain = self._chain(held, target)
+            chain, _ = self._chain(held, target)
             if len(chain) != 1 or chain[0].kind != "delta" or chain[0].parent != held:
                 raise FollowerError(f"version {target} is not one delta after {held}: reload it instead")
             digests = self._state.slot(current).digests
@@ -306,28 +312,35 @@ class Follower:
             log.info("version %s is pruned on the board: bootstrapping from a keyframe", held)
             return self.board.plan(self.run, None, target)
 
-    def _chain(self, held: int | None, target: int) -> list[Manifest]:
-        """The manifests to apply on top of `held`, from the last keyframe if there is one."""
+    def _chain(self, held: int | None, target: int) -> tuple[list[Manifest], KeyframeManifest | None]:
+        """The manifests to apply on top of `held`, from the last keyframe if there is one,
+        and the worker keyframe the chain starts with, if it does (its blob is not cached:
+        `RangedReader` fetches it during the apply)."""
         plan = self._plan(held, target)
         steps = list(plan.steps)
-        fulls = [i for i, s in enumerate(steps) if s.kind == "full"]
+        fulls = [i for i, s in enumerate(steps) if s.kind in ("full", "keyframe")]
         if fulls:
             steps = steps[fulls[-1] :]
         if not steps or steps[-1].version != target:
             raise FollowerError(f"the board's plan {held}->{target} does not end at {target}")
-        missing = self._fetcher.missing(b for s in steps for b in s.blobs)
-        self._open_phase("fetch", sum(b.size for b in missing))
+        ranged = self.board.keyframe(self.run, steps[0].version) if steps[0].kind == "keyframe" else None
+        missing = self._fetcher.missing(b for s in steps if s.kind != "keyframe" for b in s.blobs)
+        self._open_phase(
+            "fetch", sum(b.size for b in missing) + sum(b.size for b in steps[0].blobs if ranged)
+        )
         self._fetcher.fetch(missing, self._bytes_progress())
         chain: list[Manifest] = []
         for s in steps:
             manifest = self._manifests.get(self.board, s.version)
+            if s.kind == "keyframe" and ranged is not None:
+                manifest = as_full(ranged, manifest)
             if s.kind == "span":
                 base = chain[-1].version if chain else held
                 if base is None:
                     raise FollowerError(f"the board's plan reaches {s.version} by a span from nothing")
                 manifest = as_delta(self.board.span(self.run, base, s.version), manifest, base)
             chain.append(manifest)
-        return chain
+        return chain, ranged
 
     def _assets(self) -> dict[str, bytes]:
         """The run's assets, except names that would shadow the weight files or `current`."""
@@ -366,7 +379,7 @@ class Follower:
         record = self._state.slot(staging)
         if record.state == "clean" and record.version == target:
             return staging, None  # staged before an interrupted commit
-        chain = self._chain(held, target)
+        chain, ranged = self._chain(held, target)
         fresh = chain[0].kind == "full"
         assets = self._assets() if fresh else {}
         changed = sum(m.stats.changed_elements for m in chain)
@@ -380,7 +393,7 @@ class Follower:
                 raise FollowerError(f"the board's plan to {target} starts with a delta but nothing is served")
             self._copy(current, staging)
             base = self._state.slot(current).digests
-        digests = self._apply(staging, chain, dict(base), assets, written)
+        digests = self._apply(staging, chain, dict(base), assets, written, ranged)
         self._make_durable(staging)
         self._save(staging, SlotRecord(state="clean", version=target, digests=digests))
         return staging, written
@@ -428,24 +441,30 @@ class Follower:
         digests: dict[str, str],
         assets: dict[str, bytes],
         written: list[Written] | None,
+        ranged: KeyframeManifest | None = None,
     ) -> dict[str, str]:
         """Apply `chain` to a slot whose tensor digests are `digests` (a keyframe in the
-        chain starts the slot over); returns the digests at the chain's end."""
+        chain starts the slot over); returns the digests at the chain's end. `ranged`: the
+        worker keyframe `chain` starts with, read by ranges on `BOOTSTRAP_THREADS`."""
         slot_dir = self._slots.slot_dir(slot)
         self._open_phase("apply", sum(len(m.tensors) for m in chain))
-        with BlobReader(self._blobs) as reader:
-            for manifest in chain:
+        with BlobReader(self._blobs) as cached, ThreadPoolExecutor(BOOTSTRAP_THREADS) as wide:
+            for i, manifest in enumerate(chain):
                 if manifest.kind == "full":
                     self._unmap(slot)
                     self._slots.reset(slot)
                     materialize(slot_dir, manifest, assets)
                     digests = {}
+                reader: PatchSource = cached
+                pool: Executor = self._pool
+                if i == 0 and ranged is not None:
+                    reader, pool = RangedReader(self.board, ranged, self._bytes_progress()), wide
                 apply_step(
                     self._mapped(slot),
                     manifest,
                     reader,
                     digests,
-                    self._pool,
+                    pool,
                     progress=lambda n: self._advance("apply", n),
                     written=written,
                 )

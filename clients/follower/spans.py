@@ -1,4 +1,4 @@
-"""A plan's span step, applied like a delta.
+"""A plan's span step, applied like a delta, and its keyframe step, applied like a full one.
 
 The board's plan names a span (`board.contract.spans.SpanManifest`) from the version the
 chain has reached to a later one. The follower reads it and the target version's own
@@ -7,12 +7,19 @@ chain stands, and hands `apply_step` the target's manifest with the span's entri
 patch must then decode against the digest the slot holds for its tensor (the span's base)
 and reach the entry's digest, and the slot's state digest must be the target's, exactly as
 for a delta. A span with wrong digests therefore fails like a bad delta blob.
+
+A worker keyframe becomes its version's manifest as a keyframe: every tensor whole, each
+decoded and checked against its digest, then the state digest, exactly as for the
+trainer's keyframes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Literal
+
 from deltaboard.board.contract.schemas import Manifest, TensorEntry
-from deltaboard.board.contract.spans import SpanManifest
+from deltaboard.board.contract.spans import KeyframeManifest, SpanManifest
 from deltaboard.clients.follower.errors import FollowerError
 
 
@@ -24,6 +31,24 @@ def as_delta(span: SpanManifest, target: Manifest, base: int) -> Manifest:
         )
     if span.state_digest != target.state_digest:
         raise FollowerError(f"span {span.from_version}->{span.to_version} does not end at the target's state")
-    entries = tuple(TensorEntry(**e.model_dump(exclude={"base_digest"})) for e in span.tensors)
+    return _with_entries(target, "delta", base, span.tensors)
+
+
+def as_full(keyframe: KeyframeManifest, target: Manifest) -> Manifest:
+    """`target` (the manifest of the keyframe's version) as a keyframe with its entries."""
+    if (keyframe.run, keyframe.version) != (target.run, target.version):
+        raise FollowerError(
+            f"keyframe {keyframe.run}@{keyframe.version} is not {target.run}@{target.version}"
+        )
+    if keyframe.state_digest != target.state_digest:
+        raise FollowerError(f"keyframe {keyframe.version} does not hold the version's state")
+    return _with_entries(target, "full", None, keyframe.tensors)
+
+
+def _with_entries(
+    target: Manifest, kind: Literal["full", "delta"], parent: int | None, derived: Sequence[TensorEntry]
+) -> Manifest:
+    """`target` as a step of `kind` from `parent` whose tensors are `derived`'s entries."""
+    entries = tuple(TensorEntry(**e.model_dump(include=set(TensorEntry.model_fields))) for e in derived)
     stats = target.stats.model_copy(update={"changed_elements": sum(e.changed for e in entries)})
-    return target.model_copy(update={"kind": "delta", "parent": base, "tensors": entries, "stats": stats})
+    return target.model_copy(update={"kind": kind, "parent": parent, "tensors": entries, "stats": stats})

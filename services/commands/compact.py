@@ -28,10 +28,17 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             "removed on exit; the worker is stateless).",
             show_default=False,
         ),
+        keyframe_every: int = typer.Option(
+            32,
+            "--keyframe-every",
+            min=0,
+            help="Register a keyframe of a head when a new node's plan to it would start this many "
+            "versions back or more (0: never).",
+        ),
     ) -> None:
         """Build span patches (power-of-two spans ending at each head) from the run's
-        committed deltas and register them with the board, fed by its event stream.
-        Any number may run; kill it at any time."""
+        committed deltas, and keyframes near head for new nodes, and register them with the
+        board, fed by its event stream. Any number may run; kill it at any time."""
         from deltaboard.clients.board_client import BoardClient
         from deltaboard.services.compact.worker import run_worker
 
@@ -41,4 +48,4 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             BoardClient(board, token) as client,
             tempfile.TemporaryDirectory(prefix="deltaboard-compact-") as tmp,
         ):
-            run_worker(client, run, directory or Path(tmp), node, threading.Event())
+            run_worker(client, run, directory or Path(tmp), node, threading.Event(), keyframe_every)

@@ -85,12 +85,12 @@ class SpanBuilder:
         self.run = run
         self.follower = follower
         self.window: Window | None = None
-        self._pool = ThreadPoolExecutor(
+        self.pool = ThreadPoolExecutor(
             threads or os.cpu_count() or 1, thread_name_prefix="deltaboard-compact"
         )
 
     def close(self) -> None:
-        self._pool.shutdown()
+        self.pool.shutdown()
 
     def __enter__(self) -> SpanBuilder:
         return self
@@ -109,7 +109,7 @@ class SpanBuilder:
         maps = ShardMaps(self.follower.model_dir, writable=False)
         try:
             per_tensor = list(
-                self._pool.map(lambda n: self._tensor_spans(window, maps, n, head, bases), names)
+                self.pool.map(lambda n: self._tensor_spans(window, maps, n, head, bases), names)
             )
         finally:
             maps.close()
@@ -146,7 +146,7 @@ class SpanBuilder:
         maps = ShardMaps(self.follower.model_dir, writable=False)
         try:
             names = sorted(maps.placements)
-            hashed = self._pool.map(lambda n: codec.digest(maps.tensor(n), maps.placements[n].dtype), names)
+            hashed = self.pool.map(lambda n: codec.digest(maps.tensor(n), maps.placements[n].dtype), names)
             digests = dict(zip(names, hashed, strict=True))
         finally:
             maps.close()
@@ -170,9 +170,7 @@ class SpanBuilder:
         held = window.digests[window.top]
         maps = ShardMaps(self.follower.model_dir, writable=False)
         try:
-            walked = self._pool.map(
-                lambda n: _tensor_walk(maps.tensor(n), held[n], touched[n]), list(touched)
-            )
+            walked = self.pool.map(lambda n: _tensor_walk(maps.tensor(n), held[n], touched[n]), list(touched))
             decoded = dict(zip(touched, walked, strict=True))
         finally:
             maps.close()

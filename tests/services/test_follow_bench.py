@@ -9,7 +9,14 @@ def test_bench_follow_small_view() -> None:
     config = follow_bench.BenchConfig(view_gb=0.008, catchup_k=3, steady=1, tensor_elements=1 << 18)
     report = follow_bench.run(config, lambda _: None)
     assert 0.005 < report["changed_fraction"] < 0.02
-    for key in ("apply_verify_s", "full_write_s", "page_touch_s", "codec_decode_s", "bootstrap_s"):
+    for key in (
+        "apply_verify_s",
+        "full_write_s",
+        "page_touch_s",
+        "codec_decode_s",
+        "bootstrap_s",
+        "bootstrap_deltas_s",
+    ):
         assert report[key] > 0, key
     assert report["page_touch_ratio"] == report["page_touch_s"] / report["full_write_s"]
     # without spans the plan fetches the cheaper of a keyframe and the chain of deltas;
@@ -18,8 +25,12 @@ def test_bench_follow_small_view() -> None:
     assert 0 < report["span_bytes"] < report["catchup_bytes"] < report["catchup_deltas_bytes"]
     assert report["catchup_strategy"] == "spans" and report["compact_s"] > 0
     assert report["compact_incremental_s"] > 0
+    # a new node starts at the worker's keyframe of head, not at the trainer's first one
+    assert report["bootstrap_strategy"] == "keyframe+deltas" and report["keyframe_build_s"] > 0
+    assert 0 < report["bootstrap_bytes"] < report["keyframe_bytes"] + report["replay_bytes"]
     assert set(report["targets"]) == {
         "apply_verify_le_0.1x_full_write",
         "catchup_le_one_keyframe",
         "catchup_le_0.4x_replay",
+        "bootstrap_le_2s",
     }

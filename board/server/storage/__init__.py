@@ -135,6 +135,15 @@ def span_key(run: str, from_version: int, to_version: int) -> str:
     return f"{span_prefix(run)}{from_version:012d}-{to_version:012d}.json"
 
 
+def keyframe_prefix(run: str) -> str:
+    return f"runs/{run}/keyframes/"
+
+
+def keyframe_key(run: str, version: int) -> str:
+    """Worker keyframes are named by their version: one per version, whoever builds it."""
+    return f"{keyframe_prefix(run)}{version:012d}.json"
+
+
 def manifest_version(key: str) -> int | None:
     """The version a manifest key (or one of its record generations, `...json@gen`) names,
     None for other keys."""

@@ -324,6 +324,8 @@ class Fp8Record:
     bf16_full_bytes: int  # the bf16 view whole
     encode_gbps: float  # FP8 view's delta, GB of FP8 view per second
     apply_gbps: float
+    bf16_encode_gbps: float  # bf16 view's delta, GB of bf16 view per second
+    bf16_apply_gbps: float
     exact: bool
 
 
@@ -370,6 +372,8 @@ class _Fp8Pair:
     bf16_bytes: int
     encode_gbps: float
     apply_gbps: float
+    bf16_encode_gbps: float
+    bf16_apply_gbps: float
     exact: bool
 
 
@@ -381,8 +385,11 @@ def _fp8_pair(
     digests = {n: codec.digest(a, fp8_dtypes[n]) for n, a in old.fp8.items()}
     size, enc_s, app_s, exact = _measure("deltaboard", old.fp8, new.fp8, fp8_dtypes, digests, repeats)
     bf16_digests = {n: codec.digest(a, bf16_dtypes[n]) for n, a in old.bf16.items()}
-    bf16_size = _measure("deltaboard", old.bf16, new.bf16, bf16_dtypes, bf16_digests, 1)[0]
+    bf16_size, bf16_enc_s, bf16_app_s, bf16_exact = _measure(
+        "deltaboard", old.bf16, new.bf16, bf16_dtypes, bf16_digests, repeats
+    )
     view_gb = sum(a.size for a in old.fp8.values()) / 1e9
+    bf16_gb = sum(a.size for a in old.bf16.values()) / 1e9
     return _Fp8Pair(
         fp8_changed=_fraction_changed(old.fp8, new.fp8, fp8_dtypes, "F8_E4M3"),
         scale_changed=_fraction_changed(old.fp8, new.fp8, fp8_dtypes, "F32"),
@@ -392,7 +399,9 @@ def _fp8_pair(
         bf16_bytes=bf16_size,
         encode_gbps=view_gb / enc_s,
         apply_gbps=view_gb / app_s,
-        exact=exact,
+        bf16_encode_gbps=bf16_gb / bf16_enc_s,
+        bf16_apply_gbps=bf16_gb / bf16_app_s,
+        exact=exact and bf16_exact,
     )
 
 
@@ -453,6 +462,8 @@ def run_fp8(
                     bf16_full_bytes=full[1],
                     encode_gbps=median("encode_gbps"),
                     apply_gbps=median("apply_gbps"),
+                    bf16_encode_gbps=median("bf16_encode_gbps"),
+                    bf16_apply_gbps=median("bf16_apply_gbps"),
                     exact=all(v.exact for v in values),
                 )
             )
@@ -472,6 +483,7 @@ def render_fp8(records: list[Fp8Record], console: Console) -> None:
         "x bf16 full",
         "enc GB/s",
         "dec GB/s",
+        "bf16 enc/dec GB/s",
     ):
         table.add_column(col, justify="right")
     table.add_column("exact", justify="right")
@@ -491,6 +503,7 @@ def render_fp8(records: list[Fp8Record], console: Console) -> None:
             f"{r.fp8_bytes / r.bf16_full_bytes:.4f}",
             f"{r.encode_gbps:.2f}",
             f"{r.apply_gbps:.2f}",
+            f"{r.bf16_encode_gbps:.2f} / {r.bf16_apply_gbps:.2f}",
             "yes" if r.exact else "[red]NO[/red]",
         )
     console.print(table)

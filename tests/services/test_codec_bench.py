@@ -72,6 +72,8 @@ FP8_FIELDS = {
     "bf16_full_bytes",
     "encode_gbps",
     "apply_gbps",
+    "bf16_encode_gbps",
+    "bf16_apply_gbps",
     "exact",
 }
 

@@ -226,12 +226,13 @@ def diff_slots(
     (`fused_diff`; `fused` None: wherever it can run) or by the torch reference (one
     comparison over the batch's range, one gather of the changed words, a `searchsorted`
     over the slots' offsets to cut the result per tensor); then one small transfer to the
-    host (`HostCopy`). `hints` (default: off the host) adds the changed tensors' context
-    hints, whose rank pass runs while the changes are copied to the host.
+    host (`HostCopy`). `hints` adds the changed tensors' context hints, whose rank pass runs
+    while the changes are copied to the host; by default where they cost little: off the
+    host with the fused pass (the CPU path hands the codec the old bytes instead).
     """
     group = slots[0].group
-    want_hints = hints if hints is not None else group[0] != "cpu"
     use_fused = fused_diff.available(group[0]) if fused is None else fused
+    want_hints = hints if hints is not None else group[0] != "cpu" and use_fused
     if group[0] == "cpu" and not want_hints and not use_fused:
         return _diff_on_host(old, new, slots)
     old_g, new_g = old.groups[group], new.groups[group]
@@ -388,23 +389,27 @@ def batch_bytes_for(layout: ViewLayout) -> int:
     return CUDA_BATCH_BYTES if on_cuda else CPU_BATCH_BYTES
 
 
-def iter_diffs(old: ViewBuffer, new: ViewBuffer, hints: bool | None = None) -> Iterator[ViewDiff]:
-    """The diff batch by batch, the next batch computed in a helper thread while the
-    caller encodes the current one (torch releases the GIL in its kernels)."""
+def iter_diffs(
+    old: ViewBuffer, new: ViewBuffer, hints: bool | None = None, fused: bool | None = None
+) -> Iterator[ViewDiff]:
+    """The diff batch by batch (`diff_slots`), the next batch computed in a helper thread
+    while the caller encodes the current one (torch releases the GIL in its kernels)."""
     todo = batches(new.layout, batch_bytes_for(new.layout))
     with ThreadPoolExecutor(1, thread_name_prefix="deltaboard-diff") as pool:
-        pending = [pool.submit(diff_slots, old, new, b, hints) for b in todo[:1]]
+        pending = [pool.submit(diff_slots, old, new, b, hints, fused) for b in todo[:1]]
         for nxt in todo[1:]:
-            pending.append(pool.submit(diff_slots, old, new, nxt, hints))
+            pending.append(pool.submit(diff_slots, old, new, nxt, hints, fused))
             yield pending.pop(0).result()
         for fut in pending:
             yield fut.result()
 
 
-def diff_views(old: ViewBuffer, new: ViewBuffer, hints: bool | None = None) -> ViewDiff:
+def diff_views(
+    old: ViewBuffer, new: ViewBuffer, hints: bool | None = None, fused: bool | None = None
+) -> ViewDiff:
     """Changes from `old` to `new`, two buffers of the same layout, in one result."""
     result = ViewDiff()
-    for part in iter_diffs(old, new, hints):
+    for part in iter_diffs(old, new, hints, fused):
         result.changes.update(part.changes)
         result.hints.update(part.hints)
         result.host_bytes += part.host_bytes

@@ -107,11 +107,13 @@ def encode_rank(
     """Encode `buffer` as a keyframe (`base` None) or as a delta against `base`.
 
     Tensors are encoded in parallel on `encoders` (the codec's numpy and zstd work
-    releases the GIL), at most `window` at a time, and packed in layout order, so blobs
-    and manifests do not depend on thread timing and a keyframe holds at most `window`
-    tensors' host bytes and patches while the packer waits for the link.
+    releases the GIL), in bundles of small tensors (`BUNDLE_ELEMENTS`), at most `window`
+    bundles at a time, and packed in layout order, so blobs and manifests do not depend on
+    thread timing and a keyframe holds at most `window` bundles' host bytes and patches
+    while the packer waits for the link.
     `context` asks for the codec's context encoding: True everywhere, None (auto) where
-    the old bytes are on the host, False nowhere (see `Publisher` for its cost).
+    it costs little (the old bytes on the host, or the fused pass on CUDA), False nowhere
+    (see `Publisher`).
     `slices` (sharded state): where each local tensor sits in its whole tensor; each
     slice's digest at global positions is kept up to date from `base_slice_digests`.
     """
@@ -149,9 +151,9 @@ def encode_rank(
     changed = host_bytes = hint_bytes = 0
     diff_s = 0.0
     started = time.perf_counter()
-    # hints only where asked for and the tensors are off the host; the CPU path hands the
-    # codec the old bytes instead
-    for part in iter_diffs(base, buffer, hints=None if context else False):
+    # hints where asked for, by default where they cost little (`diff_slots`); the CPU path
+    # hands the codec the old bytes instead
+    for part in iter_diffs(base, buffer, hints=context):
         diff_s += time.perf_counter() - started  # time waiting for the diff, not hidden by encoding
         deltas: list[Task] = [
             (
@@ -208,6 +210,29 @@ def _context(
     return None, hints.get(slot.name)
 
 
+BUNDLE_ELEMENTS = 1 << 16
+"""Tensors are handed to the encoder pool in bundles of at least this much work (changed
+elements; a keyframe's whole elements), so that a model of many small tensors pays one
+task per bundle, not per tensor; a large tensor is a bundle of its own."""
+
+
+def _bundles(tasks: list[Task]) -> list[list[Task]]:
+    """Consecutive tasks grouped until each group holds `BUNDLE_ELEMENTS` of work."""
+    out: list[list[Task]] = []
+    work = BUNDLE_ELEMENTS
+    for task in tasks:
+        if work >= BUNDLE_ELEMENTS:
+            out.append([])
+            work = 0
+        out[-1].append(task)
+        work += task[1]
+    return out
+
+
+def _run_bundle(bundle: list[Task]) -> list[Encoded]:
+    return [encode() for _, _, encode in bundle]
+
+
 def _encode_in_order(
     tasks: list[Task],
     encoders: Executor,
@@ -216,23 +241,25 @@ def _encode_in_order(
     digests: dict[str, str],
     global_digests: dict[str, str],
 ) -> None:
-    """Run `tasks` on `encoders` (at most `window` submitted) and pack the results in order."""
-    pending: deque[tuple[Slot, int, Future[Encoded]]] = deque()
+    """Run `tasks` on `encoders` in bundles (`_bundles`, at most `window` submitted) and
+    pack the results in order."""
+    pending: deque[tuple[list[Task], Future[list[Encoded]]]] = deque()
 
     def pack_first() -> None:
-        slot, changed, fut = pending.popleft()
-        patch, digests[slot.name], global_digest = fut.result()
-        if global_digest is not None:
-            global_digests[slot.name] = global_digest
-        packer.add(slot.name, slot.dtype, slot.shape, patch, digests[slot.name], changed)
+        bundle, fut = pending.popleft()
+        for (slot, changed, _), (patch, digest, global_digest) in zip(bundle, fut.result(), strict=True):
+            digests[slot.name] = digest
+            if global_digest is not None:
+                global_digests[slot.name] = global_digest
+            packer.add(slot.name, slot.dtype, slot.shape, patch, digest, changed)
 
     try:
-        for slot, changed, encode in tasks:
-            pending.append((slot, changed, encoders.submit(encode)))
+        for bundle in _bundles(tasks):
+            pending.append((bundle, encoders.submit(_run_bundle, bundle)))
             if len(pending) >= window:
                 pack_first()
         while pending:
             pack_first()
     finally:
-        for _, _, fut in pending:
+        for _, fut in pending:
             fut.cancel()

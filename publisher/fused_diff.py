@@ -119,11 +119,14 @@ class FusedChanges:
 
 
 def _key_tables(slots: Sequence[Slot], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per slot: sample stride (0 for a dtype without exponent: no hint), shift, key mask."""
+    """Per slot: sample stride (0 for a dtype without exponent: no hint; else a power of two,
+    which the kernel tests with a mask, not a division), shift, key mask."""
     stride, shift, keymask = [], [], []
     for s in slots:
         field = codec.EXPONENT_FIELDS.get(s.dtype)
         stride.append(codec.sample_stride(s.numel) if field else 0)
+        if stride[-1] & (stride[-1] - 1):
+            raise ValueError(f"the codec's sample stride {stride[-1]} is not a power of two")
         shift.append(field[0] if field else 0)
         keymask.append(field[1] if field else 0)
     return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (stride, shift, keymask))

@@ -34,7 +34,7 @@ def count(
         stride = tl.load(s_stride + slot)
         if stride > 0:  # a floating slot: the sampled old exponents
             keys = ((a >> tl.load(s_shift + slot)) & tl.load(s_keymask + slot)).to(tl.int32)
-            take = inside & ((idx - tl.load(s_offset + slot)) % stride == 0)
+            take = inside & (((idx - tl.load(s_offset + slot)) & (stride - 1)) == 0)  # a power of 2
             hist = tl.histogram(keys, BINS, mask=take)
             tl.atomic_add(sampled + slot * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
 

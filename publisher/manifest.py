@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from deltaboard.board import codec
-from deltaboard.board.contract.schemas import Manifest, ManifestStats, TensorEntry, TensorPart, ViewSpec
+from deltaboard.board.contract.schemas import Manifest, ManifestStats, TensorPart, ViewSpec
 from deltaboard.board.contract.view_spec import plan_layout
 from deltaboard.publisher.encode import RankVersion
 
@@ -41,57 +41,62 @@ def build_manifest(
         tensors, entries, digests = _sliced(ranks)
     else:
         tensors, entries, digests = _whole(ranks)
-    layout = plan_layout(tensors, spec)
+    placement = plan_layout(tensors, spec).placement
     meta = dict(proposal.meta)
     if proposal.step is not None:
         meta["step"] = proposal.step
-    return Manifest(
-        run=run,
-        version=proposal.version,
-        parent=proposal.parent,
-        kind=proposal.kind,
-        view=spec,
-        epoch=epoch,
-        created_at=time.time(),
-        meta=meta,
-        tensors=tuple(e.model_copy(update={"file": layout.placement[e.name]}) for e in entries),
-        state_digest=codec.state_digest(digests.items()),
-        stats=ManifestStats(
-            changed_elements=sum(r.changed_elements for r in ranks),
-            total_elements=sum(r.total_elements for r in ranks),
-            encoded_bytes=sum(p.blob.length for r in ranks for p in r.parts),
-            view_bytes=sum(r.view_bytes for r in ranks),
-        ),
+    # one validation of the whole manifest (in pydantic's core), not one per entry
+    return Manifest.model_validate(
+        {
+            "run": run,
+            "version": proposal.version,
+            "parent": proposal.parent,
+            "kind": proposal.kind,
+            "view": spec,
+            "epoch": epoch,
+            "created_at": time.time(),
+            "meta": meta,
+            "tensors": [{**e, "file": placement[e["name"]]} for e in entries],
+            "state_digest": codec.state_digest(digests.items()),
+            "stats": ManifestStats(
+                changed_elements=sum(r.changed_elements for r in ranks),
+                total_elements=sum(r.total_elements for r in ranks),
+                encoded_bytes=sum(p.blob.length for r in ranks for p in r.parts),
+                view_bytes=sum(r.view_bytes for r in ranks),
+            ),
+        }
     )
 
 
 Tensors = list[tuple[str, str, tuple[int, ...]]]
-NO_FILE = "model.safetensors"  # every entry's file until the layout is planned
+Entry = dict[str, Any]
+"""A `TensorEntry`'s fields but its file, which the layout of every tensor decides: plain
+dicts, validated once with the whole manifest, so that a model of 20,000 tensors does not
+pay a model and a copy per entry."""
 
 
-def _whole(ranks: Sequence[RankVersion]) -> tuple[Tensors, list[TensorEntry], dict[str, str]]:
+def _whole(ranks: Sequence[RankVersion]) -> tuple[Tensors, list[Entry], dict[str, str]]:
     """Every rank's own whole tensors, in rank order."""
     tensors = [t for r in ranks for t in r.tensors]
     names = [name for name, _, _ in tensors]
     if len(set(names)) != len(names):
         raise ValueError("two ranks published a tensor of the same name: partition the state dict")
     entries = [
-        TensorEntry(
-            name=p.name,
-            dtype=p.dtype,
-            shape=p.shape,
-            file=NO_FILE,
-            blob=p.blob,
-            digest=p.digest,
-            changed=p.changed,
-        )
+        {
+            "name": p.name,
+            "dtype": p.dtype,
+            "shape": p.shape,
+            "blob": p.blob,
+            "digest": p.digest,
+            "changed": p.changed,
+        }
         for r in ranks
         for p in r.parts
     ]
     return tensors, entries, {n: d for r in ranks for n, d in r.digests.items()}
 
 
-def _sliced(ranks: Sequence[RankVersion]) -> tuple[Tensors, list[TensorEntry], dict[str, str]]:
+def _sliced(ranks: Sequence[RankVersion]) -> tuple[Tensors, list[Entry], dict[str, str]]:
     """Slices of tensors from every rank: one entry per part, in the trainer's state order
     (then rank order); each tensor's digest is the combination of its slices' digests."""
     whole: dict[str, tuple[int, str, tuple[int, ...]]] = {}  # name: order, dtype, shape
@@ -108,22 +113,21 @@ def _sliced(ranks: Sequence[RankVersion]) -> tuple[Tensors, list[TensorEntry], d
     digests = {name: codec.combine_digests(found) for name, found in slice_digests.items()}
     ordered = sorted(whole.items(), key=lambda item: item[1][0])
     tensors = [(name, dtype, shape) for name, (_, dtype, shape) in ordered]
-    placed: list[tuple[int, int, TensorEntry]] = []
+    placed: list[tuple[int, int, Entry]] = []
     for rank, r in enumerate(ranks):
         for p in r.parts:
             at = r.slices[p.name]
             part = None
             if p.shape != at.tensor_shape:
                 part = TensorPart(offset=at.offset, shape=p.shape, digest=r.slice_digests[p.name])
-            entry = TensorEntry(
-                name=p.name,
-                dtype=p.dtype,
-                shape=at.tensor_shape,
-                file=NO_FILE,
-                blob=p.blob,
-                digest=digests[p.name],
-                changed=p.changed,
-                part=part,
-            )
+            entry = {
+                "name": p.name,
+                "dtype": p.dtype,
+                "shape": at.tensor_shape,
+                "blob": p.blob,
+                "digest": digests[p.name],
+                "changed": p.changed,
+                "part": part,
+            }
             placed.append((at.order, rank, entry))
     return tensors, [e for _, _, e in sorted(placed, key=lambda x: x[:2])], digests

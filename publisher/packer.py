@@ -98,7 +98,8 @@ class BlobPacker:
         data = b"".join(self._chunks)
         sha = hashlib.sha256(data).hexdigest()
         for p in self._open:
-            ref = BlobRef(sha256=sha, offset=p.offset, length=p.length)
+            # our own hash and offsets: no validation per part (a blob may hold thousands)
+            ref = BlobRef.model_construct(sha256=sha, offset=p.offset, length=p.length)
             self._parts.append(TensorPart(p.name, p.dtype, p.shape, ref, p.digest, p.changed))
         self._chunks, self._open, self._open_bytes = [], [], 0
         with self._cond:

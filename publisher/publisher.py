@@ -18,9 +18,11 @@ publish the policy as training starts, as well as after each step.
 
 Memory, in bytes (documented bound, see `memory_bound_bytes`):
   device: (1 + max_in_flight) * view_bytes   view buffers (`pipeline`), plus the diff's
-          transient mask of at most `device_diff.CHUNK_ELEMENTS` bytes;
+          transient mask of at most `device_diff.CHUNK_ELEMENTS` bytes (torch path), or
+          the fused pass' bitmask and tile table (about 1/16 of a diff batch's bytes);
   host:   max_pending_blob_bytes + blob_max_bytes   blobs sealed or being packed (`packer`),
-          plus 2 * encode_workers tensors' bytes while a keyframe encodes, plus the changes of two
+          plus 2 * encode_workers bundles' bytes while a keyframe encodes (a large tensor, or
+          small ones of at most ~2 x `encode.BUNDLE_ELEMENTS` elements), plus the changes of two
           diff batches (`device_diff.iter_diffs`: ~12 bytes per changed bf16 element).
 
 The codec's context encoding (`context`) makes deltas smaller (docs/design.md has the
@@ -28,9 +30,10 @@ measured figures): every follower downloads, and the board stores, that much les
 reads the old exponent class of every element. On the CPU the publisher hands the codec
 the old bytes in place; the pass costs background time only, none of it on the trainer
 thread, so the default (`None`, auto) uses it there. On CUDA it needs a hint computed on
-the device (`device_diff.context_hints`), which costs the snapshot + diff pass a large
-part of its throughput, so auto leaves it off there; `context=True` asks for it
-everywhere, `context=False` nowhere.
+the device: the fused Triton pass (`fused_diff`) computes it beside the diff at little
+cost, so auto uses it there too; without Triton the torch path's hint costs the pass much
+of its throughput, and auto leaves it off. `context=True` asks for it everywhere,
+`context=False` nowhere.
 
 Threads: the caller's (snapshot only), one worker (orders the stages, commits), a diff
 helper, an encoder pool (`encode_workers`, default min(4, cores)), an upload pool, and

@@ -14,10 +14,10 @@ and the trainer's next in-place update is ordered after the copy by the stream i
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
 import numpy as np
 import torch
@@ -134,8 +134,8 @@ def _pieces(nbytes: int) -> list[tuple[int, int]]:
     return [(a, min(a + _PIECE_BYTES, nbytes)) for a in range(0, nbytes, _PIECE_BYTES)]
 
 
-def copy_shared(pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    """Copy each (dst, src) piece of bytes, on the calling thread and one helper.
+def copy_shared(pieces: list[Callable[[], None]]) -> None:
+    """Run each piece of a copy, on the calling thread and one helper.
 
     A copy is memory-bound: non-temporal stores (`stream_copy`) cut its memory traffic,
     and two cores draw more memory bandwidth than one. Both threads take the next piece
@@ -147,12 +147,18 @@ def copy_shared(pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
     def work() -> None:
         while (i := next(order)) < len(pieces):
-            stream_copy(*pieces[i])
+            pieces[i]()
 
     helper = _helper.submit(work) if len(pieces) > 1 else None
     work()
     if helper is not None:
         helper.result()
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy (and cast) many tensors in one torch call: on CUDA a few multi-tensor kernels
+    instead of a launch per tensor, on the CPU one call instead of one per tensor."""
+    torch._foreach_copy_(targets, sources)
 
 
 class ViewBuffer:
@@ -167,8 +173,8 @@ class ViewBuffer:
             self.groups[(device, width_)] = torch.zeros(numel, dtype=BITS_DTYPES[width_], device=device)
         # Typed views made once: a snapshot is then one copy per tensor and nothing else.
         self._targets = [(slot.name, self.tensor(slot)) for slot in layout.slots]
-        self._host_bits = {
-            slot.name: self.bits(slot).numpy() for slot in layout.slots if slot.device == "cpu"
+        self._host_raw = {
+            slot.name: self.bits(slot).numpy().view(np.uint8) for slot in layout.slots if slot.device == "cpu"
         }
         self.ready: torch.cuda.Event | None = None
 
@@ -185,19 +191,36 @@ class ViewBuffer:
         """Copy (and cast) the state dict into this buffer: the snapshot.
 
         On CUDA this only enqueues copies; `wait_ready()` in another thread blocks until
-        they ran. On the CPU a tensor already in its served dtype is copied as bytes, in
-        pieces shared with one helper thread (`copy_shared`); others are cast by torch.
+        they ran. On the CPU a large tensor already in its served dtype is copied as bytes,
+        in pieces shared with one helper thread (`copy_shared`). Every other tensor is
+        copied by torch, many in one call (`_copy_all`), so that a model of thousands of
+        small tensors costs what its bytes cost, not a call per tensor: on the CPU in
+        batches of about a piece's bytes, shared like the pieces.
         """
-        pieces: list[tuple[np.ndarray, np.ndarray]] = []
+        pieces: list[Callable[[], None]] = []
+        batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        batch_bytes = 0
+        on_device: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for name, target in self._targets:
             src = state[name].detach()
-            host = self._host_bits.get(name)
-            if host is not None and src.dtype == target.dtype and src.is_contiguous():
-                flat = src.reshape(-1).view(BITS_DTYPES[src.element_size()]).numpy()
-                raw, source = host.view(np.uint8), flat.view(np.uint8)
-                pieces.extend((raw[a:b], source[a:b]) for a, b in _pieces(raw.size))
+            host = self._host_raw.get(name)
+            if host is None:
+                on_device[0].append(target)
+                on_device[1].append(src)
+            elif host.size >= _PIECE_BYTES and src.dtype == target.dtype and src.is_contiguous():
+                source = src.reshape(-1).view(torch.uint8).numpy()
+                pieces.extend(partial(stream_copy, host[a:b], source[a:b]) for a, b in _pieces(host.size))
             else:
-                target.copy_(src)
+                batch[0].append(target)
+                batch[1].append(src)
+                batch_bytes += host.size
+                if batch_bytes >= _PIECE_BYTES:
+                    pieces.append(partial(_copy_all, *batch))
+                    batch, batch_bytes = ([], []), 0
+        if batch[0]:
+            pieces.append(partial(_copy_all, *batch))
+        if on_device[0]:
+            _copy_all(*on_device)
         copy_shared(pieces)
         self.ready = None
         if any(device.startswith("cuda") for device, _ in self.groups):

@@ -19,6 +19,8 @@ keyframe: what shipping whole checkpoints costs). Figures per link (medians):
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import os
 import secrets
@@ -57,6 +59,10 @@ class BenchConfig:
     warmup_steps: int = 16  # as `bench codec`: Adam's state settled, as in post-training
     device: str = "cpu"  # where the trainer's tensors live (cuda: the snapshot and diff run there)
     cache: Path = DEFAULT_CACHE
+    tensors: int | None = None  # the view cut into this many tensors, beside FEW_TENSORS (`run_shapes`)
+
+
+FEW_TENSORS = 256  # "a few large tensors": what `--tensors N` compares N small ones with
 
 
 QUICK = BenchConfig(view_gb=0.0625, deltas=2, fulls=1, size="tiny")
@@ -101,7 +107,16 @@ def board_process(data_dir: Path) -> Iterator[tuple[str, str]]:
 class TiledView:
     """The synthetic trainer: tiled trajectory views as bf16 tensors, moved version by version."""
 
-    def __init__(self, traj: Trajectory, view_gb: float, last_version: int, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        traj: Trajectory,
+        view_gb: float,
+        last_version: int,
+        device: str = "cpu",
+        tensors: int | None = None,
+    ) -> None:
+        """`tensors`: the same bytes (the copies one after another) cut into this many flat
+        tensors of equal size instead of the trajectory model's own tensors."""
         import torch
 
         if last_version >= traj.steps:
@@ -109,11 +124,21 @@ class TiledView:
         self.copies = max(1, math.ceil(view_gb * 1e9 / traj.view_bytes))
         self.offsets = traj.steps - last_version
         self._steps = {s: traj.view(s) for s in range(1, last_version + self.offsets + 1)}
-        self.state: dict[str, torch.Tensor] = {}
-        for j in range(self.copies):
-            for t in traj.tensors:
-                self.state[f"copies.{j}.{t.name}"] = torch.empty(t.shape, dtype=torch.bfloat16, device=device)
         self._tensors = traj.tensors
+        self._copy_elements = traj.view_bytes // 2
+        self.state: dict[str, torch.Tensor] = {}
+        self._flat: torch.Tensor | None = None
+        if tensors is None:
+            for j in range(self.copies):
+                for t in traj.tensors:
+                    self.state[f"copies.{j}.{t.name}"] = torch.empty(
+                        t.shape, dtype=torch.bfloat16, device=device
+                    )
+            return
+        self._flat = torch.empty(self.copies * self._copy_elements, dtype=torch.bfloat16, device=device)
+        bounds = np.linspace(0, self._flat.numel(), tensors + 1).astype(np.int64)
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            self.state[f"layers.{i}.weight"] = self._flat[a:b]
 
     @property
     def nbytes(self) -> int:
@@ -125,9 +150,14 @@ class TiledView:
 
         for j in range(self.copies):
             view = self._steps[1 + version + j % self.offsets]
+            at = j * self._copy_elements
             for t in self._tensors:
-                src = torch.from_numpy(view[t.name].view(np.int16)).view(torch.bfloat16).view(t.shape)
-                self.state[f"copies.{j}.{t.name}"].copy_(src)
+                src = torch.from_numpy(view[t.name].view(np.int16)).view(torch.bfloat16)
+                if self._flat is None:
+                    self.state[f"copies.{j}.{t.name}"].copy_(src.view(t.shape))
+                else:
+                    self._flat[at : at + src.numel()].copy_(src.reshape(-1))
+                    at += src.numel()
 
 
 def _publish_series(
@@ -147,13 +177,9 @@ def _publish_series(
     return out
 
 
-def run(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Run both series per link; returns the JSON report (headline: the first link)."""
-    import torch
-
-    torch.set_num_threads(2)
+def _trajectory(config: BenchConfig, progress: Callable[[str], None]) -> Trajectory:
     progress(f"trajectory ({config.size}, fp32-master, lr {config.lr:g})")
-    traj = load_trajectory(
+    return load_trajectory(
         size=config.size,
         regime="fp32-master",
         lr=config.lr,
@@ -161,6 +187,14 @@ def run(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
         warmup_steps=config.warmup_steps,
         cache=config.cache,
     )
+
+
+def run(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Run both series per link; returns the JSON report (headline: the first link)."""
+    import torch
+
+    torch.set_num_threads(2)
+    traj = _trajectory(config, progress)
     view = TiledView(traj, config.view_gb, max(config.deltas, config.fulls - 1), config.device)
     results = []
     with (
@@ -197,22 +231,160 @@ def run(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     return {**results[0], "results": results}
 
 
+def run_shapes(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    """The same view cut into `config.tensors` tensors and into `FEW_TENSORS`: a keyframe
+    then `config.deltas` deltas of each, alternating shape version by version (so that both
+    see the same machine load), across the first link. Per shape (medians over the deltas):
+    `blocked_ms`, `e2e_s` (call to commit) and its parts `diff_s` (waiting for the diff),
+    `encode_s` (diff, encode and upload), `commit_s`; `delta_bytes`, `manifest_bytes`.
+    `many_over_few`: the e2e ratio of the two shapes (the issue's target: within 1.5x)."""
+    import torch
+
+    from deltaboard.publisher.publisher import Publisher
+
+    assert config.tensors is not None
+    torch.set_num_threads(2)
+    traj = _trajectory(config, progress)
+    shapes = (config.tensors, FEW_TENSORS)
+    views = {n: TiledView(traj, config.view_gb, config.deltas, config.device, tensors=n) for n in shapes}
+    series: dict[int, list[tuple[PublishResult, float]]] = {n: [] for n in shapes}
+    gbit = config.links_gbit[0]
+    with (
+        tempfile.TemporaryDirectory(prefix="deltaboard-bench-") as tmp,
+        board_process(Path(tmp)) as (url, token),
+    ):
+        host, port = url.rsplit(":", 1)
+        with (
+            LinkProcess(host.removeprefix("http://"), int(port), gbit) as link,
+            contextlib.ExitStack() as stack,
+        ):
+            pubs = {
+                n: stack.enter_context(
+                    Publisher(
+                        link.url, f"shape-{n}", token=token, keyframe_every=10**6, lease_ttl_s=120, assets={}
+                    )
+                )
+                for n in shapes
+            }
+            for v in range(config.deltas + 1):
+                for n in shapes:
+                    progress(f"{gbit:g} Gbit/s: {n} tensors, version {v}")
+                    views[n].set_version(v)
+                    t0 = time.perf_counter()
+                    fut = pubs[n].publish(views[n].state, step=v)
+                    blocked = time.perf_counter() - t0
+                    series[n].append((fut.result(), blocked))
+    rows = []
+    for n in shapes:
+        deltas = [(r, b) for r, b in series[n] if r.kind == "delta"]
+        rows.append(
+            {
+                "tensors": n,
+                "blocked_ms": statistics.median(b for _, b in deltas) * 1e3,
+                **{
+                    key: statistics.median(getattr(r, key) for r, _ in deltas)
+                    for key in ("e2e_s", "diff_s", "encode_s", "commit_s")
+                },
+                "delta_bytes": int(statistics.median(r.encoded_bytes for r, _ in deltas)),
+                "manifest_bytes": int(statistics.median(r.manifest_bytes for r, _ in deltas)),
+                "changed_fraction": statistics.median(
+                    r.changed_elements / r.total_elements for r, _ in deltas
+                ),
+            }
+        )
+    return {
+        "view_gb": views[shapes[0]].nbytes / 1e9,
+        "link_gbit": gbit,
+        "device": config.device,
+        "shapes": rows,
+        "many_over_few": rows[0]["e2e_s"] / rows[1]["e2e_s"],
+        "source": f"tiled {config.size} AdamW trajectory (fp32-master, lr {config.lr:g}), "
+        "cut into equal tensors",
+    }
+
+
+def render_shapes(report: dict[str, Any], console: Console) -> None:
+    table = Table(
+        title=f"publish: {report['view_gb']:.2f} GB bf16 view at {report['link_gbit']:g} Gbit/s, "
+        f"many small tensors vs a few large ({report['many_over_few']:.2f}x)"
+    )
+    for col in (
+        "tensors",
+        "changed",
+        "blocked ms",
+        "e2e s",
+        "diff s",
+        "encode s",
+        "commit s",
+        "delta B",
+        "manifest B",
+    ):
+        table.add_column(col, justify="right")
+    for r in report["shapes"]:
+        table.add_row(
+            f"{r['tensors']:,}",
+            f"{r['changed_fraction']:.2%}",
+            f"{r['blocked_ms']:.1f}",
+            f"{r['e2e_s']:.3f}",
+            f"{r['diff_s']:.3f}",
+            f"{r['encode_s']:.3f}",
+            f"{r['commit_s']:.3f}",
+            f"{r['delta_bytes']:,}",
+            f"{r['manifest_bytes']:,}",
+        )
+    console.print(table)
+
+
+LLAMA_LAYER = (  # one decoder layer of a Llama-3-8B-like model: (name, shape)
+    ("self_attn.q_proj.weight", (4096, 4096)),
+    ("self_attn.k_proj.weight", (1024, 4096)),
+    ("self_attn.v_proj.weight", (1024, 4096)),
+    ("self_attn.o_proj.weight", (4096, 4096)),
+    ("mlp.gate_proj.weight", (14336, 4096)),
+    ("mlp.up_proj.weight", (14336, 4096)),
+    ("mlp.down_proj.weight", (4096, 14336)),
+    ("input_layernorm.weight", (4096,)),
+    ("post_attention_layernorm.weight", (4096,)),
+)
+
+
+def shaped_tensors(view_gb: float, model: bool, scale: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """The tensors of a bf16 view of `view_gb`: 64 MiB matrices, or (`model`) a Llama-like mix
+    of large and small tensors (embeddings, 9 tensors a layer, norms; `scale` divides every
+    dimension of 4096 and more, for small views)."""
+    if not model:
+        shape = (4096, 8192)
+        return [(f"w{i}", shape) for i in range(max(1, round(view_gb * 1e9 / (2 * shape[0] * shape[1]))))]
+
+    def scaled(shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(d // scale if d >= 4096 else d for d in shape)
+
+    layer = [(name, scaled(shape)) for name, shape in LLAMA_LAYER]
+    ends = [("model.embed_tokens.weight", scaled((128256, 4096))), ("lm_head.weight", scaled((128256, 4096)))]
+    per_layer = sum(2 * math.prod(s) for _, s in layer)
+    layers = max(1, round((view_gb * 1e9 - sum(2 * math.prod(s) for _, s in ends)) / per_layer))
+    out = [ends[0]]
+    out += [(f"model.layers.{i}.{name}", shape) for i in range(layers) for name, shape in layer]
+    return [*out, ("model.norm.weight", scaled((4096,))), ends[1]]
+
+
 def device_throughput(
     view_gb: float,
     device: str,
     changed_fraction: float = 0.01,
-    repeats: int = 5,
-    hints: bool | None = None,
+    repeats: int = 3,
+    hints: bool = False,
+    fused: bool = False,
+    model: bool = False,
 ) -> dict[str, Any]:
     """Snapshot + diff of a bf16 view on `device` (what one version costs before encoding).
 
-    The view is 64 MiB tensors of bf16 parameters; between versions a `changed_fraction`
-    of elements moves by one ULP. Medians over `repeats` versions; the device is
-    synchronised around each timed stage. `hints` as `diff_views` (default: on off the host).
-    The changes do not depend on the exponent, so the context classes never pay off here:
-    the hint costs its exponent counts and the host's threshold search but no ranks. An
-    AdamW step's changes favour small weights; then every tensor's ranks are computed too,
-    which this figure leaves out (`hint_bytes` is 0 beyond the counts).
+    The view is 64 MiB tensors, or a model-shaped list (`shaped_tensors`). Between
+    versions a `changed_fraction` of elements moves by one ULP, small weights (|w| < 0.01)
+    ten times as often as the others, as an AdamW step's changes favour small weights, so
+    that the context classes pay off and `hints` computes ranks too. `fused`: the Triton
+    pass, else the torch reference. Medians over `repeats` versions; the device is
+    synchronised around each timed stage.
     """
     import torch
 
@@ -224,24 +396,27 @@ def device_throughput(
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    shape = (4096, 8192)
-    count = max(1, round(view_gb * 1e9 / (2 * shape[0] * shape[1])))
     g = torch.Generator(device=device).manual_seed(0)
-    state = {f"w{i}": torch.randn(shape, generator=g, device=device).to(torch.bfloat16) for i in range(count)}
+    tensors = shaped_tensors(view_gb, model, scale=1 if view_gb >= 1 else 8)
+    state = {
+        name: (torch.randn(shape, generator=g, device=device) * 0.02).to(torch.bfloat16)
+        for name, shape in tensors
+    }
     layout = ViewLayout.of(state, ViewSpec())
     base, snap = ViewBuffer(layout), ViewBuffer(layout)
     base.fill(state)
     snapshot_s, diff_s, host_bytes, hint_bytes, changed = [], [], [], [], []
+    rate = changed_fraction / (10 * 0.383 + 0.617)  # 38.3% of N(0, 0.02) lies under 0.01
     for _ in range(repeats):
         for t in state.values():  # the optimizer step: a few elements move by one ULP
-            bits = t.view(torch.int16)
-            bits.add_((torch.rand(shape, generator=g, device=device) < changed_fraction).to(torch.int16))
+            p = torch.where(t.abs() < 0.01, 10 * rate, rate)
+            t.view(torch.int16).add_((torch.rand(t.shape, generator=g, device=device) < p).to(torch.int16))
         sync()
         t0 = time.perf_counter()
         snap.fill(state)
         sync()
         t1 = time.perf_counter()
-        d = diff_views(base, snap, hints)
+        d = diff_views(base, snap, hints, fused)
         sync()
         t2 = time.perf_counter()
         snapshot_s.append(t1 - t0)
@@ -253,16 +428,93 @@ def device_throughput(
     gb = layout.view_bytes / 1e9
     snap_med, diff_med = statistics.median(snapshot_s), statistics.median(diff_s)
     return {
-        "device": device if not device.startswith("cuda") else torch.cuda.get_device_name(),
+        "pass": "fused" if fused else "torch",
+        "shape": f"model-shaped ({len(tensors)} tensors)" if model else f"{len(tensors)} x 64 MiB",
+        "tensors": len(tensors),
         "view_gb": gb,
+        "hints": hints,
         "changed_fraction": statistics.median(changed) / (layout.view_bytes / 2),
         "snapshot_gbps": gb / snap_med,
         "diff_gbps": gb / diff_med,
         "snapshot_diff_gbps": gb / (snap_med + diff_med),
         "host_bytes": int(statistics.median(host_bytes)),
-        "hints": hints if hints is not None else device != "cpu",
         "hint_bytes": int(statistics.median(hint_bytes)),
     }
+
+
+def copy_limit(device: str, gb: float = 4.0, repeats: int = 5) -> dict[str, Any]:
+    """A device-to-device copy of `gb`, counting bytes read and written: the memory bandwidth
+    the pass is held against. Snapshot + diff moves three view-sized streams at least (the
+    new view read, the snapshot written, the old view read), so `view_limit_gbps` is a third."""
+    import torch
+
+    src = torch.empty(int(gb * 1e9) // 2, dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    rw = 2 * src.numel() * 2 / 1e9 / statistics.median(times)
+    return {"copy_gbps": rw, "view_limit_gbps": rw / 3}
+
+
+def throughput(sizes_gb: tuple[float, ...], model_gb: float, device: str, repeats: int = 3) -> dict[str, Any]:
+    """Every figure of `bench publish --throughput`: per view (64 MiB tensors of each size in
+    `sizes_gb`, and a model-shaped list of `model_gb`), the fused pass (where Triton runs on
+    `device`) and the torch reference, each without and with context hints; and the copy limit."""
+    import torch
+
+    from deltaboard.publisher import fused_diff
+
+    passes = [True, False] if fused_diff.available(device) else [False]
+    rows = [
+        device_throughput(gb, device, repeats=repeats, hints=hints, fused=fused, model=model)
+        for gb, model in [*((gb, False) for gb in sizes_gb), (model_gb, True)]
+        for fused in passes
+        for hints in (False, True)
+    ]
+    return {
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
+        **copy_limit(device, gb=min(4.0, max(sizes_gb))),
+        "rows": rows,
+    }
+
+
+def render_throughput(report: dict[str, Any], console: Console) -> None:
+    table = Table(
+        title=f"snapshot + diff on {report['device']}: copy {report['copy_gbps']:,.0f} GB/s read+written, "
+        f"limit {report['view_limit_gbps']:,.0f} GB/s of view"
+    )
+    for col in (
+        "view",
+        "GB",
+        "pass",
+        "hints",
+        "changed",
+        "snapshot GB/s",
+        "diff GB/s",
+        "snap+diff GB/s",
+        "host B",
+    ):
+        table.add_column(col, justify="right")
+    for r in report["rows"]:
+        table.add_row(
+            r["shape"],
+            f"{r['view_gb']:.2f}",
+            r["pass"],
+            "yes" if r["hints"] else "no",
+            f"{r['changed_fraction']:.2%}",
+            f"{r['snapshot_gbps']:,.1f}",
+            f"{r['diff_gbps']:,.1f}",
+            f"{r['snapshot_diff_gbps']:,.1f}",
+            f"{r['host_bytes']:,}",
+        )
+    console.print(table)
 
 
 def render(report: dict[str, Any], console: Console) -> None:

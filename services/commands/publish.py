@@ -81,10 +81,17 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         link_gbit: list[float] = typer.Option([], help="Emulated link speeds in Gbit/s (default 1 10)."),
         device: str = typer.Option("cpu", help="Where the trainer's tensors live: cpu or cuda."),
         throughput: bool = typer.Option(
-            False, "--throughput", help="Only snapshot + diff throughput on --device (no board, no link)."
+            False,
+            "--throughput",
+            help="Only snapshot + diff throughput on --device (no board, no link): the fused pass and "
+            "the torch reference, without and with context hints, against a device copy; views of "
+            "--view-gb (default 1, 8 and 32 on CUDA, 0.25 on CPU) and a model-shaped list of tensors.",
         ),
-        device_context: bool = typer.Option(
-            False, "--device-context", help="With --throughput: also compute the codec's context hints."
+        tensors: int | None = typer.Option(
+            None,
+            min=1,
+            help="Cut the view into N equal tensors and compare with the same bytes in "
+            "256 (deltas only, first link); e.g. 20000 for an MoE-like model.",
         ),
         ranks: int | None = typer.Option(
             None, min=2, help="N ranks (gloo, CPU) publish their row slices vs one rank the whole view."
@@ -112,10 +119,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                 json_path.write_text(json.dumps(figures, indent=2))
             return
         if throughput:
-            figures = publish_bench.device_throughput(
-                view_gb or (1.0 if quick else 8.0), device, hints=device_context
-            )
-            console.print_json(data=figures)
+            on_cuda = device.startswith("cuda")
+            sizes = (view_gb,) if view_gb else (1.0, 8.0, 32.0) if on_cuda else (0.25,)
+            with console.status("measuring"):
+                figures = publish_bench.throughput(sizes, view_gb or (8.0 if on_cuda else 0.25), device)
+            publish_bench.render_throughput(figures, console)
             if json_path is not None:
                 json_path.write_text(json.dumps(figures, indent=2))
             return
@@ -125,11 +133,18 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             view_gb=view_gb or config.view_gb,
             links_gbit=tuple(link_gbit) or config.links_gbit,
             device=device,
+            tensors=tensors,
         )
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("starting", total=None)
-            report = publish_bench.run(config, lambda what: bar.update(task, description=what))
-        publish_bench.render(report, console)
+            if tensors is None:
+                report = publish_bench.run(config, lambda what: bar.update(task, description=what))
+            else:
+                report = publish_bench.run_shapes(config, lambda what: bar.update(task, description=what))
+        if tensors is None:
+            publish_bench.render(report, console)
+        else:
+            publish_bench.render_shapes(report, console)
         if json_path is not None:
             json_path.write_text(json.dumps(report, indent=2))
             console.print(f"wrote {json_path}")

@@ -480,7 +480,7 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
             "apply_verify_le_0.1x_full_write": apply_s <= 0.1 * full_s,
             "catchup_le_one_keyframe": catchup_bytes <= keyframe_bytes,
             "catchup_le_0.4x_replay": catchup_bytes <= 0.4 * catchup_deltas_bytes,
-            "bootstrap_le_2s": bootstrap_s <= 2.0,
+            "bootstrap_le_2s_per_gb": bootstrap_s <= 2.0 * trainer.nbytes / 1e9,
         },
         "pages_touched": trainer.pages_touched,
         "trajectory_changed_fraction": stats.fraction,

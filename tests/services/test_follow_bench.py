@@ -32,5 +32,5 @@ def test_bench_follow_small_view() -> None:
         "apply_verify_le_0.1x_full_write",
         "catchup_le_one_keyframe",
         "catchup_le_0.4x_replay",
-        "bootstrap_le_2s",
+        "bootstrap_le_2s_per_gb",
     }

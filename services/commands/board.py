@@ -184,10 +184,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     def bench_ui(
         quick: bool = typer.Option(False, "--quick", help="100 versions and 20 nodes, one page load."),
         json_path: Path | None = typer.Option(
-            None, "--json", help="Also write the figures to this JSON file."
+            None, "--json", help="Write the figures here (default: nowhere)."
         ),
-        versions: int | None = typer.Option(None, min=1, help="Versions published (default 1000)."),
-        nodes: int | None = typer.Option(None, min=0, help="Nodes reporting (default 200)."),
+        versions: int | None = typer.Option(
+            None, min=1, help="Versions published (default: 1000; quick 100)."
+        ),
+        nodes: int | None = typer.Option(None, min=0, help="Nodes reporting (default: 200; quick 20)."),
     ) -> None:
         """The dashboard's first render in headless Chromium with a long run and a large fleet."""
         import json

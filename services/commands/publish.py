@@ -94,7 +94,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             "256 (deltas only, first link); e.g. 20000 for an MoE-like model.",
         ),
         ranks: int | None = typer.Option(
-            None, min=2, help="N ranks (gloo, CPU) publish their row slices vs one rank the whole view."
+            None, min=2, help="N gloo ranks on CPU publish row slices, against one rank (default: off)."
         ),
     ) -> None:
         """Deltas vs full checkpoints of a bf16 view through a board across an emulated link

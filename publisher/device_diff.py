@@ -22,6 +22,7 @@ that many bytes, whatever the view's size.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class HostCopy:
             return
         device = tensors[0].device
         packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
-        stream = _copy_stream(device)
+        stream = _stream(device, "copy")
         stream.wait_stream(torch.cuda.current_stream(device))
         self._host = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=True)
         with torch.cuda.stream(stream):
@@ -121,14 +122,16 @@ class HostCopy:
         return out
 
 
-_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+_streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream of the device->host copies: they run while the next kernels do."""
-    if device not in _copy_streams:
-        _copy_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    return _copy_streams[device]
+def _stream(device: torch.device, role: str) -> torch.cuda.Stream:
+    """A stream of the publisher's own per device and role: "pass", where the diff's kernels
+    run, so that the trainer's stream waits for nothing but its snapshot copies; "copy",
+    where the device->host copies run while the next kernels do."""
+    if (device, role) not in _streams:
+        _streams[(device, role)] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return _streams[(device, role)]
 
 
 def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
@@ -235,6 +238,33 @@ def diff_slots(
     want_hints = hints if hints is not None else group[0] != "cpu" and use_fused
     if group[0] == "cpu" and not want_hints and not use_fused:
         return _diff_on_host(old, new, slots)
+    on_cuda = torch.device(group[0]).type == "cuda"
+    with torch.cuda.stream(_stream(torch.device(group[0]), "pass")) if on_cuda else contextlib.nullcontext():
+        local, counts, old_h, new_h, ranks = _find(old, new, slots, want_hints, use_fused)
+    result = ViewDiff(host_bytes=local.nbytes + old_h.nbytes + new_h.nbytes + 8 * len(slots))
+    bounds = np.concatenate(([0], np.cumsum(counts)))
+    for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):
+        if hi > lo:
+            unsigned = codec.uint_dtype(slot.dtype)
+            result.changes[slot.name] = codec.Changes(
+                slot.dtype, slot.numel, local[lo:hi], old_h[lo:hi].view(unsigned), new_h[lo:hi].view(unsigned)
+            )
+    if ranks is not None:
+        plans, host_ranks, result.hint_bytes = ranks
+        for i, (t_low, t_top) in plans.items():
+            result.hints[slots[i].name] = codec.ContextHint(
+                t_low, t_top, host_ranks[bounds[i] : bounds[i + 1]]
+            )
+        result.host_bytes += result.hint_bytes
+    return result
+
+
+def _find(
+    old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot], want_hints: bool, use_fused: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Hints | None]:
+    """`diff_slots` on the device: (slot-local positions, per-slot counts, old bits, new bits,
+    the hints' parts), on the host."""
+    group = slots[0].group
     old_g, new_g = old.groups[group], new.groups[group]
     if use_fused:
         found = fused_diff.changes(old_g, new_g, slots, want_hints)
@@ -257,22 +287,7 @@ def diff_slots(
             if want_hints and pos.numel()
             else None
         )
-    result = ViewDiff(host_bytes=local.nbytes + old_h.nbytes + new_h.nbytes + 8 * len(slots))
-    bounds = np.concatenate(([0], np.cumsum(counts)))
-    for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):
-        if hi > lo:
-            unsigned = codec.uint_dtype(slot.dtype)
-            result.changes[slot.name] = codec.Changes(
-                slot.dtype, slot.numel, local[lo:hi], old_h[lo:hi].view(unsigned), new_h[lo:hi].view(unsigned)
-            )
-    if ranks is not None:
-        plans, host_ranks, result.hint_bytes = ranks
-        for i, (t_low, t_top) in plans.items():
-            result.hints[slots[i].name] = codec.ContextHint(
-                t_low, t_top, host_ranks[bounds[i] : bounds[i + 1]]
-            )
-        result.host_bytes += result.hint_bytes
-    return result
+    return local, counts, old_h, new_h, ranks
 
 
 Hints = tuple[dict[int, tuple[int, int]], np.ndarray, int]

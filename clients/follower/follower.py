@@ -265,7 +265,8 @@ class Follower:
 
     def fetch(self, target: int) -> None:
         """Download what reaching `target` from the served version needs into the cache
-        (verified by sha256; a later `sync` or `hot_patch` finds it there)."""
+        (verified by sha256; a later `sync` or `hot_patch` finds it there), except a worker
+        keyframe's ranges, which the apply fetches as it decodes them."""
         with self._lock:
             self._chain(self.version, target)
 

@@ -5,6 +5,8 @@ takes them."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from deltaboard.services.compact.build import SpanBuilder
 from deltaboard.services.compact.keyframes import build_keyframe
 from deltaboard.services.compact.worker import compact_head
 from tests.clients.support import assert_view, publish_states
+from tests.support.servers import VENV_BIN
 
 SIZES = {"embed.weight": (128, 32), "layers.0.weight": (32, 32), "layers.0.bias": (32,)}
 
@@ -171,3 +174,32 @@ def test_retention_keeps_only_the_keyframes_plans_take(run, board, tmp_path):
     assert reader.blob_size("r", keyframe.tensors[0].blob.sha256) == len(blob)
     assert reader.blob_size("r", older.tensors[0].blob.sha256) is None
     assert [s.kind for s in reader.plan("r", None, 9).steps] == ["keyframe"]
+
+
+def test_the_worker_process_registers_a_keyframe_new_nodes_start_from(board, tmp_path):
+    """`deltaboard compact --keyframe-every 8`, fed by the event stream, killed -9 once it
+    logged the keyframe of head 9: a new node then starts there and serves version 9."""
+    views = publish_states(board.client(board.publish_token), "r", SIZES, 10, keyframe_every=100)
+    command = [str(VENV_BIN / "deltaboard"), "compact", "--board", board.url, "--run", "r"]
+    worker = subprocess.Popen(
+        [*command, "--dir", str(tmp_path / "w"), "--keyframe-every", "8"],
+        env={**os.environ, "DELTABOARD_TOKEN": board.compact_token},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stderr is not None
+        logged = ""
+        for line in worker.stderr:
+            if "keyframe 9" in line or "no spans" in line:
+                logged = line
+                break
+    finally:
+        worker.kill()
+        worker.wait()
+    assert "keyframe 9" in logged, logged
+    reader = board.client(board.read_token)
+    assert [(s.kind, s.version) for s in reader.plan("r", None, 9).steps] == [("keyframe", 9)]
+    with Follower(reader, "r", tmp_path / "node", node_id="n1") as node:
+        assert node.sync(9) == 9
+        assert_view(tmp_path / "node", views[9])

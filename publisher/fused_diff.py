@@ -201,10 +201,10 @@ def class_ranks(
     ranks = torch.empty(found.positions.numel(), dtype=rank_dtype, device=device)
     if picked.size == 0:
         return ranks
-    limits = torch.zeros((len(slots), 2), dtype=torch.int64)
+    table_of_limits = np.zeros((len(slots), 2), dtype=np.int64)
     for s, pair in plans.items():
-        limits[s] = torch.tensor(pair)
-    limits = limits.to(device)
+        table_of_limits[s] = pair
+    limits = torch.from_numpy(table_of_limits).to(device)
     chosen = torch.from_numpy(picked).to(device)
     top = (1 << (8 * old.element_size() - 1)) - 1
     members = torch.empty((picked.size, 2), dtype=torch.int64, device=device)

@@ -472,12 +472,23 @@ def throughput(sizes_gb: tuple[float, ...], model_gb: float, device: str, repeat
     from deltaboard.publisher import fused_diff
 
     passes = [True, False] if fused_diff.available(device) else [False]
-    rows = [
-        device_throughput(gb, device, repeats=repeats, hints=hints, fused=fused, model=model)
-        for gb, model in [*((gb, False) for gb in sizes_gb), (model_gb, True)]
-        for fused in passes
-        for hints in (False, True)
-    ]
+    rows = []
+    for gb, model in [*((gb, False) for gb in sizes_gb), (model_gb, True)]:
+        for fused in passes:
+            for hints in (False, True):
+                try:
+                    rows.append(
+                        device_throughput(gb, device, repeats=repeats, hints=hints, fused=fused, model=model)
+                    )
+                except Exception as exc:  # one failed configuration still leaves the others' figures
+                    rows.append(
+                        {
+                            "pass": "fused" if fused else "torch",
+                            "view_gb": gb,
+                            "hints": hints,
+                            "error": repr(exc),
+                        }
+                    )
     return {
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
         **copy_limit(device, gb=min(4.0, max(sizes_gb))),
@@ -503,6 +514,9 @@ def render_throughput(report: dict[str, Any], console: Console) -> None:
     ):
         table.add_column(col, justify="right")
     for r in report["rows"]:
+        if "error" in r:
+            console.print(f"[red]{r['pass']} pass, {r['view_gb']:g} GB, hints {r['hints']}: {r['error']}[/]")
+            continue
         table.add_row(
             r["shape"],
             f"{r['view_gb']:.2f}",

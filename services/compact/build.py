@@ -44,7 +44,7 @@ MAX_SPAN = 32  # the longest span; see docs/design.md ("Spans") for the schedule
 
 def span_bases(head: int, floor: int) -> list[int]:
     """First versions of the spans ending at `head`: head - 2, head - 4, ... head - MAX_SPAN,
-    none below `floor` (the last keyframe at or below head)."""
+    none below `floor` (no keyframe lies in (floor, head])."""
     out, length = [], 2
     while length <= MAX_SPAN and head - length >= floor:
         out.append(head - length)
@@ -55,9 +55,11 @@ def span_bases(head: int, floor: int) -> list[int]:
 @dataclass
 class Window:
     """What the worker holds between heads: the follower is at `top`; `changes[v]` are
-    the decoded changes of delta v for v in (top - MAX_SPAN, top] (no lower than `floor`,
-    the last keyframe), `digests[v]` every tensor's digest and `states[v]` the state digest
-    after version v, `layout` the latest entry of each tensor changed (dtype, shape, file)."""
+    the decoded changes of delta v for v in (top - MAX_SPAN, top] (none at or below
+    `floor`, where the walk started: the last keyframe, or MAX_SPAN before the head it
+    started for, with no keyframe in between), `digests[v]` every tensor's digest and
+    `states[v]` the state digest after version v, `layout` the latest entry of each tensor
+    changed (dtype, shape, file)."""
 
     floor: int
     top: int

@@ -1,4 +1,5 @@
-"""`deltaboard engine`, `deltaboard sidecar` and `deltaboard demo`: the rollout side's processes."""
+"""`deltaboard engine`, `deltaboard sidecar` and `deltaboard demo`: the rollout side's
+processes; and `deltaboard bench sidecar`, what the sidecar costs beside a fast engine."""
 
 from __future__ import annotations
 
@@ -95,6 +96,12 @@ def sidecar(
         "max below it: 410 WeightVersionGone, or an error event ending a stream) instead of "
         "waiting for them to finish.",
     ),
+    workers: int = typer.Option(
+        1,
+        min=1,
+        help="Processes serving requests on the port, for an engine faster than one core of "
+        "proxying; one more process runs the version loop for all of them.",
+    ),
 ) -> None:
     """Serve the version-aware proxy in front of an engine; it runs its own follower, which
     keeps the directory at the run's head and reloads the engine."""
@@ -122,15 +129,50 @@ def sidecar(
         hot=hot,
     )
     try:
-        Sidecar(config).serve(host, port)
+        Sidecar(config).serve(host, port, workers)
     except SidecarFailed as exc:
         raise UserError(str(exc)) from exc
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
-    """Add `engine`, `sidecar` and `demo`."""
+    """Add `engine`, `sidecar`, `demo` and `bench sidecar`."""
     from deltaboard.services.demo import demo
 
     app.command("engine")(engine)
     app.command("sidecar")(sidecar)
     app.command("demo")(demo)
+    bench.command("sidecar")(bench_sidecar)
+
+
+def bench_sidecar(
+    quick: bool = typer.Option(False, "--quick", help="5 s per phase: under a minute."),
+    duration: float | None = typer.Option(
+        None, help="Seconds per phase (streams, then requests; direct, then through the sidecar)."
+    ),
+    workers: int = typer.Option(
+        1, min=1, help="The sidecar's worker processes (deltaboard sidecar --workers)."
+    ),
+    swap_every: float | None = typer.Option(None, help="Seconds between the swaps during the run."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the figures here (default: nowhere)."),
+) -> None:
+    """The sidecar's cost beside a fast fake engine: the same load direct and through it."""
+    import json
+    from dataclasses import replace
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from deltaboard.services.bench import sidecar_bench
+
+    config = sidecar_bench.quick(workers) if quick else sidecar_bench.BenchConfig(workers=workers)
+    config = replace(
+        config, duration_s=duration or config.duration_s, swap_every_s=swap_every or config.swap_every_s
+    )
+    console = Console()
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        report = sidecar_bench.run(config, lambda what: bar.update(task, description=what))
+    sidecar_bench.render(report, console)
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2))
+        console.print(f"wrote {json_path}")

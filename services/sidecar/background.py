@@ -46,7 +46,16 @@ def uvicorn_server(app: Any) -> Any:
     """A uvicorn server for `app`, to be run on a socket from `listen`."""
     import uvicorn
 
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+    # No access log and no proxy headers: a line and a header pass per request that
+    # neither server uses.
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+        access_log=False,
+        proxy_headers=False,
+    )
     return uvicorn.Server(config)
 
 

@@ -25,6 +25,7 @@ proxy (`services.sidecar.proxy.HTTP_STATUS`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -134,6 +135,20 @@ def _as_wait(value: Any) -> float:
 
 
 def _from_mapping(raw: Mapping[str, Any]) -> VersionConstraint:
+    """The constraint `raw` names; the same few constraints arrive with most requests of a
+    run, so each is checked once (a field of unhashable values is checked every time)."""
+    try:  # typed: 1, 1.0 and True are equal keys, not equal constraints
+        return _checked(tuple(sorted((name, type(value), value) for name, value in raw.items())))
+    except TypeError:
+        return _check(raw)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked(items: tuple[tuple[str, type, Any], ...]) -> VersionConstraint:
+    return _check({name: value for name, _, value in items})
+
+
+def _check(raw: Mapping[str, Any]) -> VersionConstraint:
     unknown = set(raw) - {*FIELDS, "wait"}
     if unknown:
         raise ConstraintError(f"unknown weight_version fields: {sorted(unknown)}")

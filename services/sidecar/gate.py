@@ -140,7 +140,8 @@ class VersionGate:
         self.interval_s = 1.0
         self._head_at: float | None = None
         self._pins: dict[object, tuple[int, int | None]] = {}  # waiting request -> (low, high)
-        self._cond = asyncio.Condition()
+        self._cond = asyncio.Condition()  # swaps and vouches wait on it
+        self._change: asyncio.Future[None] | None = None  # admissions wait on it (`_announce`)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -151,36 +152,62 @@ class VersionGate:
         """(low, high) of the requests waiting now; safe to read from any thread."""
         return list(self._pins.values())
 
+    def admit_now(self, constraint: VersionConstraint, waited_s: float = 0.0) -> Admitted | None:
+        """Admit the request at once if its constraint holds now (None: ask `admit`).
+        Synchronous, so atomic on the gate's loop like anything done under its lock."""
+        if (
+            self.swapping
+            or not self.healthy
+            or not isinstance(decide(constraint, self.served, self.head), Serve)
+        ):
+            return None
+        stale: asyncio.Future[Refused] = asyncio.get_running_loop().create_future()
+        admitted = Admitted(self.served, waited_s, constraint, self._serial, stale)
+        self.inflight += 1
+        high = constraint.high()
+        if high is not None:
+            self._bounded[admitted] = high
+        return admitted
+
     async def admit(self, constraint: VersionConstraint, wait_s: float) -> Admitted | Refused:
-        """Admit the request once its constraint holds, or refuse it (at once, or after `wait_s`)."""
+        """Admit the request once its constraint holds, or refuse it (at once, or after `wait_s`).
+        A waiting request looks again at each change of the gate's state (`_announce`),
+        without the lock: hundreds of waiters woken at the end of a swap would otherwise
+        take the lock one by one, one turn of the event loop each, and the next swap
+        behind them."""
         started = time.monotonic()
         deadline = started + wait_s
         key = object()  # this request's identity in `_pins`
-        async with self._cond:
-            try:
-                while True:
-                    decision = decide(constraint, self.served, self.head)
-                    if isinstance(decision, Gone):
-                        gone = SidecarCode.WEIGHT_VERSION_GONE
-                        return self._refuse(gone, decision.reason, constraint, None)
-                    if isinstance(decision, Serve) and not self.swapping and self.healthy:
-                        waited = time.monotonic() - started
-                        stale: asyncio.Future[Refused] = asyncio.get_running_loop().create_future()
-                        admitted = Admitted(self.served, waited, constraint, self._serial, stale)
-                        self.inflight += 1
-                        high = constraint.high()
-                        if high is not None:
-                            self._bounded[admitted] = high
-                        return admitted
-                    low = decision.low if isinstance(decision, Wait) else (self.served or 0)
-                    self._pins[key] = (low, constraint.high())
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return self._not_ready(constraint, low)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._cond.wait(), remaining)
-            finally:
-                self._pins.pop(key, None)
+        try:
+            while True:
+                decision = decide(constraint, self.served, self.head)
+                if isinstance(decision, Gone):
+                    gone = SidecarCode.WEIGHT_VERSION_GONE
+                    return self._refuse(gone, decision.reason, constraint, None)
+                admitted = self.admit_now(constraint, time.monotonic() - started)
+                if admitted is not None:
+                    return admitted
+                low = decision.low if isinstance(decision, Wait) else (self.served or 0)
+                self._pins[key] = (low, constraint.high())
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return self._not_ready(constraint, low)
+                await asyncio.wait({self._next_change()}, timeout=remaining)
+        finally:
+            self._pins.pop(key, None)
+
+    def _next_change(self) -> asyncio.Future[None]:
+        """A future that `_announce` completes at the next change of the state."""
+        if self._change is None or self._change.done():
+            self._change = asyncio.get_running_loop().create_future()
+        return self._change
+
+    def _announce(self) -> None:
+        """The state changed: wake every request waiting for its admission, and every
+        swap or vouch waiting on the lock's condition."""
+        if self._change is not None and not self._change.done():
+            self._change.set_result(None)
+        self._cond.notify_all()
 
     def _not_ready(self, constraint: VersionConstraint, low: int) -> Refused:
         retry = retry_after_s(low, self.served, self.head, self.sync_s, self.interval_s)
@@ -198,12 +225,14 @@ class VersionGate:
         return Refused(code, message, required, self.served, self.head, retry)
 
     async def release(self, admitted: Admitted) -> int | None:
-        """The request admitted as `admitted` finished: the version it ends with."""
-        async with self._cond:
-            self.inflight -= 1
-            self._bounded.pop(admitted, None)
-            self._cond.notify_all()
-            return self.served
+        """The request admitted as `admitted` finished: the version it ends with. Only a
+        swap waits for releases, so only then is anyone woken."""
+        self.inflight -= 1
+        self._bounded.pop(admitted, None)
+        if self.swapping:
+            async with self._cond:
+                self._cond.notify_all()
+        return self.served
 
     async def set_head(self, head: int | None) -> None:
         async with self._cond:
@@ -213,7 +242,7 @@ class VersionGate:
                     per_version = (now - self._head_at) / (head - self.head)
                     self.interval_s = 0.7 * self.interval_s + 0.3 * per_version
                 self.head, self._head_at = head, now
-                self._cond.notify_all()
+                self._announce()
 
     def _record_load(self, stamp: EngineStamp) -> None:
         """The engine loaded what the sidecar asked for, and now reports `stamp`."""
@@ -225,12 +254,19 @@ class VersionGate:
         self.engine = stamp
 
     def _vouches(self, stamp: EngineStamp, admitted: Admitted) -> bool:
-        return any(serial >= admitted.load and own == stamp for serial, own in self._loads)
+        for serial, own in reversed(self._loads):  # the newest first: usually the one
+            if serial < admitted.load:
+                return False
+            if own == stamp:
+                return True
+        return False
 
     async def vouch(self, stamp: EngineStamp, admitted: Admitted) -> bool:
         """Whether a response of a request admitted as `admitted`, for which the engine
         reports `stamp`, was generated with weights this sidecar loaded (see the module
         docstring). A stamp other than the last own load marks the node unhealthy."""
+        if self._vouches(stamp, admitted):  # the common case, decided without the lock
+            return True
         async with self._cond:
             if not self._vouches(stamp, admitted) and self._reloading:
                 # The engine may report the load of the swap in progress before `end_swap`.
@@ -245,14 +281,14 @@ class VersionGate:
                     f"the engine's weights changed under the sidecar: it reports {stamp}, "
                     f"the sidecar's last load was {self.engine}; loading the served version again"
                 )
-                self._cond.notify_all()
+                self._announce()
             return False
 
     async def _stop(self, reason: str) -> None:
         async with self._cond:
             self.healthy = False
             self.problem = reason
-            self._cond.notify_all()
+            self._announce()
 
     def holds_until_done(self, admitted: Admitted) -> bool:
         """Whether no swap can happen under this request (within the drain timeout)."""
@@ -297,7 +333,7 @@ class VersionGate:
                 self.problem = loaded
             self.swapping = self._reloading = False
             self.sync_s = 0.7 * self.sync_s + 0.3 * sync_s
-            self._cond.notify_all()
+            self._announce()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         assert self._loop is not None, "gate is not bound to an event loop"

@@ -2,7 +2,9 @@
 
 `Sidecar(config).app` is the ASGI app (with the node's status page at `/ui`); its lifespan
 starts the version loop on a thread (bound to the app's event loop) and stops it on
-shutdown. `Sidecar.serve(host, port)` (what `deltaboard sidecar` runs) binds its port
+shutdown. `Sidecar.serve(host, port, workers)` with several workers forks that many
+processes serving the app, and runs the version loop in this one for all of them
+(`services.sidecar.workers`). `Sidecar.serve(host, port)` (what `deltaboard sidecar` runs) binds its port
 before the lifespan starts, so that a sidecar that cannot listen exits before its loop
 ever touches the engine, and returns (raising `SidecarFailed`) when the loop stops for
 good. The demo and the tests run the app in-process with `BackgroundServer`, which binds
@@ -32,9 +34,11 @@ from deltaboard.clients.engines import CommitMode, EngineAdapter, make_adapter
 from deltaboard.services.sidecar.background import listen, uvicorn_server
 from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
-from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
+from deltaboard.services.sidecar.proxy import InferenceRoutes, ProxySettings, create_proxy_app
 from deltaboard.services.sidecar.sync import VersionSync
 from deltaboard.services.sidecar.ui import add_status_page
+from deltaboard.services.sidecar.workers import FleetGate, Lifespan
+from deltaboard.services.sidecar.workers import serve as serve_workers
 
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -77,20 +81,65 @@ class Sidecar:
         self._give_up_on_run = 0.0
         self._server: Any = None
         self.follower: Any = None
-        settings = ProxySettings(config.engine_url, config.default_wait_s, config.max_wait_s)
+        self._from_owner: dict[str, Any] | None = None  # in a worker process: the owner's news
+        self._settings = ProxySettings(config.engine_url, config.default_wait_s, config.max_wait_s)
         self.app = create_proxy_app(
-            self.gate, self.adapter, settings, self.metrics, self.status, self._lifespan
+            self.gate, self.adapter, self._settings, self.metrics, self.status, self._lifespan
         )
-        add_status_page(self.app)  # /ui: this node's status page
+        add_status_page(self.app.app)  # /ui: this node's status page
 
-    def serve(self, host: str, port: int) -> None:
+    def serve(self, host: str, port: int, workers: int = 1) -> None:
         """Listen on `host:port` (OSError, before anything else, if it cannot), then serve
-        until interrupted; raises `SidecarFailed` if the version loop stopped for good."""
+        until interrupted; raises `SidecarFailed` if the version loop stopped for good.
+        With `workers` > 1, that many processes serve, and this one runs the version loop
+        for all of them (`services.sidecar.workers`)."""
         sock = listen(host, port)
-        self._server = uvicorn_server(self.app)
-        self._server.run(sockets=[sock])
+        if workers > 1:
+            shared: dict[str, Any] = {}
+            config = self.config
+            serve_workers(
+                sock,
+                lambda gate, lifespan: self._worker_app(gate, lifespan, shared),
+                self._own,
+                workers,
+                config.mode,
+                config.drain_timeout_s,
+                config.abort_stale,
+                shared,
+            )
+        else:
+            self._server = uvicorn_server(self.app)
+            self._server.run(sockets=[sock])
         if self.sync.fatal is not None:
             raise SidecarFailed(f"the sidecar stopped: {self.sync.fatal}")
+
+    def _worker_app(self, gate: VersionGate, lifespan: Lifespan, shared: dict[str, Any]) -> InferenceRoutes:
+        """In a worker process (this sidecar forked): its proxy, around the worker's gate;
+        what only the owner knows comes in through `shared`."""
+        self.gate = gate
+        self._from_owner = shared
+        self.app = create_proxy_app(gate, self.adapter, self._settings, self.metrics, self.status, lifespan)
+        add_status_page(self.app.app)
+        return self.app
+
+    def _own(self, fleet: FleetGate, stop: threading.Event) -> None:
+        """In the owner process: the version loop, driving every worker's gate."""
+        fleet.info = self._loop_status
+        self.sync.gate = fleet
+        self._stop = stop
+        self._give_up_on_run = time.monotonic() + self.config.run_wait_s
+        self.follower = self._make_follower()
+        try:
+            self.sync.run(self.follower, stop)
+        finally:
+            self.board.close()
+            self.adapter.close()
+
+    def _loop_status(self) -> dict[str, Any]:
+        """What the status shows of the version loop (in a worker: as the owner last said)."""
+        if self._from_owner is not None:
+            return dict(self._from_owner)
+        return {"last_error": self.sync.last_error, "swaps": list(self.sync.swaps)}
 
     def _on_fatal(self, reason: str) -> None:
         if self._server is not None:
@@ -132,9 +181,10 @@ class Sidecar:
             "swapping": self.gate.swapping,
             "engine": None if self.gate.engine is None else asdict(self.gate.engine),
             "problem": self.gate.problem,
-            "last_error": self.sync.last_error,
             "hot": self.adapter.hot,
-            "swaps": list(self.sync.swaps),
+            "last_error": None,
+            "swaps": [],
+            **self._loop_status(),
         }
 
     @asynccontextmanager

@@ -38,23 +38,36 @@ disconnect and stops generating); an engine that cannot be reached gives 503 wit
 `Retry-After`. The engine's `Date` and `Server` headers are dropped (the sidecar's server
 sends its own), so a response carries one of each. The sidecar's own routes are
 `/healthz`, `/metrics`, `/sidecar/status` and its status page `/ui` (`sidecar.ui`).
+
+The inference routes take a lean path (`InferenceRoutes`, a raw ASGI layer in front of
+the FastAPI app that serves everything else): the body is read once and parsed only
+when it names `weight_version` (a request whose headers carry its constraint is not
+parsed at all), a request whose constraint holds is admitted without waiting on the
+gate's lock (`VersionGate.admit_now`), the upstream is the sidecar's own connection pool
+(`services.sidecar.upstream`), a stream's bytes go out as each read of the engine brings
+them (`restamped_stream`), and a watcher, from a request's 50th millisecond on, turns its
+client's disconnect into the cancellation of its work (`_Watch`). Figures, before and
+after, in docs/design.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
 
 from deltaboard.clients.engines import EngineAdapter, EngineStamp
 from deltaboard.services.sidecar.background import unless_disconnected
 from deltaboard.services.sidecar.constraints import (
+    BODY_KEY,
     HEADER_PREFIX,
     ConstraintError,
     SidecarCode,
@@ -62,12 +75,12 @@ from deltaboard.services.sidecar.constraints import (
 )
 from deltaboard.services.sidecar.gate import Admitted, Refused, Stale, VersionGate, unless_stale
 from deltaboard.services.sidecar.metrics import SidecarMetrics
-from deltaboard.services.sidecar.stamping import (
-    Release,
-    StampedStream,
-    range_headers,
-    restamped_stream,
-    stamp,
+from deltaboard.services.sidecar.stamping import Release, range_headers, restamped_stream, stamp
+from deltaboard.services.sidecar.upstream import (
+    ResponseHeaders,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
 )
 
 HOP_BY_HOP = {
@@ -86,6 +99,10 @@ HOP_BY_HOP = {
 # Besides hop-by-hop headers: the body is passed decoded, and `date` and `server` are the
 # sidecar's server's own (it adds them to every response).
 RESPONSE_DROP = HOP_BY_HOP | {"content-encoding", "date", "server"}
+_REQUEST_DROP = frozenset(name.encode() for name in HOP_BY_HOP)
+_RESPONSE_DROP = frozenset(name.encode() for name in RESPONSE_DROP)
+_PREFIX = HEADER_PREFIX.encode()
+_BODY_KEY = b'"' + BODY_KEY.encode() + b'"'
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 ENGINE_RETRY_AFTER_S = 2
 
@@ -106,6 +123,7 @@ OUTCOME: dict[SidecarCode, str] = {
     SidecarCode.ENGINE_UNAVAILABLE: "unavailable",
 }
 STAMP_TIMEOUT_S = 10.0
+WATCH_AFTER_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -113,7 +131,7 @@ class ProxySettings:
     engine_url: str
     default_wait_s: float = 30.0
     max_wait_s: float = 300.0
-    engine_timeout_s: float = 600.0
+    engine_timeout_s: float = 600.0  # for a whole answer, or a stream's first byte
     max_body_bytes: int = 64 * 2**20  # prompts, not uploads: a bigger body is refused (413)
 
 
@@ -156,13 +174,18 @@ def _refusal(refused: Refused) -> JSONResponse:
     return _error(refused.code, refused.message, refused.retry_after_s, **extra)
 
 
-async def _read_body(request: Request, limit: int) -> bytes | None:
+async def _read_body(receive: Receive, declared: bytes | None, limit: int) -> bytes | None:
     """The request body, or None when it exceeds `limit` (read no further than that)."""
-    declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         return None
-    parts, size = [], 0
-    async for part in request.stream():
+    message = await receive()
+    body = message.get("body", b"")
+    if not message.get("more_body"):
+        return body if len(body) <= limit else None
+    parts, size = [body], len(body)
+    while message.get("more_body"):
+        message = await receive()
+        part = message.get("body", b"")
         size += len(part)
         if size > limit:
             return None
@@ -170,16 +193,257 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _forward_headers(request: Request) -> dict[str, str]:
-    return {
-        k: v
-        for k, v in request.headers.items()
-        if k.lower() not in HOP_BY_HOP and not k.lower().startswith(HEADER_PREFIX)
-    }
+def _response_headers(upstream: ResponseHeaders, extra: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    headers = [(name, value) for name, value in upstream.raw if name not in _RESPONSE_DROP]
+    headers += [(name.lower().encode(), value.encode()) for name, value in extra.items()]
+    return headers
 
 
-def _response_headers(upstream: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in RESPONSE_DROP}
+class _Watch:
+    """A request's watch for its client going away: a client that disconnects while the
+    request's work runs cancels that work (the upstream closes with it: the engine stops
+    generating). The watcher starts only once the request has run `WATCH_AFTER_S`: most
+    answers are done before, and a task per request is a good part of a short request's
+    cost; a client that leaves sooner is noticed then."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.task = asyncio.current_task()
+        self.active = True
+        self.disconnected = False
+        self._receive = receive
+        self._watcher: asyncio.Future[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        if self.active and self.task is not None:
+            self.disconnected = True
+            self.task.cancel()
+
+    def stop(self) -> None:
+        self.active = False
+        self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+
+class InferenceRoutes:
+    """The sidecar's ASGI app: the engine's inference routes are served here, in front of
+    any framework (see the module docstring); everything else (the sidecar's own routes,
+    the answers to routes it does not pass, the lifespan) goes to `app`, a FastAPI app."""
+
+    def __init__(self, app: FastAPI, proxy: Proxy) -> None:
+        self.app = app
+        self.proxy = proxy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (scope["method"], scope["path"]) in self.proxy.routes:
+            await self.proxy.handle(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+class Proxy:
+    """Version-checked forwarding of one request to the engine."""
+
+    def __init__(
+        self, gate: VersionGate, adapter: EngineAdapter, settings: ProxySettings, metrics: SidecarMetrics
+    ) -> None:
+        self.gate = gate
+        self.adapter = adapter
+        self.settings = settings
+        self.metrics = metrics
+        self.routes = adapter.inference_routes
+        self.pool = UpstreamPool(settings.engine_url)
+        self._outcome = {name: metrics.requests.labels(name) for name in ("proxied", "aborted", "stale")}
+
+    def count(self, outcome: str) -> None:
+        counter = self._outcome.get(outcome)
+        (counter or self.metrics.requests.labels(outcome)).inc()
+
+    async def engine_stamp(self, headers: ResponseHeaders | None) -> EngineStamp | str:
+        """What the engine reports it holds: from `headers` if it stamped them, else asked
+        at the adapter's `stamp_path` (a string says why it cannot be told)."""
+        stamp = None if headers is None else self.adapter.stamp_of(headers)
+        if stamp is not None:
+            return stamp
+        path = self.adapter.stamp_path
+        try:
+            async with asyncio.timeout(STAMP_TIMEOUT_S):
+                status, body = await self.pool.get(path)
+        except (UpstreamError, TimeoutError) as exc:
+            return f"GET {path}: {exc!r}"
+        if status != 200:
+            return f"GET {path} answered {status}"
+        try:
+            return self.adapter.parse_stamp(json.loads(body))
+        except ValueError as exc:
+            return f"GET {path}: {exc}"
+
+    async def vouched(self, headers: ResponseHeaders | None, admission: Admitted) -> str | None:
+        """None when the gate vouches for the weights behind a response, else why not."""
+        stamp = await self.engine_stamp(headers)
+        if isinstance(stamp, EngineStamp) and await self.gate.vouch(stamp, admission):
+            return None
+        self.count("engine_changed")
+        return _engine_changed(stamp, self.gate)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.settings.max_body_bytes
+        forward: list[tuple[bytes, bytes]] = []
+        named: dict[str, str] = {}
+        content_type = declared = None
+        for name, value in scope["headers"]:
+            if name.startswith(_PREFIX):
+                named[name.decode("latin-1")] = value.decode("latin-1")
+                continue
+            if name == b"content-length":
+                declared = value
+            elif name == b"content-type":
+                content_type = value
+            if name not in _REQUEST_DROP:
+                forward.append((name, value))
+        raw = await _read_body(receive, declared, limit)
+        if raw is None:
+            self.count("bad_request")
+            message = f"request bodies are limited to {limit} bytes"
+            return await _error(SidecarCode.BODY_TOO_LARGE, message)(scope, receive, send)
+        body: Any = None
+        if _BODY_KEY in raw and (content_type is None or b"json" in content_type):
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None
+        try:
+            constraint, stripped = parse_constraint(body, named)
+        except ConstraintError as exc:
+            self.count("bad_request")
+            return await _error(SidecarCode.BAD_WEIGHT_VERSION, str(exc))(scope, receive, send)
+        if stripped is not body:
+            raw = json.dumps(stripped).encode()
+
+        admission: Admitted | Refused | None = self.gate.admit_now(constraint)
+        if admission is None:
+            default = self.settings.default_wait_s
+            wait_s = min(
+                constraint.wait_s if constraint.wait_s is not None else default, self.settings.max_wait_s
+            )
+            admitted, admission = await unless_disconnected(
+                Request(scope, receive), self.gate.admit(constraint, wait_s)
+            )
+            if not admitted:
+                self.count("aborted")
+                return
+        if isinstance(admission, Refused):
+            self.count(OUTCOME[admission.code])
+            return await _refusal(admission)(scope, receive, send)
+        self.metrics.wait_seconds.observe(admission.waited_s)
+        target = scope["raw_path"]
+        if scope["query_string"]:
+            target += b"?" + scope["query_string"]
+        await self._forward(scope, receive, send, target.decode("latin-1"), forward, raw, admission)
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        raw: bytes,
+        admission: Admitted,
+    ) -> None:
+        """Pass the admitted request on, and its answer back stamped; the upstream is
+        closed and the admission released whatever happens."""
+        release = Release(self.gate, admission)
+        upstream: list[UpstreamResponse] = []
+        watch = _Watch(receive)
+        try:
+            await self._exchange(scope, receive, send, target, headers, raw, admission, release, upstream)
+        except asyncio.CancelledError:
+            if not watch.disconnected or watch.task is None:
+                raise
+            watch.task.uncancel()
+            self.count("aborted")
+        finally:
+            watch.stop()
+            if upstream:
+                await upstream[0].aclose()
+            await release()
+
+    async def _exchange(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        raw: bytes,
+        admission: Admitted,
+        release: Release,
+        opened: list[UpstreamResponse],
+    ) -> None:
+        abortable = admission.high is not None  # only such a request can go stale
+        start = admission.start
+        try:
+            async with asyncio.timeout(self.settings.engine_timeout_s) as deadline:
+                sending = self.pool.request(scope["method"], target, headers, raw)
+                upstream = await (unless_stale(sending, admission) if abortable else sending)
+                opened.append(upstream)
+                if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                    deadline.reschedule(None)  # a stream lasts as long as its client reads it
+                    return await self._stream(send, upstream, admission, release)
+                reading = upstream.aread()
+                content = await (unless_stale(reading, admission) if abortable else reading)
+        except Stale as stale:
+            self.count("stale")
+            return await _refusal(stale.refused)(scope, receive, send)
+        except (UpstreamError, TimeoutError) as exc:
+            self.count("engine_unavailable")
+            message = f"engine unreachable: {exc!r}"
+            unavailable = _error(SidecarCode.ENGINE_UNAVAILABLE, message, ENGINE_RETRY_AFTER_S)
+            return await unavailable(scope, receive, send)
+        refusal = await self.vouched(upstream.headers, admission)
+        if refusal is not None:
+            response = _error(SidecarCode.ENGINE_CHANGED, refusal, ENGINE_RETRY_AFTER_S)
+            return await response(scope, receive, send)
+        end = await release()
+        if "json" in upstream.headers.get("content-type", ""):
+            content = stamp(content, start, end) or content
+        out = _response_headers(upstream.headers, range_headers(start, end))
+        out.append((b"content-length", str(len(content)).encode()))
+        self.count("proxied")
+        await send({"type": "http.response.start", "status": upstream.status_code, "headers": out})
+        await send({"type": "http.response.body", "body": content})
+
+    async def _stream(
+        self, send: Send, upstream: UpstreamResponse, admission: Admitted, release: Release
+    ) -> None:
+        if self.adapter.stamp_of(upstream.headers) is not None:
+            refusal = await self.vouched(upstream.headers, admission)
+            if refusal is not None:
+                response = _error(SidecarCode.ENGINE_CHANGED, refusal, ENGINE_RETRY_AFTER_S)
+                return await response({"type": "http"}, _never, send)
+        start = admission.start
+        held = self.gate.holds_until_done(admission)
+        out = _response_headers(upstream.headers, range_headers(start, start if held else None))
+        self.count("proxied")
+        await send({"type": "http.response.start", "status": upstream.status_code, "headers": out})
+        events = restamped_stream(
+            upstream, admission, release, lambda: self.vouched(None, admission), lambda: self.count("stale")
+        )
+        async for part in events:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+
+async def _never() -> Any:
+    """The `receive` of a response that never reads the request (it was read already)."""
+    await asyncio.Event().wait()
 
 
 def create_proxy_app(
@@ -189,18 +453,14 @@ def create_proxy_app(
     metrics: SidecarMetrics,
     status: Callable[[], dict[str, Any]],
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
-) -> FastAPI:
-    client = httpx.AsyncClient(
-        base_url=settings.engine_url.rstrip("/"),
-        timeout=httpx.Timeout(settings.engine_timeout_s, connect=5.0),
-        limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-    )
+) -> InferenceRoutes:
+    proxy = Proxy(gate, adapter, settings, metrics)
 
     @asynccontextmanager
     async def run(app: FastAPI) -> AsyncIterator[None]:
         async with lifespan(app) if lifespan is not None else nullcontext():
             yield
-        await client.aclose()
+        await proxy.pool.aclose()
 
     app = FastAPI(title="deltaboard sidecar", lifespan=run, openapi_url=None, docs_url=None, redoc_url=None)
 
@@ -221,131 +481,10 @@ def create_proxy_app(
     async def sidecar_status() -> dict[str, Any]:
         return {**status(), "pins": gate.pins()}
 
-    async def engine_stamp(headers: httpx.Headers | None) -> EngineStamp | str:
-        """What the engine reports it holds: from `headers` if it stamped them, else asked
-        at the adapter's `stamp_path` (a string says why it cannot be told)."""
-        stamp = None if headers is None else adapter.stamp_of(headers)
-        if stamp is not None:
-            return stamp
-        answer = await client.get(adapter.stamp_path, timeout=STAMP_TIMEOUT_S)
-        if answer.status_code != 200:
-            return f"GET {adapter.stamp_path} answered {answer.status_code}"
-        try:
-            return adapter.parse_stamp(answer.json())
-        except ValueError as exc:
-            return f"GET {adapter.stamp_path}: {exc}"
-
-    async def vouched(headers: httpx.Headers | None, admission: Admitted) -> str | None:
-        """None when the gate vouches for the weights behind a response, else why not."""
-        stamp = await engine_stamp(headers)
-        if isinstance(stamp, EngineStamp) and await gate.vouch(stamp, admission):
-            return None
-        metrics.requests.labels("engine_changed").inc()
-        return _engine_changed(stamp, gate)
-
     @app.api_route("/{path:path}", methods=METHODS)
-    async def proxy(path: str, request: Request) -> Response:
-        if (request.method, "/" + path) not in adapter.inference_routes:
-            metrics.requests.labels("not_found").inc()
-            return _not_routed(request.method, "/" + path, adapter.inference_routes)
-        raw = await _read_body(request, settings.max_body_bytes)
-        if raw is None:
-            metrics.requests.labels("bad_request").inc()
-            return _error(
-                SidecarCode.BODY_TOO_LARGE, f"request bodies are limited to {settings.max_body_bytes} bytes"
-            )
-        body: Any = None
-        if raw and "json" in request.headers.get("content-type", "json"):
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                body = None
-        try:
-            constraint, stripped = parse_constraint(body, request.headers)
-        except ConstraintError as exc:
-            metrics.requests.labels("bad_request").inc()
-            return _error(SidecarCode.BAD_WEIGHT_VERSION, str(exc))
-        if stripped is not body:
-            raw = json.dumps(stripped).encode()
-        wait_s = min(
-            constraint.wait_s if constraint.wait_s is not None else settings.default_wait_s,
-            settings.max_wait_s,
-        )
+    async def not_routed(path: str, request: Request) -> Response:
+        """Whatever is not an inference route of the engine (those never get here)."""
+        metrics.requests.labels("not_found").inc()
+        return _not_routed(request.method, "/" + path, adapter.inference_routes)
 
-        admitted, admission = await unless_disconnected(request, gate.admit(constraint, wait_s))
-        if not admitted:
-            metrics.requests.labels("aborted").inc()
-            return Response(status_code=499)
-        if isinstance(admission, Refused):
-            metrics.requests.labels(OUTCOME[admission.code]).inc()
-            return _refusal(admission)
-        assert isinstance(admission, Admitted)
-        metrics.wait_seconds.observe(admission.waited_s)
-        return await _forward(request, path, raw, admission)
-
-    async def _forward(request: Request, path: str, raw: bytes, admission: Admitted) -> Response:
-        start = admission.start
-        release = Release(gate, admission)
-        upstream_request = client.build_request(
-            request.method,
-            "/" + path,
-            params=list(request.query_params.multi_items()),
-            headers=_forward_headers(request),
-            content=raw,
-        )
-        streaming = False
-        upstream: httpx.Response | None = None
-        try:
-            sent, upstream = await unless_disconnected(
-                request, unless_stale(client.send(upstream_request, stream=True), admission)
-            )
-            if not sent:
-                metrics.requests.labels("aborted").inc()
-                return Response(status_code=499)
-            headers = _response_headers(upstream)
-            if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                if adapter.stamp_of(upstream.headers) is not None:
-                    refusal = await vouched(upstream.headers, admission)
-                    if refusal is not None:
-                        await upstream.aclose()
-                        return _error(SidecarCode.ENGINE_CHANGED, refusal, ENGINE_RETRY_AFTER_S)
-                headers.update(range_headers(start, start if gate.holds_until_done(admission) else None))
-                metrics.requests.labels("proxied").inc()
-                streaming = True
-                events = restamped_stream(
-                    upstream,
-                    admission,
-                    release,
-                    lambda: vouched(None, admission),
-                    metrics.requests.labels("stale").inc,
-                )
-                return StampedStream(
-                    upstream, release, content=events, status_code=upstream.status_code, headers=headers
-                )
-            read, content = await unless_disconnected(request, unless_stale(upstream.aread(), admission))
-            await upstream.aclose()
-            if not read:
-                metrics.requests.labels("aborted").inc()
-                return Response(status_code=499)
-            refusal = await vouched(upstream.headers, admission)
-            if refusal is not None:
-                return _error(SidecarCode.ENGINE_CHANGED, refusal, ENGINE_RETRY_AFTER_S)
-            end = await release()
-            headers.update(range_headers(start, end))
-            if "json" in upstream.headers.get("content-type", ""):
-                content = stamp(content, start, end) or content
-            metrics.requests.labels("proxied").inc()
-            return Response(content, status_code=upstream.status_code, headers=headers)
-        except Stale as stale:  # the upstream request is closed before the swap may proceed
-            if upstream is not None:
-                await upstream.aclose()
-            metrics.requests.labels("stale").inc()
-            return _refusal(stale.refused)
-        except httpx.TransportError as exc:
-            metrics.requests.labels("engine_unavailable").inc()
-            return _error(SidecarCode.ENGINE_UNAVAILABLE, f"engine unreachable: {exc}", ENGINE_RETRY_AFTER_S)
-        finally:
-            if not streaming:
-                await release()
-
-    return app
+    return InferenceRoutes(app, proxy)

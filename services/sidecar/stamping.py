@@ -2,14 +2,15 @@
 
 - headers `X-Weight-Version-Start` / `X-Weight-Version-End`,
 - a JSON object body gains `"weight_version": {"start": s, "end": e, "spans": ...}`,
-- a server-sent event stream is passed through holding one event back, so that its last
-  data event (the one before `data: [DONE]`) can gain the same field once the range's
-  end is known; a stream without a JSON last event gets one extra event carrying it.
-  When the weights behind the stream cannot be vouched for at its end, the last event
-  goes out unstamped, followed by `{"error": {"code": "EngineChanged", ...}}`; when a swap
-  aborts the request (`abort_stale`, see `services.sidecar.gate`), the events so far go
-  out unstamped, then `{"error": {"code": "WeightVersionGone", ...}}` (the error object
-  of the 410 a request arriving now would get), and the stream ends there.
+- a server-sent event stream is passed through as it comes, holding back only its latest
+  data event (and what came after it), so that its last data event (the one before
+  `data: [DONE]`) can gain the same field once the range's end is known; a stream
+  without a JSON last event gets one extra event carrying it. When the weights behind
+  the stream cannot be vouched for at its end, the last event goes out unstamped,
+  followed by `{"error": {"code": "EngineChanged", ...}}`; when a swap aborts the request
+  (`abort_stale`, see `services.sidecar.gate`), the events so far go out unstamped, then
+  `{"error": {"code": "WeightVersionGone", ...}}` (the error object of the 410 a request
+  arriving now would get), and the stream ends there.
 
 `spans` says which version made which token of the completion: `[[0, 7], [12, 8]]` is
 tokens 0-11 from version 7, from token 12 on version 8 (indices into the choice's
@@ -28,8 +29,8 @@ generated tokens). Only the engine can know where a swap fell between two tokens
 For a response of several choices (`n` > 1, engines other than the reference), `[[0, v]]`
 holds for each choice; engine spans describe its one choice.
 
-`Release` ends a request's admission exactly once (its result is the range's end);
-`StampedStream` guarantees that release even if the client left before the first byte.
+`Release` ends a request's admission exactly once (its result is the range's end); the
+proxy releases every admission once its upstream is closed, whatever happened.
 """
 
 from __future__ import annotations
@@ -38,9 +39,6 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from itertools import pairwise
 from typing import Any
-
-import httpx
-from fastapi.responses import StreamingResponse
 
 from deltaboard.services.sidecar.constraints import SidecarCode
 from deltaboard.services.sidecar.gate import Admitted, Stale, VersionGate, unless_stale
@@ -118,89 +116,132 @@ class Release:
         return self._end
 
 
-class StampedStream(StreamingResponse):
-    """A stream that always closes the upstream and then releases its admission, even when
-    the client went away before the first byte (when the body iterator never ran)."""
-
-    def __init__(self, upstream: httpx.Response, release: Release, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._upstream = upstream
-        self._release = release
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._upstream.aclose()
-            await self._release()
-
-
 async def restamped_stream(
-    upstream: httpx.Response,
+    upstream: Any,
     admitted: Admitted,
     release: Release,
     verify: Callable[[], Awaitable[str | None]],
     aborted: Callable[[], None],
 ) -> AsyncIterator[bytes]:
-    """Pass SSE events through, holding one back so the last data event can carry the range
-    (`verify()`, asked at the end, returns why the range must not be given, or None). A
-    swap that aborts the request ends the stream with its error (and calls `aborted()`);
-    the upstream is closed and the admission released after it, by `StampedStream`."""
+    """Pass SSE events through, holding back only what the last data event needs, so it
+    can carry the range (`verify()`, asked at the end, returns why the range must not be
+    given, or None). `upstream.aiter_raw()` gives the body; every read's complete events
+    go out as one piece, as they came, except the last data event among them (and what
+    follows it), which waits for the next read. A swap that aborts the request ends the
+    stream with its error (and calls `aborted()`); the caller closes the upstream and
+    releases the admission after it."""
     start = admitted.start
-    buffer = b""
-    held: bytes | None = None
+    abortable = admitted.high is not None  # only a request with a highest version goes stale
     chunks = upstream.aiter_raw()
+    held = b""  # complete events, from the last data event on
+    pending = b""  # the start of an event not complete yet
     while True:
-        try:
-            chunk = await unless_stale(anext(chunks, None), admitted)
-        except Stale as stale:
-            aborted()
-            yield _unstamped(held) + _data_event({"error": stale.refused.error()})
-            return
+        if abortable:
+            try:
+                chunk = await unless_stale(anext(chunks, None), admitted)
+            except Stale as stale:
+                aborted()
+                yield _unstamped(held) + _data_event({"error": stale.refused.error()})
+                return
+        else:
+            chunk = await anext(chunks, None)
         if chunk is None:
             break
-        buffer += chunk.replace(b"\r\n", b"\n")
-        while b"\n\n" in buffer:
-            event, buffer = buffer.split(b"\n\n", 1)
-            data = _event_data(event)
-            if data == b"[DONE]":
-                yield await _final_event(held, start, release, verify)
-                held = None
-            elif data is not None:
-                if held is not None:
-                    yield held + b"\n\n"
-                held = event
-                continue
-            yield event + b"\n\n"
-    if held is not None or not release.done:
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n")
+        data = pending + chunk if pending else chunk
+        cut = data.rfind(b"\n\n") + 2
+        if cut < 2:
+            pending = data
+            continue
+        complete, pending = data[:cut], data[cut:]
+        if b"[DONE]" in complete:  # once a stream: event by event
+            for event in complete.split(b"\n\n")[:-1]:
+                out, held = await _next_event(event, held, start, release, verify)
+                if out:
+                    yield out
+            continue
+        last = _last_data_event(complete)
+        if last < 0 and held:
+            held += complete
+            continue
+        out, held = (complete, b"") if last < 0 else (held + complete[:last], complete[last:])
+        if out:
+            yield out
+    if held or not release.done:
         yield await _final_event(held, start, release, verify)
+
+
+def _is_data(event: bytes) -> bool:
+    return event.startswith(b"data:") or b"\ndata:" in event
+
+
+def _last_data_event(complete: bytes) -> int:
+    """Where the last data event of `complete` (whole events) starts; -1: none in it."""
+    end = len(complete) - 2
+    while True:
+        separator = complete.rfind(b"\n\n", 0, end)
+        begin = 0 if separator < 0 else separator + 2
+        if _is_data(complete[begin:end]):
+            return begin
+        if separator < 0:
+            return -1
+        end = separator
+
+
+async def _next_event(
+    event: bytes,
+    held: bytes,
+    start: int | None,
+    release: Release,
+    verify: Callable[[], Awaitable[str | None]],
+) -> tuple[bytes, bytes]:
+    """What goes out for one more `event`, and what is held back after it."""
+    data = _event_data(event)
+    if data == b"[DONE]":
+        return await _final_event(held, start, release, verify) + event + b"\n\n", b""
+    if data is not None:
+        return held, event + b"\n\n"
+    if held:
+        return b"", held + event + b"\n\n"
+    return event + b"\n\n", b""
 
 
 def _data_event(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-def _unstamped(held: bytes | None) -> bytes:
-    """The held event as it goes out before an error: without any versions, not even ones
-    the engine wrote itself."""
-    if held is None:
+def _split_held(held: bytes) -> tuple[bytes | None, bytes]:
+    """The held data event (None: none) and the events after it (with their separators)."""
+    if not held:
+        return None, b""
+    end = held.index(b"\n\n")
+    return held[:end], held[end + 2 :]
+
+
+def _unstamped(held: bytes) -> bytes:
+    """The held events as they go out before an error: the data event without any
+    versions, not even ones the engine wrote itself."""
+    event, after = _split_held(held)
+    if event is None:
         return b""
-    data = _event_data(held)
+    data = _event_data(event)
     unstamped = stamp(data, None, None) if data is not None else None
-    return (b"data: " + unstamped if unstamped else held) + b"\n\n"
+    return (b"data: " + unstamped if unstamped else event) + b"\n\n" + after
 
 
 async def _final_event(
-    held: bytes | None, start: int | None, release: Release, verify: Callable[[], Awaitable[str | None]]
+    held: bytes, start: int | None, release: Release, verify: Callable[[], Awaitable[str | None]]
 ) -> bytes:
     refusal = await verify()
     end = await release()
     if refusal is not None:
         error = {"code": str(SidecarCode.ENGINE_CHANGED), "message": refusal}
         return _unstamped(held) + _data_event({"error": error})
-    data = _event_data(held) if held is not None else None
+    event, after = _split_held(held)
+    data = _event_data(event) if event is not None else None
     stamped = stamp(data, start, end) if data is not None else None
     if stamped is not None:
-        return b"data: " + stamped + b"\n\n"
-    before = b"" if held is None else held + b"\n\n"
-    return before + _data_event({"weight_version": version_field(start, end)})
+        return b"data: " + stamped + b"\n\n" + after
+    before = b"" if event is None else event + b"\n\n"
+    return before + after + _data_event({"weight_version": version_field(start, end)})

@@ -37,11 +37,10 @@ from pathlib import Path
 from typing import Protocol
 
 from deltaboard.board.contract.errors import AuthError, NotFound, UnknownRun
-from deltaboard.clients.engines import EngineAdapter, EngineAdapterError, EngineStamp, HotRefused
+from deltaboard.clients.engines import CommitMode, EngineAdapter, EngineAdapterError, EngineStamp, HotRefused
 from deltaboard.clients.follower.errors import CorruptBase, FollowerError
 from deltaboard.clients.resident import HotPatch, ResidentError, write_patch
 from deltaboard.services.sidecar.constraints import next_target
-from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger("deltaboard.sidecar")
@@ -76,6 +75,36 @@ class FollowerPort(Protocol):
     def close(self) -> None: ...
 
 
+class GatePort(Protocol):
+    """What the loop needs of the version gate: the `VersionGate` of one process, or
+    `workers.FleetGate`, which drives the gates of several worker processes as one."""
+
+    @property
+    def served(self) -> int | None: ...
+
+    @property
+    def head(self) -> int | None: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def engine(self) -> EngineStamp | None: ...
+
+    @property
+    def mode(self) -> CommitMode: ...
+
+    def pins(self) -> list[tuple[int, int | None]]: ...
+
+    def begin_swap(self, version: int) -> None: ...
+
+    def end_swap(self, version: int | None, sync_s: float, loaded: EngineStamp | str) -> None: ...
+
+    def stop(self, reason: str) -> None: ...
+
+    def publish_head(self, head: int | None) -> None: ...
+
+
 HeadWatch = Callable[[int | None, float], int | None]
 """`(after, wait_s) -> head`: the board's head, long-polling while it is not past `after`."""
 
@@ -83,7 +112,7 @@ HeadWatch = Callable[[int | None, float], int | None]
 class VersionSync:
     def __init__(
         self,
-        gate: VersionGate,
+        gate: GatePort,
         adapter: EngineAdapter,
         metrics: SidecarMetrics,
         watch_head: HeadWatch,

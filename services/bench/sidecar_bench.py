@@ -1,0 +1,436 @@
+"""`deltaboard bench sidecar`: what the sidecar costs beside a fast engine, in one run.
+
+Three kinds of processes on loopback:
+
+* a **fake OpenAI-compatible engine** (`FastEngine`, raw asyncio, no model) that streams
+  as fast as it can: each token its own event and its own socket write, the streams
+  interleaved token by token as a batching engine emits them. It stamps its responses as
+  the reference engine does (`X-Engine-Weight-Version`, `X-Engine-Load-Count`, `/health`,
+  `/reload`), writes each token's version into its event (`"v"`), and reports the exact
+  per-token `weight_version.spans` in its last event (or its one JSON body);
+* the **sidecar** (`--workers N` processes), in `in_place` mode (swaps under running
+  requests, as RL rollouts want), its owner swapping the engine's version every
+  `swap_every_s` seconds for the whole run;
+* the **load generator** (this process, asyncio): the same load direct to the engine and
+  through the sidecar: `streams` concurrent streams of `stream_tokens` tokens, then
+  `requests` concurrent non-streaming requests of `request_tokens` tokens, each for
+  `duration_s`, with `weight_version: {"min": 0}` in every body.
+
+Every response through the sidecar is checked: its range and spans must be present
+(`missing_stamps` counts those without) and match the versions the engine wrote into its
+tokens (`errors` counts those that do not, and every failed request). Sidecar CPU is read
+from the sidecar's processes (`psutil`: user + system time of the owner and its workers)
+around each phase, so it counts the sidecar alone, whatever else shares the machine:
+`sidecar_cpu_us_per_token` (streaming) and `sidecar_cpu_ms_per_request` (not streaming).
+The added time to first token is the sidecar's p50/p99 minus the direct one's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from deltaboard.services.sidecar.upstream import UpstreamError, UpstreamPool
+
+Status = Callable[[str], None]
+TOKEN_VERSION = re.compile(rb'"v":(\d+)')
+TARGETS = {"sidecar_cpu_us_per_token": 15.0, "sidecar_cpu_ms_per_request": 0.5}  # issue 19
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    duration_s: float = 20.0  # per phase and target
+    streams: int = 64
+    stream_tokens: int = 128
+    requests: int = 256
+    request_tokens: int = 16
+    workers: int = 1
+    swap_every_s: float = 3.0
+    mode: str = "in_place"
+
+
+def quick(workers: int = 1) -> BenchConfig:
+    return BenchConfig(duration_s=5.0, workers=workers, swap_every_s=1.0)
+
+
+# --- the fake engine -------------------------------------------------------------------
+
+
+class FastEngine:
+    """An OpenAI-compatible stand-in that generates nothing and streams as fast as it can.
+
+    `POST /v1/completions` (and `/v1/chat/completions`) with `max_tokens` and `stream`;
+    `GET /health`, `POST /reload {"weight_version"}` as the reference engine answers them.
+    A reload lands between two tokens (one event loop), so a stream may span it: its
+    tokens say which version made each, and its spans say where it fell.
+    """
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.loads = 1
+
+    def _stamp(self) -> list[bytes]:
+        return [
+            b"x-engine-weight-version: %d\r\n" % self.version,
+            b"x-engine-load-count: %d\r\n" % self.loads,
+        ]
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                method, target = head.split(b" ", 2)[:2]
+                length = 0
+                for line in head.lower().split(b"\r\n"):
+                    if line.startswith(b"content-length:"):
+                        length = int(line[15:])
+                body = await reader.readexactly(length) if length else b""
+                await self._answer(method, target.split(b"?")[0], body, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.transport.abort()
+
+    def _json(self, writer: asyncio.StreamWriter, payload: Any, status: bytes = b"200 OK") -> None:
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        head = [b"HTTP/1.1 ", status, b"\r\ncontent-type: application/json\r\n", *self._stamp()]
+        writer.write(b"".join([*head, b"content-length: %d\r\n\r\n" % len(body), body]))
+
+    async def _answer(self, method: bytes, path: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        if path == b"/health":
+            self._json(writer, {"weight_version": self.version, "loads": self.loads})
+        elif path == b"/reload":
+            self.version = int(json.loads(body).get("weight_version") or 0)
+            self.loads += 1
+            self._json(writer, {"weight_version": self.version, "loads": self.loads})
+        elif path in (b"/pause", b"/resume"):
+            self._json(writer, {})
+        elif path in (b"/v1/completions", b"/v1/chat/completions"):
+            request = json.loads(body)
+            tokens = int(request.get("max_tokens", 16))
+            if request.get("stream"):
+                await self._stream(writer, tokens)
+            else:
+                versions = [self.version] * tokens
+                choice = {"index": 0, "text": " tok" * tokens, "v": versions}
+                usage = {"completion_tokens": tokens}
+                field = {"spans": spans_of(versions)}
+                self._json(
+                    writer,
+                    {
+                        "object": "text_completion",
+                        "choices": [choice],
+                        "usage": usage,
+                        "weight_version": field,
+                    },
+                )
+        elif method == b"GET" and path == b"/v1/models":
+            self._json(writer, {"data": [{"id": "fake"}]})
+        else:
+            self._json(writer, {"error": "no route"}, b"404 Not Found")
+
+    async def _stream(self, writer: asyncio.StreamWriter, tokens: int) -> None:
+        head = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n", *self._stamp()]
+        writer.write(b"".join([*head, b"transfer-encoding: chunked\r\n\r\n"]))
+        versions = []
+        for i in range(tokens):
+            versions.append(self.version)
+            event = (
+                b'data: {"object":"text_completion","choices":[{"index":0,"text":" tok","v":%d}]'
+                % self.version
+            )
+            if i == tokens - 1:
+                field = json.dumps({"spans": spans_of(versions)}, separators=(",", ":")).encode()
+                event += b',"weight_version":' + field
+            event += b"}\n\n"
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            if writer.transport.is_closing():
+                return
+            await asyncio.sleep(0)  # the next stream's token, as an engine's batch step emits them
+        done = b"data: [DONE]\n\n"
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+
+def spans_of(versions: list[int]) -> list[list[int]]:
+    """`weight_version.spans` of tokens made by `versions` (index of each change, version)."""
+    spans: list[list[int]] = []
+    for i, version in enumerate(versions):
+        if not spans or spans[-1][1] != version:
+            spans.append([i, version])
+    return spans
+
+
+async def _serve_engine(port: Connection) -> None:
+    engine = FastEngine()
+    server = await asyncio.start_server(engine.handle, "127.0.0.1", 0, backlog=4096)
+    port.send(server.sockets[0].getsockname()[1])
+    async with server:
+        await server.serve_forever()
+
+
+def engine_process(port: Connection) -> None:
+    """Entry point of the engine's process: sends its port through `port`, then serves."""
+    import uvloop
+
+    uvloop.run(_serve_engine(port))
+
+
+# --- the sidecar under test ----------------------------------------------------------
+
+
+def sidecar_process(engine_url: str, config: BenchConfig, port: Connection) -> None:
+    """Entry point of the sidecar's (owner) process: a gate and proxy in front of the
+    engine, sending its port through `port`, swapping the engine every `swap_every_s`."""
+    from deltaboard.clients.engines import make_adapter
+    from deltaboard.services.sidecar import workers
+    from deltaboard.services.sidecar.background import listen
+    from deltaboard.services.sidecar.metrics import SidecarMetrics
+    from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
+
+    sock = listen("127.0.0.1", 0)
+    listening = sock.getsockname()[1]
+    adapter = make_adapter("reference", engine_url)
+
+    def build(gate: Any, lifespan: Any) -> Any:
+        status = lambda: {"served": gate.served, "healthy": gate.healthy}  # noqa: E731
+        worker_adapter = make_adapter("reference", engine_url)
+        return create_proxy_app(
+            gate, worker_adapter, ProxySettings(engine_url), SidecarMetrics(), status, lifespan
+        )
+
+    def swapping(gate: Any, stop: threading.Event) -> None:
+        version = 0
+        gate.end_swap(version, 0.0, adapter.loaded())
+        port.send(listening)
+        while not stop.wait(config.swap_every_s):
+            version += 1
+            started = time.monotonic()
+            gate.begin_swap(version)
+            try:
+                loaded = adapter.reload(os.devnull, version, gate.mode)  # type: ignore[arg-type]
+            finally:
+                gate.end_swap(version, time.monotonic() - started, loaded)
+
+    workers.serve(sock, build, swapping, config.workers, config.mode)  # type: ignore[arg-type]
+
+
+# --- the load generator ---------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    units: int = 0  # tokens (streams) or requests
+    ttft_ms: list[float] | None = None
+    latency_ms: list[float] | None = None
+    errors: int = 0
+    missing: int = 0
+    cpu_s: float = 0.0  # the sidecar's
+    engine_cpu_s: float = 0.0
+    elapsed_s: float = 0.0
+    first_error: str | None = None
+
+
+def _check(stamp: Any, versions: list[int], phase: Phase, through_sidecar: bool) -> None:
+    """Count a response whose stamp is missing, or does not match its tokens' versions."""
+    if not through_sidecar:
+        return
+    if not isinstance(stamp, dict) or stamp.get("start") is None or stamp.get("end") is None:
+        phase.missing += 1
+        return
+    expected = spans_of(versions)
+    ok = stamp["spans"] == expected and stamp["start"] <= versions[0] and versions[-1] <= stamp["end"]
+    if not ok:
+        phase.errors += 1
+        phase.first_error = phase.first_error or f"stamp {stamp} for tokens of versions {expected}"
+
+
+BODY = {"model": "fake", "prompt": [1, 2, 3], "weight_version": {"min": 0}}
+
+
+async def _one_stream(pool: UpstreamPool, body: bytes, phase: Phase, sidecar: bool) -> None:
+    started = time.perf_counter()
+    response = await pool.request("POST", "/v1/completions", [(b"content-type", b"application/json")], body)
+    if response.status_code != 200:
+        raise UpstreamError(f"{response.status_code}: {(await response.aread())[:200]!r}")
+    parts = []
+    first = True
+    async for part in response.aiter_raw():
+        if first:
+            assert phase.ttft_ms is not None
+            phase.ttft_ms.append((time.perf_counter() - started) * 1000)
+            first = False
+        parts.append(part)
+    text = b"".join(parts)
+    versions = [int(v) for v in TOKEN_VERSION.findall(text)]
+    phase.units += len(versions)
+    events = text.split(b"\n\n")
+    last = next((e for e in reversed(events) if e.startswith(b"data: {")), b"")
+    _check(json.loads(last[6:]).get("weight_version") if last else None, versions, phase, sidecar)
+
+
+async def _one_request(pool: UpstreamPool, body: bytes, phase: Phase, sidecar: bool) -> None:
+    started = time.perf_counter()
+    response = await pool.request("POST", "/v1/completions", [(b"content-type", b"application/json")], body)
+    payload = await response.aread()
+    if response.status_code != 200:
+        raise UpstreamError(f"{response.status_code}: {payload[:200]!r}")
+    assert phase.latency_ms is not None
+    phase.latency_ms.append((time.perf_counter() - started) * 1000)
+    answer = json.loads(payload)
+    phase.units += 1
+    _check(answer.get("weight_version"), answer["choices"][0]["v"], phase, sidecar)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and its children (the workers)."""
+    process = psutil.Process(pid)
+    total = 0.0
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            times = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+async def _phase(
+    url: str, stream: bool, config: BenchConfig, engine_pid: int, sidecar_pid: int | None
+) -> Phase:
+    pool = UpstreamPool(url)
+    tokens = config.stream_tokens if stream else config.request_tokens
+    body = json.dumps({**BODY, "max_tokens": tokens, "stream": stream}).encode()
+    phase = Phase(ttft_ms=[], latency_ms=[])
+    one = _one_stream if stream else _one_request
+    concurrency = config.streams if stream else config.requests
+    deadline = time.monotonic() + config.duration_s
+
+    async def client() -> None:
+        while time.monotonic() < deadline:
+            try:
+                await one(pool, body, phase, sidecar_pid is not None)
+            except (UpstreamError, ValueError, KeyError) as exc:
+                phase.errors += 1
+                phase.first_error = phase.first_error or repr(exc)
+
+    cpu = _cpu_s(sidecar_pid) if sidecar_pid is not None else 0.0
+    engine_cpu = _cpu_s(engine_pid)
+    started = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    phase.elapsed_s = time.monotonic() - started
+    phase.cpu_s = _cpu_s(sidecar_pid) - cpu if sidecar_pid is not None else 0.0
+    phase.engine_cpu_s = _cpu_s(engine_pid) - engine_cpu
+    await pool.aclose()
+    return phase
+
+
+def _pct(values: list[float] | None, q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _summary(
+    direct_s: Phase, sidecar_s: Phase, direct_r: Phase, sidecar_r: Phase, config: BenchConfig
+) -> dict[str, Any]:
+    return {
+        "direct_tokens_per_s": round(direct_s.units / direct_s.elapsed_s),
+        "sidecar_tokens_per_s": round(sidecar_s.units / sidecar_s.elapsed_s),
+        "direct_rps": round(direct_r.units / direct_r.elapsed_s),
+        "sidecar_rps": round(sidecar_r.units / sidecar_r.elapsed_s),
+        "ttft_p50_added_ms": round(_pct(sidecar_s.ttft_ms, 0.5) - _pct(direct_s.ttft_ms, 0.5), 2),
+        "ttft_p99_added_ms": round(_pct(sidecar_s.ttft_ms, 0.99) - _pct(direct_s.ttft_ms, 0.99), 2),
+        "sidecar_cpu_us_per_token": round(sidecar_s.cpu_s / max(sidecar_s.units, 1) * 1e6, 2),
+        "sidecar_cpu_ms_per_request": round(sidecar_r.cpu_s / max(sidecar_r.units, 1) * 1e3, 3),
+        # the fake engine's own, direct: what a token or a request costs a minimal asyncio
+        # server on the same machine at the same time, to read the sidecar's figures against
+        "engine_cpu_us_per_token": round(direct_s.engine_cpu_s / max(direct_s.units, 1) * 1e6, 2),
+        "engine_cpu_ms_per_request": round(direct_r.engine_cpu_s / max(direct_r.units, 1) * 1e3, 3),
+        "errors": direct_s.errors + sidecar_s.errors + direct_r.errors + sidecar_r.errors,
+        "missing_stamps": sidecar_s.missing + sidecar_r.missing,
+        "ttft_ms": {
+            "direct": [round(_pct(direct_s.ttft_ms, q), 2) for q in (0.5, 0.99)],
+            "sidecar": [round(_pct(sidecar_s.ttft_ms, q), 2) for q in (0.5, 0.99)],
+        },
+        "latency_ms": {
+            "direct": [round(_pct(direct_r.latency_ms, q), 2) for q in (0.5, 0.99)],
+            "sidecar": [round(_pct(sidecar_r.latency_ms, q), 2) for q in (0.5, 0.99)],
+        },
+        "first_error": next(
+            (p.first_error for p in (direct_s, sidecar_s, direct_r, sidecar_r) if p.first_error), None
+        ),
+        "cores": os.cpu_count(),
+        "config": asdict(config),
+    }
+
+
+def run(config: BenchConfig, status: Status) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    engine_port, engine_end = context.Pipe()
+    engine = context.Process(target=engine_process, args=(engine_end,), daemon=True)
+    engine.start()
+    sidecar = None
+    try:
+        engine_url = f"http://127.0.0.1:{engine_port.recv()}"
+        sidecar_port, sidecar_end = context.Pipe()
+        sidecar = context.Process(target=sidecar_process, args=(engine_url, config, sidecar_end))
+        sidecar.start()
+        deadline = time.monotonic() + 60
+        while not sidecar_port.poll(0.1):
+            if not sidecar.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the sidecar did not start")
+        sidecar_url = f"http://127.0.0.1:{sidecar_port.recv()}"
+        assert sidecar.pid is not None and engine.pid is not None
+        phases = []
+        for what, stream in (("streams", True), ("requests", False)):
+            for name, url, pid in (("direct", engine_url, None), ("sidecar", sidecar_url, sidecar.pid)):
+                status(f"{what}, {name}")
+                phases.append(asyncio.run(_phase(url, stream, config, engine.pid, pid)))
+        direct_s, sidecar_s, direct_r, sidecar_r = phases
+        return _summary(direct_s, sidecar_s, direct_r, sidecar_r, config)
+    finally:
+        for process in (sidecar, engine):
+            if process is not None:
+                process.terminate()
+                process.join(10)
+
+
+def _pair(values: list[float]) -> str:
+    return f"{values[0]:.2f} / {values[1]:.2f}"
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    workers = report["config"]["workers"]
+    table = Table(title=f"sidecar beside a fast fake engine ({report['cores']} cores, {workers} worker(s))")
+    for column in ("figure", "direct", "through the sidecar", "target"):
+        table.add_column(column)
+    ttft, latency = report["ttft_ms"], report["latency_ms"]
+    table.add_row(
+        "tokens/s (streams)", str(report["direct_tokens_per_s"]), str(report["sidecar_tokens_per_s"]), ""
+    )
+    table.add_row("TTFT p50 / p99 ms", _pair(ttft["direct"]), _pair(ttft["sidecar"]), "added ≤ 2 / ≤ 20")
+    table.add_row("requests/s", str(report["direct_rps"]), str(report["sidecar_rps"]), "")
+    table.add_row("latency p50 / p99 ms", _pair(latency["direct"]), _pair(latency["sidecar"]), "")
+    for key, label in (
+        ("sidecar_cpu_us_per_token", "sidecar CPU µs/token"),
+        ("sidecar_cpu_ms_per_request", "sidecar CPU ms/request"),
+    ):
+        table.add_row(label, "", str(report[key]), f"≤ {TARGETS[key]}")
+    table.add_row("errors / missing stamps", "", f"{report['errors']} / {report['missing_stamps']}", "0 / 0")
+    console.print(table)
+    if report.get("first_error"):
+        console.print(f"first error: {report['first_error']}")

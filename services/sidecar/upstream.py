@@ -1,0 +1,259 @@
+"""The sidecar's HTTP/1.1 client to its one engine: a pool of raw asyncio connections.
+
+Every rollout request passes through the sidecar, so its client must cost next to nothing
+per request and never make requests queue for a connection. Measured against the engine
+stand-in of `services.bench.sidecar_bench` (figures in docs/design.md), httpx's pool
+(httpcore) handed one idle connection to every waiting request and made the losers retry,
+polled every pooled socket for expiry, and read a stream one HTTP chunk (one token) at a
+time; this client does none of that:
+
+- a request takes an idle connection or opens a new one at once: no limit and no queue
+  (the engine, not the sidecar, decides how many requests it serves at a time); idle
+  connections are kept up to `max_idle`, and one the engine closed while idle is skipped,
+  or, when it closes under the request before a byte of the answer came, the request is
+  sent once more on a new connection;
+- the request goes out in one write, the response head is parsed once into a
+  `ResponseHeaders` (case-insensitive, what the engine adapters read stamps from);
+- a chunked body is decoded from whatever one socket read brings: every complete chunk in
+  it is passed on as one piece, so a stream the sidecar reads behind the engine costs one
+  pass per read, not per token.
+
+A response's connection goes back to the pool only once its body was read to the end;
+`aclose` before that closes the connection, which is how the engine learns that nobody
+reads the request any more (it stops generating). Failures to reach the engine or to get
+a whole answer raise `UpstreamError`. Reads have no timeout of their own: the caller
+bounds a request as a whole (`asyncio.timeout`), and cancelling it closes its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+READ_SIZE = 2**16
+CONNECT_TIMEOUT_S = 5.0
+
+
+class UpstreamError(OSError):
+    """The engine could not be reached, or closed the connection before a whole answer."""
+
+
+class ResponseHeaders(dict[str, str]):
+    """A response's headers by lower-case name (`get` takes any case), in arrival order in `raw`."""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        super().__init__((name.decode("latin-1"), value.decode("latin-1")) for name, value in raw)
+        self.raw = raw
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return super().get(name.lower(), default)
+
+
+class _Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    def usable(self) -> bool:
+        return not self.writer.is_closing() and not self.reader.at_eof()
+
+    def close(self) -> None:
+        self.writer.transport.abort()  # at once: the engine sees the request go away
+
+
+class UpstreamResponse:
+    """A response whose body is read by `aread` or `aiter_raw` (decoded from chunked
+    transfer encoding, not from any content encoding: the sidecar passes bodies as they are)."""
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        conn: _Connection,
+        status_code: int,
+        headers: ResponseHeaders,
+        keep: bool,
+        bodyless: bool,
+    ) -> None:
+        self._pool = pool
+        self._conn: _Connection | None = conn
+        self.status_code = status_code
+        self.headers = headers
+        self._keep = keep
+        length = headers.get("content-length")
+        self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        self._length = int(length) if length is not None and not self._chunked else None
+        if bodyless or status_code in (204, 304) or 100 <= status_code < 200:
+            self._length = 0
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: one piece per read of the connection."""
+        conn = self._conn
+        if conn is None:
+            return
+        reader = conn.reader
+        try:
+            if self._chunked:
+                chunks = _Chunks()
+                while not chunks.done:
+                    payload = chunks.feed(await reader.read(READ_SIZE))
+                    if payload:
+                        yield payload
+            elif self._length is not None:
+                left = self._length
+                while left:
+                    part = await reader.read(min(left, READ_SIZE))
+                    if not part:
+                        raise UpstreamError(f"the engine closed the connection {left} bytes before the end")
+                    left -= len(part)
+                    yield part
+            else:  # delimited by the connection's end
+                self._keep = False
+                while part := await reader.read(READ_SIZE):
+                    yield part
+        except UpstreamError:
+            await self.aclose()
+            raise
+        except (OSError, ValueError) as exc:
+            await self.aclose()
+            raise UpstreamError(f"reading the engine's answer: {exc!r}") from exc
+        self._conn = None
+        if self._keep:
+            self._pool.put(conn)
+        else:
+            conn.close()
+
+    async def aread(self) -> bytes:
+        return b"".join([part async for part in self.aiter_raw()])
+
+    async def aclose(self) -> None:
+        """Give up the rest of the body: the connection is closed (not pooled)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class _Chunks:
+    """Decodes a chunked body from the reads of its connection, as they come."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        """The payload of every chunk that `data` completes, joined (b"": none yet)."""
+        if not data:
+            raise UpstreamError("the engine closed the connection inside a chunked body")
+        buf = self._buf + data if self._buf else data
+        parts = []
+        pos = 0
+        while (eol := buf.find(b"\r\n", pos)) >= 0:
+            size = int(buf[pos:eol].split(b";", 1)[0], 16)
+            if size == 0:
+                self.done = buf.find(b"\r\n\r\n", eol) >= 0  # the end, past any trailers
+                break
+            end = eol + 2 + size
+            if len(buf) < end + 2:
+                break
+            parts.append(buf[eol + 2 : end])
+            pos = end + 2
+        self._buf = buf[pos:]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class UpstreamPool:
+    """Connections to the engine at `url` (http only: it sits beside the sidecar)."""
+
+    def __init__(self, url: str, max_idle: int = 512) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or parts.hostname is None:
+            raise ValueError(f"the engine's URL must be http://host:port, not {url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.prefix = parts.path.rstrip("/")
+        self._host_header = f"{self.host}:{self.port}".encode()
+        self._idle: deque[_Connection] = deque()
+        self._max_idle = max_idle
+
+    def put(self, conn: _Connection) -> None:
+        if len(self._idle) < self._max_idle and conn.usable():
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    async def _open(self) -> _Connection:
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                reader, writer = await asyncio.open_connection(self.host, self.port, limit=READ_SIZE * 4)
+        except (OSError, TimeoutError) as exc:
+            raise UpstreamError(f"cannot connect to the engine at {self.host}:{self.port}: {exc!r}") from exc
+        return _Connection(reader, writer)
+
+    async def request(
+        self, method: str, target: str, headers: Sequence[tuple[bytes, bytes]] = (), body: bytes = b""
+    ) -> UpstreamResponse:
+        """Send a request (`target`: path and query) and read the response's head."""
+        line = f"{method} {self.prefix}{target} HTTP/1.1\r\n".encode()
+        head = [line, b"host: ", self._host_header, b"\r\n"]
+        for name, value in headers:
+            head += (name, b": ", value, b"\r\n")
+        if body or method not in ("GET", "HEAD"):
+            head += (b"content-length: ", str(len(body)).encode(), b"\r\n")
+        head.append(b"\r\n")
+        head.append(body)
+        message = b"".join(head)
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.usable():
+                conn.close()
+                continue
+            response = await self._exchange(conn, method, message, retry=True)
+            if response is not None:
+                return response
+        response = await self._exchange(await self._open(), method, message, retry=False)
+        assert response is not None
+        return response
+
+    async def _exchange(
+        self, conn: _Connection, method: str, message: bytes, retry: bool
+    ) -> UpstreamResponse | None:
+        """The response's head; None when a reused connection turns out closed before any
+        of it came (`retry`: the caller sends the request again on another)."""
+        try:
+            conn.writer.write(message)
+            raw_head = await conn.reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            conn.close()
+            if retry and not exc.partial:
+                return None
+            raise UpstreamError("the engine closed the connection before answering") from exc
+        except (OSError, asyncio.LimitOverrunError) as exc:
+            conn.close()
+            if retry and isinstance(exc, ConnectionResetError):
+                return None
+            raise UpstreamError(f"the engine did not answer: {exc!r}") from exc
+        lines = raw_head.split(b"\r\n")
+        status_line = lines[0].split(b" ", 2)
+        try:
+            status = int(status_line[1])
+        except (IndexError, ValueError) as exc:
+            conn.close()
+            raise UpstreamError(f"the engine's answer is not HTTP: {lines[0][:80]!r}") from exc
+        raw: list[tuple[bytes, bytes]] = []
+        for line in lines[1:-2]:
+            name, _, value = line.partition(b":")
+            raw.append((name.strip().lower(), value.strip()))
+        headers = ResponseHeaders(raw)
+        keep = status_line[0] == b"HTTP/1.1" and headers.get("connection", "").lower() != "close"
+        return UpstreamResponse(self, conn, status, headers, keep, bodyless=method == "HEAD")
+
+    async def get(self, target: str) -> tuple[int, bytes]:
+        """A GET answered in whole: (status, body)."""
+        response = await self.request("GET", target)
+        return response.status_code, await response.aread()
+
+    async def aclose(self) -> None:
+        while self._idle:
+            self._idle.pop().close()

@@ -1,0 +1,135 @@
+"""Several sidecar worker processes, one version loop: a swap stops admissions in every
+worker before the engine is touched (`services.sidecar.workers`), and `bench sidecar`
+runs (its figures' keys, no error and no missing stamp, across worker processes)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import httpx
+from typer.testing import CliRunner
+
+from deltaboard.clients.engines import make_adapter
+from deltaboard.services.bench import sidecar_bench
+from deltaboard.services.cli import build_app
+from deltaboard.services.sidecar import workers
+from deltaboard.services.sidecar.background import listen
+from deltaboard.services.sidecar.gate import VersionGate
+from deltaboard.services.sidecar.metrics import SidecarMetrics
+from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
+from tests.services.fakes.fast_engine import fast_engine
+
+WORKERS = 2
+BODY = {"prompt": [1], "max_tokens": 2}
+REPORT_KEYS = {
+    "direct_tokens_per_s",
+    "sidecar_tokens_per_s",
+    "direct_rps",
+    "sidecar_rps",
+    "ttft_p50_added_ms",
+    "ttft_p99_added_ms",
+    "sidecar_cpu_us_per_token",
+    "sidecar_cpu_ms_per_request",
+    "errors",
+    "missing_stamps",
+}
+
+
+def _owner(engine_url: str, sock: Any, commands: Connection) -> None:
+    """The sidecar's owner process: workers on `sock`, its loop driven by `commands`."""
+    adapter = make_adapter("reference", engine_url)
+
+    def build(gate: VersionGate, lifespan: workers.Lifespan) -> Any:
+        status = lambda: {"served": gate.served, "healthy": gate.healthy}  # noqa: E731
+        return create_proxy_app(gate, adapter, ProxySettings(engine_url), SidecarMetrics(), status, lifespan)
+
+    def own(fleet: workers.FleetGate, stop: threading.Event) -> None:
+        commands.send(fleet.states())
+        while (command := commands.recv()) != "stop":
+            what, version = command
+            if what == "begin":
+                fleet.begin_swap(version)
+            else:  # the engine loads it, and the workers serve it
+                fleet.end_swap(version, 0.0, adapter.reload(Path(os.devnull), version, fleet.mode))
+            commands.send(fleet.states())
+
+    try:
+        workers.serve(sock, build, own, WORKERS, "quiesce")
+    finally:
+        os._exit(0)  # a forked test process: none of the test runner's exit handlers
+
+
+def ask(url: str) -> httpx.Response:
+    """One request on a connection of its own (the kernel picks the worker), not waiting."""
+    headers = {"X-Weight-Version-Wait": "0"}
+    return httpx.post(f"{url}/v1/completions", json=BODY, headers=headers, timeout=30)
+
+
+def test_a_swap_stops_admissions_in_every_worker_before_the_engine_is_touched() -> None:
+    sock = listen("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with fast_engine() as engine_url:
+        commands, theirs = multiprocessing.Pipe()
+        owner = multiprocessing.get_context("fork").Process(target=_owner, args=(engine_url, sock, theirs))
+        owner.start()
+        sock.close()
+        try:
+            assert len(commands.recv()) == WORKERS  # every worker is up
+            commands.send(("end", 1))
+            assert all(s.served == 1 and not s.swapping for s in commands.recv())
+            assert all(ask(url).headers["x-weight-version-end"] == "1" for _ in range(8))
+
+            commands.send(("begin", 2))
+            states = commands.recv()
+            assert len(states) == WORKERS and all(s.swapping and s.served == 1 for s in states)
+            held = [ask(url) for _ in range(16)]  # whichever worker each one reaches
+            assert {r.status_code for r in held} == {409}
+            assert {r.json()["error"]["code"] for r in held} == {"WeightVersionNotReady"}
+
+            commands.send(("end", 2))
+            assert all(s.served == 2 and not s.swapping for s in commands.recv())
+            answers = [ask(url) for _ in range(8)]
+            assert all(
+                r.json()["weight_version"] == {"start": 2, "end": 2, "spans": [[0, 2]]} for r in answers
+            )
+            commands.send("stop")
+            owner.join(60)
+            assert owner.exitcode == 0
+        finally:
+            if owner.is_alive():
+                owner.terminate()
+                owner.join(10)
+
+
+def test_the_bench_runs_across_workers_with_swaps_and_misses_no_stamp() -> None:
+    config = sidecar_bench.BenchConfig(
+        duration_s=1.0,
+        streams=4,
+        stream_tokens=16,
+        requests=8,
+        request_tokens=4,
+        workers=WORKERS,
+        swap_every_s=0.1,
+        mode="quiesce",  # start == end: a worker admitting during another's swap would show
+    )
+    report = sidecar_bench.run(config, lambda what: None)
+    assert set(report) >= REPORT_KEYS
+    assert report["errors"] == 0 and report["missing_stamps"] == 0, report["first_error"]
+    assert report["sidecar_tokens_per_s"] > 0 and report["sidecar_rps"] > 0
+    assert report["sidecar_cpu_us_per_token"] > 0 and report["sidecar_cpu_ms_per_request"] > 0
+
+
+def test_bench_sidecar_command_writes_the_figures(tmp_path: Path) -> None:
+    out = tmp_path / "sidecar.json"
+    args = ["bench", "sidecar", "--duration", "0.5", "--swap-every", "0.2", "--json", str(out)]
+    result = CliRunner().invoke(build_app(), args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert set(report) >= REPORT_KEYS
+    assert report["errors"] == 0 and report["missing_stamps"] == 0, report["first_error"]

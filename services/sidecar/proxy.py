@@ -99,7 +99,8 @@ HOP_BY_HOP = {
 # Besides hop-by-hop headers: the body is passed decoded, and `date` and `server` are the
 # sidecar's server's own (it adds them to every response).
 RESPONSE_DROP = HOP_BY_HOP | {"content-encoding", "date", "server"}
-_REQUEST_DROP = frozenset(name.encode() for name in HOP_BY_HOP)
+# The engine is asked for bodies as they are (no `accept-encoding`): the proxy stamps them.
+_REQUEST_DROP = frozenset(name.encode() for name in HOP_BY_HOP | {"accept-encoding"})
 _RESPONSE_DROP = frozenset(name.encode() for name in RESPONSE_DROP)
 _PREFIX = HEADER_PREFIX.encode()
 _BODY_KEY = b'"' + BODY_KEY.encode() + b'"'

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.middleware.gzip import GZipMiddleware
 
 from deltaboard.clients.engines import EngineStamp, make_adapter
 from deltaboard.services.engine.app import EngineState, create_app
@@ -183,6 +184,20 @@ def test_constraint_is_removed_before_forwarding_and_everything_else_passes(echo
     failed = echo_node.client.post("/v1/completions?status=422", json={})
     assert failed.status_code == 422
     assert failed.json()["weight_version"] == {"start": 4, "end": 4, "spans": [[0, 4]]}
+
+
+def test_an_engine_that_compresses_when_asked_is_asked_for_plain_bodies():
+    app = echo_engine()
+    app.add_middleware(GZipMiddleware, minimum_size=1)
+    with BackgroundServer(app) as server:
+        node = Node(server.url)
+        try:
+            node.serve(4)
+            response = node.client.post("/v1/completions", json={"a": 1}, headers={"Accept-Encoding": "gzip"})
+            assert "accept-encoding" not in response.json()["headers"]  # what reached the engine
+            assert response.json()["weight_version"] == {"start": 4, "end": 4, "spans": [[0, 4]]}
+        finally:
+            node.close()
 
 
 def test_stream_last_event_carries_the_range(node):

@@ -11,7 +11,15 @@ publisher's device diff) follows to produce the same `ContextHint`; the docstrin
 `plan_thresholds` states that contract step by step.
 """
 
-from deltaboard.board.codec.api import apply, decode, encode, encode_changes, keyframe, read_header
+from deltaboard.board.codec.api import (
+    apply,
+    decode,
+    encode,
+    encode_changes,
+    keyframe,
+    keyframe_into,
+    read_header,
+)
 from deltaboard.board.codec.changes import Changes, diff, empty_changes
 from deltaboard.board.codec.context import (
     EXPONENT_FIELDS,
@@ -59,6 +67,7 @@ __all__ = [
     "encode_changes",
     "exponent_counts",
     "keyframe",
+    "keyframe_into",
     "plan_thresholds",
     "read_header",
     "sample_stride",

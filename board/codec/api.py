@@ -145,8 +145,8 @@ def _check_base(header: PatchHeader, old: np.ndarray | None, old_digest: str | N
     return bits
 
 
-def _whole(header: PatchHeader, payload: memoryview) -> np.ndarray:
-    new = replace.decode(payload, header.numel, width(header.dtype))
+def _whole(header: PatchHeader, payload: memoryview, out: np.ndarray | None = None) -> np.ndarray:
+    new = replace.decode(payload, header.numel, width(header.dtype), out)
     if digest(new, header.dtype) != header.result_digest:
         raise PatchError("corrupted patch: result digest mismatch")
     return new
@@ -184,6 +184,18 @@ def _decode(
     if digest_update(header.base_digest, decoded) != header.result_digest:
         raise PatchError("corrupted patch: result digest mismatch")
     return decoded
+
+
+def keyframe_into(patch: bytes | memoryview, out: np.ndarray) -> None:
+    """A keyframe decoded and verified straight into `out` (the tensor's bytes, contiguous
+    1-D uint8: a freshly mapped shard), saving `apply`'s copy; on PatchError `out` holds
+    whatever was decoded."""
+    header, payload = unpack(patch)
+    if header.encoding != "keyframe":
+        raise PatchError(f"keyframe_into takes a keyframe, not a {header.encoding} patch")
+    if out.dtype != np.uint8 or out.size != header.numel * width(header.dtype) or not out.flags.c_contiguous:
+        raise PatchError(f"keyframe_into needs {header.numel * width(header.dtype)} contiguous bytes")
+    _whole(header, payload, out)
 
 
 def apply(old: np.ndarray | None, patch: bytes | memoryview, old_digest: str | None = None) -> np.ndarray:

@@ -15,5 +15,7 @@ def encode(new: np.ndarray, width: int) -> bytes:
     return zstd.compress(zstd.shuffle(new, width))
 
 
-def decode(payload: memoryview, numel: int, width: int) -> np.ndarray:
-    return zstd.unshuffle(zstd.decompress_exact(payload, numel * width), width)
+def decode(payload: memoryview, numel: int, width: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The tensor's bytes (uint8), written into `out` when given (numel * width bytes,
+    contiguous: a new node's mapped shard, written once)."""
+    return zstd.decode_shuffled(payload, width, numel * width, out)

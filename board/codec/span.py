@@ -34,11 +34,19 @@ def compose(chain: Sequence[Changes]) -> Changes:
         return empty_changes(first.dtype, first.numel)
     old_bits = np.concatenate([c.old_bits for c in chain])
     new_bits = np.concatenate([c.new_bits for c in chain])
-    # np.unique reports each value's first occurrence: the earliest version's old bits
-    # forward, the latest version's new bits from the reversed arrays.
-    unique, first_at = np.unique(positions, return_index=True)
-    _, last_from_end = np.unique(positions[::-1], return_index=True)
-    before = old_bits[first_at]
-    after = new_bits[positions.size - 1 - last_from_end]
+    # One stable sort: equal positions stay in chain order, so the first of each run is
+    # the earliest version (its old bits) and the last the latest (its new bits). Each
+    # change set is already sorted, so the sort merges sorted runs.
+    order = np.argsort(positions, kind="stable")
+    ordered = positions[order]
+    starts = np.empty(ordered.size, dtype=bool)
+    starts[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=starts[1:])
+    ends = np.empty_like(starts)
+    ends[-1] = True
+    ends[:-1] = starts[1:]
+    unique = ordered[starts]
+    before = old_bits[order[starts]]
+    after = new_bits[order[ends]]
     moved = before != after
     return Changes(first.dtype, first.numel, unique[moved], before[moved], after[moved])

@@ -82,8 +82,9 @@ def _apply_entry(
     header = codec.read_header(patch)
     if header.result_digest != entry.digest:
         raise codec.PatchError(f"{entry.name}: patch result {header.result_digest} is not the manifest's")
-    if kind == "full":
-        maps.tensor(entry.name)[:] = codec.apply(None, patch)
+    if kind == "full":  # decoded straight into the fresh slot: its pages are all written
+        maps.prefault(entry.name, header.numel)
+        codec.keyframe_into(patch, maps.tensor(entry.name))
         return None
     if held is None:
         raise FollowerError(f"no digest held for tensor {entry.name!r}: the slot is not at the parent")

@@ -8,6 +8,10 @@ per second) and whether every round trip was bit-exact.
 Alongside, for `deltaboard`, the entropies that bound it: positions under a memoryless
 model per tensor (what gap coding can reach), positions given the old element's exponent
 (what a context coder could reach), and the empirical entropy of the ULP steps.
+
+And for each k > 1 the span patches (issue 12): the k consecutive deltas of a pair, each
+decoded, composed (`codec.compose`) and encoded as the compaction worker does, against the
+k deltas a node would otherwise replay (`spans` in the JSON).
 """
 
 from __future__ import annotations
@@ -77,13 +81,30 @@ class Entropy:
     deltaboard: float
 
 
+@dataclass(frozen=True)
+class SpanRecord:
+    """Medians over the pairs (t, t + k) of the span from t to t + k against replaying the
+    k deltas between them."""
+
+    regime: str
+    lr: float
+    k: int
+    changed_fraction: float  # elements the span changes (the union, reverts dropped)
+    bits_per_changed: float  # span bits per element it changes
+    span_bytes: float
+    replay_bytes: float  # the k deltas' patches
+    x_replay: float  # span_bytes / replay_bytes
+    exact: bool  # the span takes t to t + k bit for bit
+
+
 @dataclass
 class Report:
     records: list[Record] = field(default_factory=list)
     entropies: list[Entropy] = field(default_factory=list)
+    spans: list[SpanRecord] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"results": [asdict(r) for r in self.records]}
+        return {"results": [asdict(r) for r in self.records], "spans": [asdict(s) for s in self.spans]}
 
 
 def _h(p: np.ndarray) -> np.ndarray:
@@ -189,6 +210,62 @@ def _bench_trajectory(
             report.entropies.append(Entropy(regime, lr, k, *med))
 
 
+class _Deltas:
+    """The deltas between consecutive steps of a trajectory, encoded and decoded once each
+    (every span over them reuses them)."""
+
+    def __init__(self, traj: Trajectory, dtypes: Mapping[str, str]) -> None:
+        self._traj = traj
+        self._dtypes = dtypes
+        self._steps: dict[int, dict[str, tuple[int, codec.Changes]]] = {}
+
+    def step(self, t: int) -> dict[str, tuple[int, codec.Changes]]:
+        """Per tensor: the delta patch's size from step t to t + 1 and its decoded changes."""
+        if t not in self._steps:
+            old, new = self._traj.view(t), self._traj.view(t + 1)
+            self._steps[t] = {}
+            for name, dtype in self._dtypes.items():
+                patch = codec.encode(old[name], new[name], dtype)
+                self._steps[t][name] = (len(patch), codec.decode(patch, old[name]))
+        return self._steps[t]
+
+
+def _span_pair(
+    deltas: _Deltas, old: View, new: View, t: int, k: int, dtypes: Mapping[str, str]
+) -> tuple[int, int, int, bool]:
+    """(span bytes, replay bytes, elements changed, exact) of the span from t to t + k."""
+    span = replay = changed = 0
+    exact = True
+    for name, dtype in dtypes.items():
+        steps = [deltas.step(s)[name] for s in range(t, t + k)]
+        replay += sum(size for size, _ in steps)
+        composed = codec.compose([changes for _, changes in steps])
+        reached = old[name]
+        if composed.count:
+            patch = codec.encode_changes(composed, old[name], dtype)
+            span += len(patch)
+            changed += composed.count
+            reached = codec.apply(old[name], patch)
+        exact = exact and reached.tobytes() == new[name].tobytes()
+    return span, replay, changed, exact
+
+
+def _bench_spans(traj: Trajectory, regime: Regime, lr: float, config: BenchConfig, report: Report) -> None:
+    dtypes = {t.name: t.dtype for t in traj.tensors}
+    numel = sum(t.nbytes // codec.width(t.dtype) for t in traj.tensors)
+    deltas = _Deltas(traj, dtypes)
+    for k in (k for k in config.ks if k > 1):
+        pairs = []
+        for t in range(1, 1 + config.pairs):
+            old, new = traj.view(t), traj.view(t + k)
+            span, replay, changed, exact = _span_pair(deltas, old, new, t, k, dtypes)
+            pairs.append(
+                (changed / numel, span * 8 / max(1, changed), span, replay, span / max(1, replay), exact)
+            )
+        m = [float(statistics.median(p[i] for p in pairs)) for i in range(5)]
+        report.spans.append(SpanRecord(regime, lr, k, m[0], m[1], m[2], m[3], m[4], all(p[5] for p in pairs)))
+
+
 def run(config: BenchConfig, progress: Callable[[str, int, int], None] | None = None) -> Report:
     """Train (or load cached) trajectories and measure every encoding; see the module doc."""
     report = Report()
@@ -219,6 +296,9 @@ def run(config: BenchConfig, progress: Callable[[str, int, int], None] | None = 
             progress=trained,
         )
         _bench_trajectory(traj, regime, lr, config, report, tick)
+        if progress is not None:
+            progress(f"spans {regime} lr={lr:g}", 0, 1)
+        _bench_spans(traj, regime, lr, config, report)
     return report
 
 
@@ -261,6 +341,25 @@ def render(report: Report, console: Console) -> None:
         figures = (e.positions, e.positions_given_exponent, e.steps, e.steps_given_exponent, e.deltaboard)
         ent.add_row(e.regime, f"{e.lr:g}", str(e.k), *(f"{x:.2f}" for x in figures))
     console.print(ent)
+    if report.spans:
+        spans = Table(title="spans: k deltas composed into one patch (medians over pairs)")
+        for col in ("regime", "lr", "k", "changed %", "bits/changed", "span bytes", "replay bytes"):
+            spans.add_column(col, justify="right")
+        spans.add_column("x replay", justify="right")
+        spans.add_column("exact", justify="right")
+        for sp in report.spans:
+            spans.add_row(
+                sp.regime,
+                f"{sp.lr:g}",
+                str(sp.k),
+                f"{100 * sp.changed_fraction:.3f}",
+                f"{sp.bits_per_changed:.2f}",
+                f"{sp.span_bytes:,.0f}",
+                f"{sp.replay_bytes:,.0f}",
+                f"{sp.x_replay:.3f}",
+                "yes" if sp.exact else "[red]NO[/red]",
+            )
+        console.print(spans)
     _print_targets(report, console)
 
 

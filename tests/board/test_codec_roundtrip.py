@@ -8,6 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltaboard.board import codec
+from deltaboard.board.codec import zstd
+from deltaboard.board.codec.header import pack, unpack
 from tests.board.codec_cases import PATTERNS, Case, cases, make_case
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -52,6 +54,37 @@ def test_keyframe_roundtrip(case: Case) -> None:
     changes = codec.decode(patch, None)
     assert changes.count == header.numel
     assert changes.new_bits.tobytes() == case.new.tobytes()
+
+
+@SETTINGS
+@given(cases(max_size=300))
+def test_keyframe_into_writes_the_tensor_in_place(case: Case) -> None:
+    """The bytes decoded straight into a destination (a follower's mapped shard) are the
+    tensor's, and the payload is the byte planes of the tensor's elements in order (the
+    wire format the compiled shuffle must keep)."""
+    patch = codec.encode(None, case.new, case.dtype)
+    w = codec.width(case.dtype)
+    planes = np.ascontiguousarray(case.new.reshape(-1, w).T).tobytes()
+    assert bytes(unpack(patch)[1]) == zstd.compress(planes)
+    out = np.full(case.new.size, 0xA5, dtype=np.uint8)
+    codec.keyframe_into(patch, out)
+    assert out.tobytes() == case.new.tobytes()
+
+
+def test_keyframe_into_refuses_what_it_cannot_write() -> None:
+    case = make_case("BF16", 1001, "random", seed=3)
+    patch = codec.encode(None, case.new, "BF16")
+    with pytest.raises(codec.PatchError, match="contiguous bytes"):
+        codec.keyframe_into(patch, np.empty(case.new.size - 2, dtype=np.uint8))
+    with pytest.raises(codec.PatchError, match="contiguous bytes"):
+        codec.keyframe_into(patch, np.empty(2 * case.new.size, dtype=np.uint8)[::2])
+    with pytest.raises(codec.PatchError, match="not a"):
+        codec.keyframe_into(codec.encode(case.old, case.new, "BF16"), np.empty_like(case.new))
+    header, payload = unpack(patch)
+    flipped = bytearray(payload)
+    flipped[len(flipped) // 2] ^= 0x10
+    with pytest.raises(codec.PatchError):
+        codec.keyframe_into(pack(header, bytes(flipped)), np.empty_like(case.new))
 
 
 @pytest.mark.parametrize("dtype", list(codec.WIDTHS))

@@ -65,6 +65,43 @@ def test_span_is_the_deltas_applied_one_by_one(dtype: str, n: int, steps: int, s
     assert np.array_equal(got.new_bits, direct.new_bits)
 
 
+def fold(chain: list[codec.Changes]) -> dict[int, tuple[int, int]]:
+    """What `compose` means, one change at a time: per position the first old bits and the
+    last new bits, positions back at their first old bits dropped."""
+    held: dict[int, tuple[int, int]] = {}
+    for c in chain:
+        for p, o, n in zip(c.positions.tolist(), c.old_bits.tolist(), c.new_bits.tolist(), strict=True):
+            held[p] = (held[p][0] if p in held else o, n)
+    return {p: on for p, on in held.items() if on[0] != on[1]}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    numel=st.integers(1, 40),
+    sets=st.lists(st.lists(st.tuples(st.integers(0, 39), st.integers(0, 3), st.integers(0, 3))), max_size=6),
+)
+def test_compose_is_the_fold_of_its_change_sets(numel: int, sets: list[list[tuple[int, int, int]]]) -> None:
+    """Any change sets of one tensor (each sorted, positions unique; later sets need not
+    start from earlier sets' bits): positions sorted and unique, the earliest old bits and
+    the latest new bits, each position as often as chance has it (few bit values, many
+    repeats and reverts)."""
+    chain = []
+    for changes in sets:
+        by_position = {p % numel: (o, n) for p, o, n in changes if o != n}
+        positions = np.array(sorted(by_position), dtype=np.int64)
+        old = np.array([by_position[p][0] for p in positions.tolist()], dtype=np.uint16)
+        new = np.array([by_position[p][1] for p in positions.tolist()], dtype=np.uint16)
+        chain.append(codec.Changes("BF16", numel, positions, old, new))
+    if not chain:
+        return
+    got = codec.compose(chain)
+    want = fold(chain)
+    assert got.positions.tolist() == sorted(want)
+    assert got.old_bits.tolist() == [want[p][0] for p in sorted(want)]
+    assert got.new_bits.tolist() == [want[p][1] for p in sorted(want)]
+    assert got.positions.dtype == np.int64 and got.old_bits.dtype == got.new_bits.dtype == np.uint16
+
+
 def test_a_span_refuses_any_base_but_its_own() -> None:
     versions = chain_of("BF16", 2000, 4, seed=7)
     patch = span_patch(versions, "BF16")

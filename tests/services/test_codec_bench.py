@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from deltaboard.services.cli import build_app
@@ -18,6 +19,18 @@ FIELDS = {
     "bits_per_changed",
     "encode_gbps",
     "apply_gbps",
+    "exact",
+}
+
+SPAN_FIELDS = {
+    "regime",
+    "lr",
+    "k",
+    "changed_fraction",
+    "bits_per_changed",
+    "span_bytes",
+    "replay_bytes",
+    "x_replay",
     "exact",
 }
 
@@ -43,7 +56,7 @@ def test_bench_codec_quick_on_tiny(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "what limits it" in result.output
     data = json.loads(out.read_text())
-    assert set(data) == {"results"}
+    assert set(data) == {"results", "spans"}
     records = data["results"]
     keys = {(r["encoding"], r["regime"], r["lr"], r["k"]) for r in records}
     assert len(keys) == len(records) == 5 * 2 * 1 * 2
@@ -56,6 +69,18 @@ def test_bench_codec_quick_on_tiny(tmp_path: Path) -> None:
     ours = {(r["regime"], r["k"]): r["bits_per_changed"] for r in records if r["encoding"] == "deltaboard"}
     coo = {(r["regime"], r["k"]): r["bits_per_changed"] for r in records if r["encoding"] == "coo32"}
     assert all(ours[key] < coo[key] for key in ours)
+    # the span from t to t + 3, composed from the three deltas: only k > 1 has one, and
+    # it is the direct patch of the pair (what the worker stores, bit for bit)
+    spans = data["spans"]
+    assert sorted((s["regime"], s["k"]) for s in spans) == sorted({(r[1], 3) for r in keys})
+    for sp in spans:
+        assert set(sp) == SPAN_FIELDS
+        assert sp["exact"] is True
+        assert 0 < sp["changed_fraction"] < 1 and sp["bits_per_changed"] > 0
+        assert 0 < sp["span_bytes"] < sp["replay_bytes"]
+        assert sp["x_replay"] == pytest.approx(sp["span_bytes"] / sp["replay_bytes"])
+        assert sp["bits_per_changed"] == pytest.approx(ours[(sp["regime"], 3)])
+    assert "spans: k deltas composed" in result.output
 
 
 FP8_FIELDS = {

@@ -397,7 +397,7 @@ class Proxy:
                 opened.append(upstream)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
                     deadline.reschedule(None)  # a stream lasts as long as its client reads it
-                    return await self._stream(send, upstream, admission, release)
+                    return await self._stream(scope, receive, send, upstream, admission, release)
                 reading = upstream.aread()
                 content = await (unless_stale(reading, admission) if abortable else reading)
         except Stale as stale:
@@ -422,13 +422,19 @@ class Proxy:
         await send({"type": "http.response.body", "body": content})
 
     async def _stream(
-        self, send: Send, upstream: UpstreamResponse, admission: Admitted, release: Release
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        upstream: UpstreamResponse,
+        admission: Admitted,
+        release: Release,
     ) -> None:
         if self.adapter.stamp_of(upstream.headers) is not None:
             refusal = await self.vouched(upstream.headers, admission)
             if refusal is not None:
                 response = _error(SidecarCode.ENGINE_CHANGED, refusal, ENGINE_RETRY_AFTER_S)
-                return await response({"type": "http"}, _never, send)
+                return await response(scope, receive, send)
         start = admission.start
         held = self.gate.holds_until_done(admission)
         out = _response_headers(upstream.headers, range_headers(start, start if held else None))
@@ -440,11 +446,6 @@ class Proxy:
         async for part in events:
             await send({"type": "http.response.body", "body": part, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
-
-
-async def _never() -> Any:
-    """The `receive` of a response that never reads the request (it was read already)."""
-    await asyncio.Event().wait()
 
 
 def create_proxy_app(

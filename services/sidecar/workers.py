@@ -198,7 +198,8 @@ def serve(
     are stopped). `info` is the dict a worker's status reads the owner's `FleetGate.info`
     into (forked with the worker)."""
     context = multiprocessing.get_context("fork")  # the app's builder is a closure
-    signal.signal(signal.SIGTERM, _exit)  # stop the workers on the way out, as on Ctrl-C
+    if threading.current_thread() is threading.main_thread():  # where signals are handled
+        signal.signal(signal.SIGTERM, _exit)  # stop the workers on the way out, as on Ctrl-C
     conns, processes = [], []
     stop = threading.Event()
     loop: threading.Thread | None = None

@@ -4,6 +4,10 @@ weights loaded behind its back, a port it cannot take, and what stops it for goo
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -208,3 +212,40 @@ def test_a_run_that_does_not_exist_yet_is_waited_for(board, tmp_path):
                 publisher.publish(model).result()
             assert complete(node.url, exact=0, wait=60).status_code == 200
             assert sidecar.sync.fatal is None
+
+
+def test_a_sidecar_of_worker_processes_follows_the_run(board, published, tmp_path):
+    """`deltaboard sidecar --workers 2`: the owner's version loop swaps every worker."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cli = [sys.executable, "-c", "from deltaboard.services.cli import main; main()", "sidecar"]
+    options = [f"--board={board.url}", f"--run={RUN}", f"--dir={tmp_path / 'dir'}", f"--port={port}"]
+    env = {"DELTABOARD_TOKEN": board.read_token, "PATH": ""}
+    with BackgroundServer(create_app(EngineState("t"))) as engine, (tmp_path / "log").open("wb") as log:
+        process = subprocess.Popen(
+            [*cli, *options, f"--engine={engine.url}", "--poll=1", "--workers=2"],
+            env=env,
+            stdout=log,
+            stderr=log,
+        )
+        try:
+            wait_until(lambda: _answers(f"{url}/healthz"), "the workers never served", timeout_s=120)
+            assert complete(url, exact=0, wait=60).json()["weight_version"]["start"] == 0
+            head = published()
+            latest = complete(url, min=head, wait=60)
+            assert latest.json()["weight_version"] == {"start": head, "end": head, "spans": [[0, head]]}
+            statuses = [httpx.get(f"{url}/sidecar/status").json() for _ in range(8)]
+            assert {s["served"] for s in statuses} == {head}  # every worker it reached
+            wait_until(lambda: httpx.get(f"{url}/sidecar/status").json()["swaps"], "no swaps shown")
+        finally:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(60) is not None, (tmp_path / "log").read_text()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

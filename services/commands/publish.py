@@ -91,7 +91,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             None,
             min=1,
             help="Cut the view into N equal tensors and compare with the same bytes in "
-            "256 (deltas only, first link); e.g. 20000 for an MoE-like model.",
+            "256 (deltas only, first link); e.g. 20000 for an MoE-like model (default: off).",
         ),
         ranks: int | None = typer.Option(
             None, min=2, help="N gloo ranks on CPU publish row slices, against one rank (default: off)."

@@ -65,6 +65,25 @@ def test_put_get_stat_list_delete(store, tmp_path):
     assert store.stat("runs/r/blobs/abc") is None
 
 
+def test_listing_a_missing_folder_reads_nothing_beside_it(tmp_path, monkeypatch):
+    """`GET /v1/runs` lists each run's assets/ folder; a run without one must not cost a
+    walk of the whole run (every manifest and blob) in the local store."""
+    store = LocalStore(tmp_path / "store")
+    store.put("runs/r/manifests/000000000000.json", b"{}")
+    walked: list[str] = []
+    real_walk = os.walk
+
+    def recording_walk(top: Path) -> object:
+        walked.append(Path(top).relative_to(store.root).as_posix())
+        return real_walk(top)
+
+    monkeypatch.setattr("deltaboard.board.server.storage.local.os.walk", recording_walk)
+    assert list(store.list("runs/r/assets/")) == []
+    assert walked == []
+    assert [i.key for i in store.list("runs/r/manifests/0000")] == ["runs/r/manifests/000000000000.json"]
+    assert walked == ["runs/r/manifests"]
+
+
 def test_records_compare_and_set(store):
     assert store.read_record("k/head.json") is None
     first = store.write_record("k/head.json", b"1", None)

@@ -204,6 +204,8 @@ class LocalStore:
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         base = self.root / prefix.rstrip("/") if prefix.rstrip("/") else self.root
+        if not base.is_dir() and prefix.endswith("/"):
+            return  # a folder that does not exist holds nothing: do not walk its parent
         start = base if base.is_dir() else base.parent
         keys = []
         for dirpath, dirnames, filenames in os.walk(start):

@@ -17,7 +17,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     def bench_codec(
         quick: bool = typer.Option(False, "--quick", help="Fewer settings and pairs: under a minute."),
         json_path: Path | None = typer.Option(
-            None, "--json", help="Write {'results': [...]} here (default: nowhere)."
+            None, "--json", help="Write {'results': [...], 'spans': [...]} here (default: nowhere)."
         ),
         size: str = typer.Option("bench", help="Model size of the trajectories: bench (~27M) or tiny."),
         regime: list[str] = typer.Option([], help="fp32-master and/or bf16 (default: both)."),

@@ -82,8 +82,9 @@ def encode_changes(
     if changes.dtype != dtype:
         raise PatchError(f"changes are {changes.dtype}, patch asked for {dtype}")
     changes.validate()
-    if old is not None and as_bits(old, dtype, "old").size != changes.numel:
-        raise PatchError(f"old has {old.size // width(dtype)} elements, changes say {changes.numel}")
+    old_bits = None if old is None else as_bits(old, dtype, "old")
+    if old_bits is not None and old_bits.size != changes.numel:
+        raise PatchError(f"old has {old_bits.size} elements, changes say {changes.numel}")
     if old_digest is None:
         if old is None:
             raise PatchError("encode_changes needs old or old_digest for the base digest")
@@ -100,8 +101,8 @@ def encode_changes(
         write(w)
         candidates.append((name, w.getvalue() + tail))
 
-    if hint is None and context and old is not None and n and dtype in EXPONENT_FIELDS:
-        hint = ranked.context_hint(changes, as_bits(old, dtype))
+    if hint is None and context and old_bits is not None and n and dtype in EXPONENT_FIELDS:
+        hint = ranked.context_hint(changes, old_bits)
     if hint is not None and n:
         chosen = hint
         positions_by("context", lambda w: ranked.encode(w, changes, chosen))

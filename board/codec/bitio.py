@@ -13,8 +13,9 @@ decoding needs no per-value branching on the parameter.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -45,6 +46,10 @@ class Writer:
 
     def section(self, data: bytes) -> None:
         self.u64(len(data))
+        self._parts.append(data)
+
+    def extend(self, data: bytes) -> None:
+        """Fields and sections already written (by a compiled `put_*` kernel)."""
         self._parts.append(data)
 
     def getvalue(self) -> bytes:
@@ -95,11 +100,48 @@ def _low_bits(x: np.uint64, k: int) -> np.uint64:
 
 
 @kernel
-def _pack_fixed(values: np.ndarray, k: int) -> np.ndarray:
-    out = np.zeros((values.size * k + 7) // 8, dtype=np.uint8)
+def grow(buf: np.ndarray, at: int, extra: int) -> np.ndarray:
+    """`buf` (bytes written up to `at`) with room for `extra` more: the compiled encoders
+    write a payload into one buffer that doubles as it fills."""
+    if at + extra <= buf.size:
+        return buf
+    out = np.zeros(max(2 * buf.size, at + extra), dtype=np.uint8)
+    out[:at] = buf[:at]
+    return out
+
+
+@kernel
+def put_u64(buf: np.ndarray, at: int, value: int) -> tuple[np.ndarray, int]:
+    """`Writer.u64` into a buffer: (buffer, end)."""
+    buf = grow(buf, at, 10)
+    v = np.uint64(value)
+    while v >= np.uint64(0x80):
+        buf[at] = np.uint8((v & np.uint64(0x7F)) | np.uint64(0x80))
+        v >>= np.uint64(7)
+        at += 1
+    buf[at] = np.uint8(v)
+    return buf, at + 1
+
+
+@kernel
+def put_section(buf: np.ndarray, at: int, data: np.ndarray) -> tuple[np.ndarray, int]:
+    """`Writer.section` into a buffer: (buffer, end)."""
+    buf, at = put_u64(buf, at, data.size)
+    buf = grow(buf, at, data.size)
+    buf[at : at + data.size] = data
+    return buf, at + data.size
+
+
+@kernel
+def put_fixed(buf: np.ndarray, at: int, values: np.ndarray, k: int) -> tuple[np.ndarray, int]:
+    """The low k bits of each uint64 value, MSB first, packed, as one section."""
+    size = (values.size * k + 7) // 8
+    buf, at = put_u64(buf, at, size)
+    buf = grow(buf, at, size)
+    buf[at : at + size] = 0
     acc = np.uint64(0)  # pending bits, right-aligned; fewer than 8 between values
     held = 0
-    o = 0
+    o = at
     for v in values:
         # at most 32 bits at a time so that acc never overflows (k may be up to 63)
         left = k
@@ -110,11 +152,11 @@ def _pack_fixed(values: np.ndarray, k: int) -> np.ndarray:
             held += take
             while held >= 8:
                 held -= 8
-                out[o] = np.uint8((acc >> np.uint64(held)) & np.uint64(0xFF))
+                buf[o] = np.uint8((acc >> np.uint64(held)) & np.uint64(0xFF))
                 o += 1
     if held:
-        out[o] = np.uint8((acc << np.uint64(8 - held)) & np.uint64(0xFF))
-    return out
+        buf[o] = np.uint8((acc << np.uint64(8 - held)) & np.uint64(0xFF))
+    return buf, at + size
 
 
 @kernel
@@ -142,10 +184,10 @@ def _unpack_fixed(data: np.ndarray, high: np.ndarray, k: int) -> np.ndarray:
 
 
 def pack_fixed(values: np.ndarray, k: int) -> bytes:
-    """The low k bits of each uint64 value, MSB first, concatenated and packed."""
-    if k == 0 or values.size == 0:
-        return b""
-    return bytes(_pack_fixed(np.ascontiguousarray(values, dtype=np.uint64), k))
+    """The low k bits of each uint64 value, MSB first, concatenated and packed (the body
+    of `put_fixed`'s section)."""
+    buf, end = put_fixed(np.empty(0, dtype=np.uint8), 0, np.ascontiguousarray(values, dtype=np.uint64), k)
+    return bytes(buf[end - (values.size * k + 7) // 8 : end])
 
 
 def unpack_fixed(data: memoryview | bytes, high: np.ndarray, k: int) -> np.ndarray:
@@ -156,21 +198,6 @@ def unpack_fixed(data: memoryview | bytes, high: np.ndarray, k: int) -> np.ndarr
     out: np.ndarray = _unpack_fixed(
         np.frombuffer(data, dtype=np.uint8), high.astype(np.uint64, copy=False), k
     )
-    return out
-
-
-@kernel
-def _pack_unary(quotients: np.ndarray) -> np.ndarray:
-    """q zeros then a one for each quotient, MSB first."""
-    total = 0
-    for q in quotients:
-        total += int(q) + 1
-    out = np.zeros((total + 7) // 8, dtype=np.uint8)
-    bit = 0
-    for q in quotients:
-        bit += int(q)
-        out[bit >> 3] |= np.uint8(0x80 >> (bit & 7))
-        bit += 1
     return out
 
 
@@ -199,6 +226,7 @@ def _unpack_unary(data: np.ndarray, count: int) -> tuple[np.ndarray, int]:
     return out, found
 
 
+@kernel
 def best_k(values: np.ndarray) -> int:
     """The Rice parameter for geometric-like values of this mean (one pass, no search).
 
@@ -208,28 +236,81 @@ def best_k(values: np.ndarray) -> int:
     """
     if values.size == 0:
         return 0
-    mu = float(values.sum(dtype=np.float64)) / values.size
+    total = 0.0
+    for v in values:
+        total += float(v)
+    mu = total / values.size
     if mu <= 0.0:
         return 0
     ratio = math.log(_GOLDEN - 1.0) / math.log1p(-1.0 / (mu + 1.0))
     return max(0, min(63, math.ceil(math.log2(ratio))))
 
 
+@kernel
+def put_rice(buf: np.ndarray, at: int, values: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, int]:
+    """`rice_encode` into a buffer, group g being `values[bounds[g]:bounds[g + 1]]`."""
+    groups = bounds.size - 1
+    ks = np.empty(groups, dtype=np.int64)
+    for g in range(groups):
+        ks[g] = best_k(values[bounds[g] : bounds[g + 1]])
+        buf, at = put_u64(buf, at, ks[g])
+    bits = 0
+    for g in range(groups):
+        for i in range(bounds[g], bounds[g + 1]):
+            bits += int(values[i] >> np.uint64(ks[g])) + 1
+    size = (bits + 7) // 8
+    buf, at = put_u64(buf, at, size)
+    buf = grow(buf, at, size)
+    buf[at : at + size] = 0
+    bit = 0
+    for g in range(groups):  # q zeros then a one for each quotient q, MSB first
+        for i in range(bounds[g], bounds[g + 1]):
+            bit += int(values[i] >> np.uint64(ks[g]))
+            buf[at + (bit >> 3)] |= np.uint8(0x80 >> (bit & 7))
+            bit += 1
+    at += size
+    for g in range(groups):
+        buf, at = put_fixed(buf, at, values[bounds[g] : bounds[g + 1]], ks[g])
+    return buf, at
+
+
+@kernel
+def put_index_sets(
+    buf: np.ndarray, at: int, positions: np.ndarray, bounds: np.ndarray
+) -> tuple[np.ndarray, int]:
+    """`encode_index_sets` into a buffer, set g being `positions[bounds[g]:bounds[g + 1]]`."""
+    gaps = np.empty(positions.size, dtype=np.uint64)
+    for g in range(bounds.size - 1):
+        last = -1
+        for i in range(bounds[g], bounds[g + 1]):
+            gaps[i] = np.uint64(positions[i] - last - 1)
+            last = positions[i]
+    return put_rice(buf, at, gaps, bounds)
+
+
+def _joined(groups: Sequence[np.ndarray], dtype: type[np.generic]) -> tuple[np.ndarray, np.ndarray]:
+    """The groups end to end, and their bounds (g from bounds[g] to bounds[g + 1])."""
+    bounds = np.array([0, *itertools.accumulate(g.size for g in groups)], dtype=np.int64)
+    if len(groups) == 1:
+        return groups[0].astype(dtype, copy=False), bounds
+    joined = np.concatenate([g.astype(dtype, copy=False) for g in groups]) if groups else np.empty(0, dtype)
+    return joined, bounds
+
+
+def written(put: Callable[..., tuple[np.ndarray, int]], *args: object) -> bytes:
+    """What a `put_*` kernel, called as `put(buffer, 0, *args)`, writes into a fresh buffer."""
+    buf, end = put(np.zeros(256, dtype=np.uint8), 0, *args)
+    return bytes(buf[:end])
+
+
 def rice_encode(w: Writer, groups: Sequence[np.ndarray]) -> None:
     """Append groups of uint64 values Rice-coded, each group with its own parameter.
 
-    One unary stream serves all groups, so finding the values costs the numpy calls of one
-    group (per-call overhead dominates at patch sizes); each group's remainders follow in
-    a section of fixed-width fields.
+    One unary stream serves all groups, then each group's remainders follow in a section
+    of fixed-width fields; one compiled call (`put_rice`) writes it all, since per-call
+    overhead dominates at patch sizes.
     """
-    arrays = [g.astype(np.uint64, copy=False) for g in groups]
-    ks = [best_k(g) for g in arrays]
-    for k in ks:
-        w.u64(k)
-    quotients = [g >> np.uint64(k) for g, k in zip(arrays, ks, strict=True)]
-    w.section(bytes(_pack_unary(np.concatenate(quotients) if quotients else np.empty(0, np.uint64))))
-    for g, k in zip(arrays, ks, strict=True):
-        w.section(pack_fixed(g, k))
+    w.extend(written(put_rice, *_joined(groups, np.uint64)))
 
 
 def rice_decode(r: Reader, counts: Sequence[int]) -> list[np.ndarray]:
@@ -250,7 +331,7 @@ def rice_decode(r: Reader, counts: Sequence[int]) -> list[np.ndarray]:
 
 def encode_index_sets(w: Writer, sets: Sequence[np.ndarray]) -> None:
     """Strictly increasing int64 position sets as Rice-coded gaps (`p_j - p_{j-1} - 1`)."""
-    rice_encode(w, [np.diff(p, prepend=-1) - 1 for p in sets])
+    w.extend(written(put_index_sets, *_joined(sets, np.int64)))
 
 
 def decode_index_sets(r: Reader, counts: Sequence[int], limits: Sequence[int]) -> list[np.ndarray]:

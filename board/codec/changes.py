@@ -40,10 +40,24 @@ class Changes:
         n = self.positions.size
         if self.old_bits.shape != (n,) or self.new_bits.shape != (n,):
             raise PatchError("changes: positions, old_bits and new_bits differ in length")
-        if n and (self.positions[0] < 0 or self.positions[-1] >= self.numel):
+        status = _check_positions(self.positions, self.numel)
+        if status == 1:
             raise PatchError("changes: a position lies outside the tensor")
-        if n > 1 and not bool(np.all(self.positions[1:] > self.positions[:-1])):
+        if status == 2:
             raise PatchError("changes: positions are not strictly increasing")
+
+
+@kernel
+def _check_positions(positions: np.ndarray, numel: int) -> int:
+    """0, or 1 if the first or last position lies outside [0, numel), else 2 if the
+    positions do not strictly increase (one compiled pass: it runs on every patch)."""
+    n = positions.size
+    if n and (positions[0] < 0 or positions[n - 1] >= numel):
+        return 1
+    for i in range(1, n):
+        if positions[i] <= positions[i - 1]:
+            return 2
+    return 0
 
 
 def empty_changes(dtype: str, numel: int) -> Changes:

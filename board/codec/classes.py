@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deltaboard.board.codec.context import class_limits
+from deltaboard.board.codec.context import EXPONENT_FIELDS, class_limits
 from deltaboard.board.codec.errors import PatchError
 from deltaboard.board.codec.jit import below_mask, kernel, popcount, trailing_zeros
 
@@ -123,12 +123,23 @@ def _ranks(
     return ranks
 
 
+@kernel
+def ranks_within(old: np.ndarray, positions: np.ndarray, shift: int, t_low: int, t_top: int) -> np.ndarray:
+    """`class_ranks` for thresholds of an exponent field at `shift`, compiled (the codec's
+    own hint calls it from compiled code)."""
+    limits = np.empty(3, dtype=old.dtype)  # `_limits`, in the element's own type
+    limits[0] = (np.uint64(1) << np.uint64(8 * old.itemsize - 1)) - np.uint64(1)
+    limits[1] = np.uint64(t_low) << np.uint64(shift)
+    limits[2] = np.uint64(t_top) << np.uint64(shift)
+    return _ranks(old, positions, limits[0], limits[1], limits[2])
+
+
 def class_ranks(
     old_bits: np.ndarray, dtype: str, t_low: int, t_top: int, positions: np.ndarray
 ) -> np.ndarray:
     """Rank of each changed position (sorted, in range) within its class of the old tensor."""
-    limits = _limits(old_bits, dtype, t_low, t_top)
-    ranks: np.ndarray = _ranks(old_bits, positions.astype(np.int64, copy=False), *limits)
+    shift = EXPONENT_FIELDS[dtype][0]
+    ranks: np.ndarray = ranks_within(old_bits, positions.astype(np.int64, copy=False), shift, t_low, t_top)
     return ranks
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from deltaboard.board.codec.jit import kernel
+
 # (shift, mask) of the exponent field in each floating dtype's bit pattern.
 EXPONENT_FIELDS: dict[str, tuple[int, int]] = {
     "BF16": (7, 0xFF),
@@ -34,22 +36,22 @@ SAMPLE_FROM = 1 << 16  # tensors this large are sampled every SAMPLE_STRIDE-th e
 CONTEXT_GAIN = 0.9  # use context classes when they estimate <= 90% of the position bits
 
 
-def exponent_of(bits: np.ndarray, dtype: str) -> np.ndarray:
-    """The biased exponent of each element (int64); 0 for integer dtypes (one context)."""
-    field = EXPONENT_FIELDS.get(dtype)
-    if field is None:
-        return np.zeros(bits.size, dtype=np.int64)
-    shift, mask = field
-    e: np.ndarray = ((bits >> bits.dtype.type(shift)) & bits.dtype.type(mask)).astype(np.int64)
-    return e
+@kernel
+def count_exponents(bits: np.ndarray, shift: int, mask: int) -> np.ndarray:
+    """`exponent_counts` for the exponent field (shift, mask), compiled."""
+    counts = np.zeros(mask + 1, dtype=np.int64)
+    for x in bits:
+        counts[(int(x) >> shift) & mask] += 1
+    return counts
 
 
 def exponent_counts(bits: np.ndarray, dtype: str) -> np.ndarray:
     """How many of `bits` have each exponent 0..mask of a floating dtype (int64)."""
-    counts: np.ndarray = np.bincount(exponent_of(bits, dtype), minlength=EXPONENT_FIELDS[dtype][1] + 1)
+    counts: np.ndarray = count_exponents(bits, *EXPONENT_FIELDS[dtype])
     return counts
 
 
+@kernel
 def sample_stride(numel: int) -> int:
     """The stride of the old elements whose exponents `plan_thresholds` is given."""
     return SAMPLE_STRIDE if numel >= SAMPLE_FROM else 1
@@ -61,34 +63,53 @@ def class_limits(dtype: str, t_low: int, t_top: int) -> tuple[int, int]:
     return t_low << shift, t_top << shift
 
 
-def _h(p: np.ndarray) -> np.ndarray:
-    q = np.clip(p, 1e-12, 1 - 1e-12)
-    return np.asarray(-(q * np.log2(q) + (1 - q) * np.log2(1 - q)))
+@kernel
+def _h(p: float) -> float:
+    """Binary entropy in bits, p kept off 0 and 1."""
+    q = min(max(p, 1e-12), 1 - 1e-12)
+    return float(-(q * np.log2(q) + (1 - q) * np.log2(1 - q)))
 
 
+@kernel
+def _cost(n_all: np.ndarray, n_ch: np.ndarray, a: int, b: int) -> float:
+    """Estimated bits for the positions of exponents [a, b) coded as one class."""
+    n = max(n_all[b] - n_all[a], 0.0)
+    if n <= 0:
+        return 0.0
+    return float(n * _h(min(max(n_ch[b] - n_ch[a], 0.0) / max(n, 1e-9), 1.0)))
+
+
+@kernel
 def choose_thresholds(all_hist: np.ndarray, changed_hist: np.ndarray) -> tuple[int, int, float, float]:
-    """(t_low, t_top, estimated bits with classes, estimated bits without) for positions."""
-    n_all = np.concatenate([[0.0], np.cumsum(all_hist)])
-    n_ch = np.concatenate([[0.0], np.cumsum(changed_hist.astype(np.float64))])
-    total, changed = n_all[-1], n_ch[-1]
-    plain = float(total * _h(np.array(changed / max(total, 1.0))))
-    # only thresholds next to an exponent that has changes can matter
-    present = np.flatnonzero(changed_hist > 0)
-    cand = np.unique(np.concatenate([[0], present, present + 1]))
-    lo, hi = np.meshgrid(cand, cand, indexing="ij")
-    ok = lo <= hi
+    """(t_low, t_top, estimated bits with classes, estimated bits without) for positions.
 
-    def cost(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        n = np.maximum(n_all[b] - n_all[a], 0.0)
-        k = np.clip(n_ch[b] - n_ch[a], 0.0, None)
-        return np.where(n > 0, n * _h(np.minimum(k / np.maximum(n, 1e-9), 1.0)), 0.0)
-
-    zero = np.zeros_like(lo)
-    end = np.full_like(lo, all_hist.size)
-    costs = cost(zero, lo) + cost(lo, hi) + cost(hi, end)
-    costs = np.where(ok, costs, np.inf)
-    i, j = np.unravel_index(int(np.argmin(costs)), costs.shape)
-    return int(cand[i]), int(cand[j]), float(costs[i, j]), plain
+    Only thresholds next to an exponent that has changes can matter, so the search runs
+    over those few candidates in one compiled call (the planner runs once per changed
+    tensor, so its fixed cost is what a model of many small tensors pays).
+    """
+    size = all_hist.size
+    n_all = np.zeros(size + 1)
+    n_ch = np.zeros(size + 1)
+    for e in range(size):
+        n_all[e + 1] = n_all[e] + all_hist[e]
+        n_ch[e + 1] = n_ch[e] + np.float64(changed_hist[e])
+    total, changed = n_all[size], n_ch[size]
+    plain = total * _h(changed / max(total, 1.0))
+    marked = np.zeros(size + 1, dtype=np.bool_)
+    marked[0] = True
+    for e in range(size):
+        if changed_hist[e] > 0:
+            marked[e] = marked[e + 1] = True
+    cand = np.flatnonzero(marked)
+    below = np.array([_cost(n_all, n_ch, 0, int(t)) for t in cand])
+    above = np.array([_cost(n_all, n_ch, int(t), size) for t in cand])
+    best, low, top = np.inf, 0, 0
+    for i in range(cand.size):
+        for j in range(i, cand.size):  # the first of equal costs, (t_low, t_top) ascending
+            cost = below[i] + _cost(n_all, n_ch, int(cand[i]), int(cand[j])) + above[j]
+            if cost < best:
+                best, low, top = cost, cand[i], cand[j]
+    return int(low), int(top), best, plain
 
 
 def plan_thresholds(sampled: np.ndarray, changed: np.ndarray, numel: int) -> tuple[int, int] | None:
@@ -114,7 +135,15 @@ def plan_thresholds(sampled: np.ndarray, changed: np.ndarray, numel: int) -> tup
        of the old tensor before p are in the same class;
     5. `ContextHint(t_low, t_top, ranks)`, the ranks in the order of the changed positions.
     """
+    t_low, t_top = plan(np.asarray(sampled, dtype=np.int64), np.asarray(changed, dtype=np.int64), numel)
+    return None if t_low < 0 else (t_low, t_top)
+
+
+@kernel
+def plan(sampled: np.ndarray, changed: np.ndarray, numel: int) -> tuple[int, int]:
+    """`plan_thresholds` on int64 counts, compiled (for the codec's own compiled hint):
+    (-1, -1) for None."""
     sampled_numel = -(-numel // sample_stride(numel))
-    histogram = sampled.astype(np.float64) * (numel / max(1, sampled_numel))  # the whole tensor's
+    histogram = sampled * (numel / max(1, sampled_numel))  # the whole tensor's
     t_low, t_top, with_classes, plain = choose_thresholds(histogram, changed)
-    return (t_low, t_top) if with_classes <= CONTEXT_GAIN * plain else None
+    return (t_low, t_top) if with_classes <= CONTEXT_GAIN * plain else (-1, -1)

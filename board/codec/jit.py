@@ -13,9 +13,11 @@ callers that code several tensors at once) run kernels on every core. numba does
 array bounds: kernels that read coded (untrusted) streams check every index themselves and
 report failure through their return value, which the Python side turns into `PatchError`.
 
-numba's disk cache is keyed on each kernel's own source file, not on what it calls: after
-changing an intrinsic here, delete `board/codec/__pycache__/*.nb[ic]` so that the kernels
-of the other modules are compiled again.
+numba's disk cache is keyed on each kernel's own source file, not on what it calls, and
+kernels call kernels of other modules (the encoders write through `bitio`'s `put_*`, the
+host's context hint runs `context.plan` and `classes.ranks_within`): after changing an
+intrinsic here or a kernel that others call, delete `board/codec/__pycache__/*.nb[ic]` so
+that its callers are compiled again.
 """
 
 from __future__ import annotations

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deltaboard.board.codec.bitio import Reader, Writer, decode_index_sets, encode_index_sets
+from deltaboard.board.codec.bitio import Reader, Writer, decode_index_sets, put_index_sets, put_u64, written
 from deltaboard.board.codec.changes import Changes
-from deltaboard.board.codec.classes import class_positions, class_ranks, split_ranks
-from deltaboard.board.codec.context import EXPONENT_FIELDS, exponent_counts, plan_thresholds, sample_stride
+from deltaboard.board.codec.classes import class_positions, ranks_within, split_ranks
+from deltaboard.board.codec.context import EXPONENT_FIELDS, count_exponents, plan, sample_stride
 from deltaboard.board.codec.errors import PatchError
+from deltaboard.board.codec.jit import kernel
 
 
 @dataclass(frozen=True)
@@ -35,13 +36,28 @@ class ContextHint:
     ranks: np.ndarray
 
 
+@kernel
+def _hint(
+    old: np.ndarray, positions: np.ndarray, changed_old: np.ndarray, shift: int, mask: int
+) -> tuple[int, int, np.ndarray]:
+    """(t_low, t_top, ranks), t_low -1 for no hint: the steps of `plan_thresholds`'s contract
+    in one compiled call (its fixed cost is what a model of many small tensors pays)."""
+    sampled = count_exponents(old[:: sample_stride(old.size)], shift, mask)
+    t_low, t_top = plan(sampled, count_exponents(changed_old, shift, mask), old.size)
+    if t_low < 0:
+        return t_low, t_top, positions[:0]
+    return t_low, t_top, ranks_within(old, positions, shift, t_low, t_top)
+
+
 def context_hint(changes: Changes, old_bits: np.ndarray) -> ContextHint | None:
     """The hint from the old bits on the host; None when the classes do not pay off."""
-    sampled = exponent_counts(old_bits[:: sample_stride(old_bits.size)], changes.dtype)
-    plan = plan_thresholds(sampled, exponent_counts(changes.old_bits, changes.dtype), old_bits.size)
-    if plan is None:
-        return None
-    return ContextHint(*plan, class_ranks(old_bits, changes.dtype, *plan, changes.positions))
+    t_low, t_top, ranks = _hint(
+        old_bits,
+        changes.positions.astype(np.int64, copy=False),
+        changes.old_bits,
+        *EXPONENT_FIELDS[changes.dtype],
+    )
+    return None if t_low < 0 else ContextHint(t_low, t_top, ranks)
 
 
 def encode(w: Writer, changes: Changes, hint: ContextHint) -> None:
@@ -57,11 +73,18 @@ def encode(w: Writer, changes: Changes, hint: ContextHint) -> None:
     per_class = split_ranks(
         changes.old_bits, changes.dtype, hint.t_low, hint.t_top, changes.positions, hint.ranks
     )
-    w.u64(hint.t_low)
-    w.u64(hint.t_top)
-    for mine in per_class:
-        w.u64(mine.size)
-    encode_index_sets(w, per_class)
+    w.extend(written(_put_ranks, hint.t_low, hint.t_top, *per_class))
+
+
+@kernel
+def _put_ranks(
+    buf: np.ndarray, at: int, t_low: int, t_top: int, r0: np.ndarray, r1: np.ndarray, r2: np.ndarray
+) -> tuple[np.ndarray, int]:
+    """Thresholds, class counts and each class's ranks as gaps, in one compiled call."""
+    for field in (t_low, t_top, r0.size, r1.size, r2.size):
+        buf, at = put_u64(buf, at, field)
+    bounds = np.array([0, r0.size, r0.size + r1.size, r0.size + r1.size + r2.size], dtype=np.int64)
+    return put_index_sets(buf, at, np.concatenate((r0, r1, r2)), bounds)
 
 
 def decode(r: Reader, changed: int, old_bits: np.ndarray, dtype: str) -> np.ndarray:

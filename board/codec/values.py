@@ -26,10 +26,12 @@ import numpy as np
 from deltaboard.board.codec.bitio import (
     Reader,
     Writer,
-    pack_fixed,
     positions_from_gaps,
+    put_fixed,
+    put_rice,
+    put_section,
+    put_u64,
     rice_decode,
-    rice_encode,
     unpack_fixed,
 )
 from deltaboard.board.codec.context import CONTEXTS, EXPONENT_FIELDS
@@ -95,21 +97,52 @@ def _by_class(c: np.ndarray) -> list[tuple[int, np.ndarray]]:
     return [(cls, order[ends[cls] - counts[cls] : ends[cls]]) for cls in np.flatnonzero(counts).tolist()]
 
 
+@kernel
+def _put_values(
+    buf: np.ndarray, old: np.ndarray, new: np.ndarray, shift: int, mask: int, element: np.uint64
+) -> tuple[np.ndarray, int]:
+    """The whole coding above in one compiled call: (buffer, end)."""
+    signs, v, c = _steps(old, new, element)
+    buf, at = put_section(buf, 0, signs)
+    ctx = _contexts(old, shift, mask)
+    table = np.zeros((CONTEXTS, _CLASSES), dtype=np.int64)
+    counts = np.zeros(_CLASSES, dtype=np.int64)
+    for i in range(c.size):
+        table[ctx[i], c[i]] += 1
+        counts[c[i]] += 1
+    predicted = np.zeros(CONTEXTS, dtype=np.uint8)
+    for x in range(CONTEXTS):  # the most common class, the first of equals
+        predicted[x] = np.argmax(table[x])
+    buf, at = put_section(buf, at, predicted)
+    missed = np.empty(2 * c.size, dtype=np.uint64)  # gaps between misses, then |zigzag| - 1
+    m = 0
+    last = -1
+    for i in range(c.size):
+        r = c[i] - np.int64(predicted[ctx[i]])
+        if r:
+            missed[m] = i - last - 1
+            missed[c.size + m] = np.uint64((r << 1) ^ (r >> 63)) - np.uint64(1)
+            last = i
+            m += 1
+    buf, at = put_u64(buf, at, m)
+    missed[m : 2 * m] = missed[c.size : c.size + m]
+    buf, at = put_rice(buf, at, missed[: 2 * m], np.array([0, m, 2 * m], dtype=np.int64))
+    starts = np.zeros(_CLASSES + 1, dtype=np.int64)  # the bits below the leading one, by class
+    starts[1:] = np.cumsum(counts)
+    grouped = np.empty(c.size, dtype=np.uint64)
+    filled = starts[:-1].copy()
+    for i in range(c.size):
+        grouped[filled[c[i]]] = v[i]
+        filled[c[i]] += 1
+    for cls in range(2, _CLASSES):
+        if counts[cls]:
+            buf, at = put_fixed(buf, at, grouped[starts[cls] : starts[cls + 1]], cls - 1)
+    return buf, at
+
+
 def encode_values(w: Writer, old_bits: np.ndarray, new_bits: np.ndarray, dtype: str) -> None:
-    shift, mask, element = _layout(old_bits, dtype)
-    signs, v, c = _steps(old_bits, new_bits, element)
-    w.section(signs.tobytes())
-    ctx = _contexts(old_bits, shift, mask)
-    table = np.bincount(ctx * _CLASSES + c, minlength=CONTEXTS * _CLASSES).reshape(CONTEXTS, _CLASSES)
-    predicted = table.argmax(axis=1)
-    w.section(predicted.astype(np.uint8).tobytes())
-    r = c - predicted[ctx]
-    zigzag = ((r << 1) ^ (r >> 63)).astype(np.uint64)
-    missed = np.flatnonzero(zigzag)
-    w.u64(missed.size)
-    rice_encode(w, [np.diff(missed, prepend=-1) - 1, zigzag[missed] - np.uint64(1)])
-    for cls, members in _by_class(c):
-        w.section(pack_fixed(v[members], cls - 1))
+    buf, end = _put_values(np.zeros(256, dtype=np.uint8), old_bits, new_bits, *_layout(old_bits, dtype))
+    w.extend(bytes(buf[:end]))
 
 
 @kernel

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -161,3 +163,21 @@ def test_rice_roundtrip(groups: list[list[int]]) -> None:
     r = Reader(w.getvalue())
     assert [g.tolist() for g in rice_decode(r, [len(g) for g in groups])] == groups
     r.done()
+
+
+# sha256 of the patches below as the numpy encoder (commit e18a3dc) wrote them, before the
+# compiled one; the bytes are the wire format and the encoder's choices (thresholds, Rice
+# parameters), which a faster encoder must keep
+ENCODED_BEFORE_COMPILING = "848baf12bdc2d1153f5e9fd341cbffc8e2eeaa1429b0f2f82865bccb57c0254c"
+
+
+def test_compiled_encoder_writes_the_numpy_encoders_bytes() -> None:
+    """Every dtype and change pattern, unsampled and sampled, with and without `context`."""
+    h = hashlib.sha256()
+    for dtype in sorted(codec.WIDTHS):
+        for pattern in PATTERNS:
+            for n in (3000, 70_001):
+                case = make_case(dtype, n, pattern, seed=3)
+                for context in (True, False):
+                    h.update(codec.encode(case.old, case.new, dtype, context=context))
+    assert h.hexdigest() == ENCODED_BEFORE_COMPILING

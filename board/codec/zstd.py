@@ -118,6 +118,8 @@ def decode_shuffled(
 ) -> np.ndarray:
     """A frame of `size` bytes of shuffled byte planes (`shuffle`, then `compress`) decoded
     into `out` (contiguous 1-D uint8 of `size` bytes) when given, else into a new array."""
+    if out is not None and out.size != size:  # the compiled loop does not check bounds
+        raise PatchError(f"a destination of {out.size} bytes for a tensor of {size}")
     if width == 1 and out is not None:
         decompress_into(data, out)
         return out

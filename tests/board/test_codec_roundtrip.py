@@ -83,6 +83,8 @@ def test_keyframe_into_refuses_what_it_cannot_write() -> None:
     with pytest.raises(codec.PatchError, match="not a"):
         codec.keyframe_into(codec.encode(case.old, case.new, "BF16"), np.empty_like(case.new))
     header, payload = unpack(patch)
+    with pytest.raises(codec.PatchError, match="destination"):  # before any unchecked write
+        zstd.decode_shuffled(payload, 2, case.new.size, np.empty(case.new.size - 2, dtype=np.uint8))
     flipped = bytearray(payload)
     flipped[len(flipped) // 2] ^= 0x10
     with pytest.raises(codec.PatchError):

@@ -7,10 +7,12 @@ import tracemalloc
 
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltaboard.board import codec
+from deltaboard.board.codec import zstd
 from deltaboard.board.codec.header import HEADER_SIZE, pack, unpack
 from tests.board.codec_cases import Case, make_case
 
@@ -161,6 +163,16 @@ def test_a_huge_declared_size_allocates_nothing_like_it() -> None:
         tracemalloc.stop()
     assert peak < 64 * 2**20
     assert len(forged) > HEADER_SIZE
+
+
+def test_a_frame_without_its_size_cannot_claim_more_than_zstd_codes() -> None:
+    """A frame that does not declare its content size still bounds what a header may
+    make the decoder allocate: zstd's densest coding is 4 bytes per 128 KiB."""
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(4000))
+    assert zstandard.frame_content_size(frame) == -1
+    with pytest.raises(codec.PatchError, match="cannot hold"):
+        zstd.decompress_exact(frame, 2**40)
+    assert zstd.decompress_exact(frame, 4000).tobytes() == bytes(4000)
 
 
 def test_impossible_context_hints_are_refused():

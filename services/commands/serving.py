@@ -147,12 +147,16 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 def bench_sidecar(
     quick: bool = typer.Option(False, "--quick", help="5 s per phase: under a minute."),
     duration: float | None = typer.Option(
-        None, help="Seconds per phase (streams, then requests; direct, then through the sidecar)."
+        None,
+        help="Seconds per phase (streams, then requests; direct, then through the sidecar) "
+        "(default: 20; quick 5).",
     ),
     workers: int = typer.Option(
         1, min=1, help="The sidecar's worker processes (deltaboard sidecar --workers)."
     ),
-    swap_every: float | None = typer.Option(None, help="Seconds between the swaps during the run."),
+    swap_every: float | None = typer.Option(
+        None, help="Seconds between the swaps during the run (default: 3; quick 1)."
+    ),
     json_path: Path | None = typer.Option(None, "--json", help="Write the figures here (default: nowhere)."),
 ) -> None:
     """The sidecar's cost beside a fast fake engine: the same load direct and through it."""

@@ -31,7 +31,7 @@ test: install chromium
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2
 
 # The chaos suite's long form: hundreds of faults (kill -9 of board, publisher and follower,
 # Redis flushed and restarted, SeaweedFS frozen and restarted, corrupted blobs), each followed

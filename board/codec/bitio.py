@@ -183,16 +183,9 @@ def _unpack_fixed(data: np.ndarray, high: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def pack_fixed(values: np.ndarray, k: int) -> bytes:
-    """The low k bits of each uint64 value, MSB first, concatenated and packed (the body
-    of `put_fixed`'s section)."""
-    buf, end = put_fixed(np.empty(0, dtype=np.uint8), 0, np.ascontiguousarray(values, dtype=np.uint64), k)
-    return bytes(buf[end - (values.size * k + 7) // 8 : end])
-
-
 def unpack_fixed(data: memoryview | bytes, high: np.ndarray, k: int) -> np.ndarray:
-    """Inverse of `pack_fixed`, joined to known high parts: `(high[j] << k) | field_j`
-    as uint64, for as many fields as `high` has values."""
+    """The fields of a `put_fixed` section's body joined to known high parts:
+    `(high[j] << k) | field_j` as uint64, for as many fields as `high` has values."""
     if len(data) * 8 < high.size * k:
         raise PatchError("patch is truncated or corrupted (fixed-width bits missing)")
     out: np.ndarray = _unpack_fixed(
@@ -248,7 +241,13 @@ def best_k(values: np.ndarray) -> int:
 
 @kernel
 def put_rice(buf: np.ndarray, at: int, values: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, int]:
-    """`rice_encode` into a buffer, group g being `values[bounds[g]:bounds[g + 1]]`."""
+    """Groups of uint64 values Rice-coded, each with its own parameter, group g being
+    `values[bounds[g]:bounds[g + 1]]`.
+
+    One unary stream serves all groups, then each group's remainders follow in a section
+    of fixed-width fields; one compiled call writes it all, since per-call overhead
+    dominates at patch sizes.
+    """
     groups = bounds.size - 1
     ks = np.empty(groups, dtype=np.int64)
     for g in range(groups):
@@ -303,18 +302,8 @@ def written(put: Callable[..., tuple[np.ndarray, int]], *args: object) -> bytes:
     return bytes(buf[:end])
 
 
-def rice_encode(w: Writer, groups: Sequence[np.ndarray]) -> None:
-    """Append groups of uint64 values Rice-coded, each group with its own parameter.
-
-    One unary stream serves all groups, then each group's remainders follow in a section
-    of fixed-width fields; one compiled call (`put_rice`) writes it all, since per-call
-    overhead dominates at patch sizes.
-    """
-    w.extend(written(put_rice, *_joined(groups, np.uint64)))
-
-
 def rice_decode(r: Reader, counts: Sequence[int]) -> list[np.ndarray]:
-    """Read groups of `counts` Rice-coded values back as uint64 arrays."""
+    """Read groups of `counts` values Rice-coded by `put_rice` back as uint64 arrays."""
     ks = [r.u64() for _ in counts]
     if any(k > 63 for k in ks):
         raise PatchError(f"corrupted patch: Rice parameters {ks}")

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltaboard.board import codec
-from deltaboard.board.codec.bitio import pack_fixed, unpack_fixed
+from deltaboard.board.codec.bitio import Reader, put_fixed, unpack_fixed, written
 from deltaboard.board.codec.classes import class_positions, class_ranks, split_ranks
 from deltaboard.board.codec.context import EXPONENT_FIELDS
 from deltaboard.board.codec.digest import digest_bits
@@ -108,7 +108,9 @@ def test_rank_and_select_invert_each_other(
 @given(st.integers(0, 63), st.lists(st.integers(0, 2**64 - 1), max_size=300), st.integers(0, 2**20))
 def test_fixed_width_fields_roundtrip_with_high_parts(k: int, values: list[int], high: int) -> None:
     v = np.array(values, dtype=np.uint64) & np.uint64((1 << k) - 1)
-    packed = pack_fixed(v, k)
+    r = Reader(written(put_fixed, v, k))
+    packed = r.section()
+    r.done()
     assert len(packed) == (v.size * k + 7) // 8
     highs = np.full(v.size, high, dtype=np.uint64)
     assert np.array_equal(unpack_fixed(packed, highs, k), (highs << np.uint64(k)) | v)

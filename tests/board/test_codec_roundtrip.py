@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import numpy as np
 import pytest
@@ -158,11 +159,11 @@ def test_encode_changes_from_a_device_like_producer() -> None:
 @SETTINGS
 @given(st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=200), max_size=4))
 def test_rice_roundtrip(groups: list[list[int]]) -> None:
-    from deltaboard.board.codec.bitio import Reader, Writer, rice_decode, rice_encode
+    from deltaboard.board.codec.bitio import Reader, put_rice, rice_decode, written
 
-    w = Writer()
-    rice_encode(w, [np.array(g, dtype=np.uint64) for g in groups])
-    r = Reader(w.getvalue())
+    values = np.array([v for g in groups for v in g], dtype=np.uint64)
+    bounds = np.array([0, *itertools.accumulate(len(g) for g in groups)], dtype=np.int64)
+    r = Reader(written(put_rice, values, bounds))
     assert [g.tolist() for g in rice_decode(r, [len(g) for g in groups])] == groups
     r.done()
 

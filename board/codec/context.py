@@ -135,7 +135,10 @@ def plan_thresholds(sampled: np.ndarray, changed: np.ndarray, numel: int) -> tup
        of the old tensor before p are in the same class;
     5. `ContextHint(t_low, t_top, ranks)`, the ranks in the order of the changed positions.
     """
-    t_low, t_top = plan(np.asarray(sampled, dtype=np.int64), np.asarray(changed, dtype=np.int64), numel)
+    sampled, changed = np.asarray(sampled, dtype=np.int64), np.asarray(changed, dtype=np.int64)
+    if sampled.shape != changed.shape or sampled.ndim != 1:  # the compiled search reads both
+        raise ValueError(f"exponent counts of one dtype expected, got {sampled.shape} and {changed.shape}")
+    t_low, t_top = plan(sampled, changed, numel)
     return None if t_low < 0 else (t_low, t_top)
 
 

@@ -95,3 +95,10 @@ def test_planned_hint_on_sampled_training_like_changes(dtype: str) -> None:
     if dtype.startswith("F8"):  # random bit patterns: the classes need not pay off
         return
     assert any(h is not None for h in hints)
+
+
+def test_plan_refuses_counts_of_different_lengths() -> None:
+    """The compiled search reads both arrays without bounds checks: counts that do not
+    belong to one dtype are refused before it runs."""
+    with pytest.raises(ValueError):
+        codec.plan_thresholds(np.ones(256, dtype=np.int64), np.ones(512, dtype=np.int64), 1000)

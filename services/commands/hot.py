@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -35,9 +34,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from dataclasses import replace
 
         from rich.console import Console
-        from rich.progress import Progress
 
         from deltaboard.services.bench import update_bench
+        from deltaboard.services.commands.progress import measured, write_report
 
         if device not in ("cpu", "cuda"):
             raise typer.BadParameter("--device is cpu or cuda")
@@ -51,12 +50,6 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             versions=versions or config.versions,
         )
         console = Console()
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("starting", total=None)
-            report = update_bench.run_shapes(
-                config, many_tensors, lambda what: bar.update(task, description=what)
-            )
+        report = measured(console, lambda status: update_bench.run_shapes(config, many_tensors, status))
         update_bench.render(report, console)
-        if json_path is not None:
-            json_path.write_text(json.dumps(report, indent=2))
-            console.print(f"wrote {json_path}")
+        write_report(report, json_path, console)

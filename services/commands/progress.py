@@ -9,8 +9,11 @@ the follower's phases.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from rich.filesize import decimal
 from rich.progress import (
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 BYTES = "bytes"
+R = TypeVar("R")
 
 # The follower's phases: what each is called and what it counts.
 FOLLOWER_PHASES = {
@@ -55,6 +59,20 @@ def make_console() -> Console:
 
     console = Console()
     return console if console.is_terminal else Console(width=160)
+
+
+def measured(console: Console, measure: Callable[[Callable[[str], None]], R]) -> R:
+    """Run a benchmark under one transient spinner that shows the phase it reports."""
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+        return measure(lambda what: bar.update(task, description=what))
+
+
+def write_report(report: object, path: Path | None, console: Console) -> None:
+    """Write a benchmark's figures as JSON where `--json` asks, and say where."""
+    if path is not None:
+        path.write_text(json.dumps(report, indent=2))
+        console.print(f"wrote {path}")
 
 
 class AmountColumn(ProgressColumn):

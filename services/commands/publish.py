@@ -102,9 +102,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from dataclasses import replace
 
         from rich.console import Console
-        from rich.progress import Progress
 
         from deltaboard.services.bench import publish_bench
+        from deltaboard.services.commands.progress import measured, write_report
 
         console = Console()
         if ranks is not None:
@@ -135,16 +135,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             device=device,
             tensors=tensors,
         )
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("starting", total=None)
-            if tensors is None:
-                report = publish_bench.run(config, lambda what: bar.update(task, description=what))
-            else:
-                report = publish_bench.run_shapes(config, lambda what: bar.update(task, description=what))
         if tensors is None:
+            report = measured(console, lambda status: publish_bench.run(config, status))
             publish_bench.render(report, console)
         else:
+            report = measured(console, lambda status: publish_bench.run_shapes(config, status))
             publish_bench.render_shapes(report, console)
-        if json_path is not None:
-            json_path.write_text(json.dumps(report, indent=2))
-            console.print(f"wrote {json_path}")
+        write_report(report, json_path, console)

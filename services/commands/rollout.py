@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -242,17 +241,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         from dataclasses import replace
 
         from rich.console import Console
-        from rich.progress import Progress
 
         from deltaboard.services.bench import follow_bench
+        from deltaboard.services.commands.progress import measured, write_report
 
         config = follow_bench.QUICK if quick else follow_bench.BenchConfig()
         config = replace(config, view_gb=view_gb or config.view_gb)
         console = Console()
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("starting", total=None)
-            report = follow_bench.run(config, lambda what: bar.update(task, description=what))
+        report = measured(console, lambda status: follow_bench.run(config, status))
         follow_bench.render(report, console)
-        if json_path is not None:
-            json_path.write_text(json.dumps(report, indent=2))
-            console.print(f"wrote {json_path}")
+        write_report(report, json_path, console)

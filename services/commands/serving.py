@@ -160,23 +160,18 @@ def bench_sidecar(
     json_path: Path | None = typer.Option(None, "--json", help="Write the figures here (default: nowhere)."),
 ) -> None:
     """The sidecar's cost beside a fast fake engine: the same load direct and through it."""
-    import json
     from dataclasses import replace
 
     from rich.console import Console
-    from rich.progress import Progress
 
     from deltaboard.services.bench import sidecar_bench
+    from deltaboard.services.commands.progress import measured, write_report
 
     config = sidecar_bench.quick(workers) if quick else sidecar_bench.BenchConfig(workers=workers)
     config = replace(
         config, duration_s=duration or config.duration_s, swap_every_s=swap_every or config.swap_every_s
     )
     console = Console()
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("starting", total=None)
-        report = sidecar_bench.run(config, lambda what: bar.update(task, description=what))
+    report = measured(console, lambda status: sidecar_bench.run(config, status))
     sidecar_bench.render(report, console)
-    if json_path is not None:
-        json_path.write_text(json.dumps(report, indent=2))
-        console.print(f"wrote {json_path}")
+    write_report(report, json_path, console)

@@ -52,6 +52,9 @@ def test_status_page_shows_the_served_version_and_the_swaps(board, browser, tmp_
             with Publisher(board.url, RUN, token=board.publish_token, assets=assets) as publisher:
                 for step in train(model, steps=1, lr=1e-3, regime="fp32-master"):
                     publisher.publish(model, step=step).result()
+                    # The sidecar may go from nothing straight to the head; waiting for
+                    # the keyframe to be served pins the two swaps the table must list.
+                    shows(page, "served", str(step))
             shows(page, "served", "1")
             shows(page, "head", "1")
             shows(page, "lag", "0")

@@ -387,13 +387,26 @@ def _torch_hints(
 
 
 def _diff_on_host(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> ViewDiff:
-    """The CPU path: the codec's compiled diff on the buffers' bytes, in place."""
-    result = ViewDiff()
-    for slot in slots:
-        changes = codec.diff(old.host_bytes(slot), new.host_bytes(slot), slot.dtype)
-        if changes.count:
-            result.changes[slot.name] = changes
-            result.host_bytes += changes.positions.nbytes + changes.old_bits.nbytes + changes.new_bits.nbytes
+    """The CPU path: the codec's compiled diff over the batch's range of the buffers, in
+    place (one call for all its slots: the padding between them is zero in every buffer),
+    cut per slot."""
+    group = slots[0].group
+    width = group[1]
+    start, stop = slots[0].offset * width, word_aligned(slots[-1].offset + slots[-1].numel, width) * width
+    found = codec.diff(old.host_group(group)[start:stop], new.host_group(group)[start:stop], slots[0].dtype)
+    offsets = np.array([s.offset for s in slots], dtype=np.int64) - slots[0].offset
+    bounds = [*np.searchsorted(found.positions, offsets).tolist(), found.count]
+    result = ViewDiff(host_bytes=found.positions.nbytes + found.old_bits.nbytes + found.new_bits.nbytes)
+    for slot, offset, lo, hi in zip(slots, offsets.tolist(), bounds[:-1], bounds[1:], strict=True):
+        if hi > lo:
+            unsigned = codec.uint_dtype(slot.dtype)
+            result.changes[slot.name] = codec.Changes(
+                slot.dtype,
+                slot.numel,
+                found.positions[lo:hi] - offset,
+                found.old_bits[lo:hi].view(unsigned),
+                found.new_bits[lo:hi].view(unsigned),
+            )
     return result
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 
@@ -57,40 +58,53 @@ class RankVersion:
     slice_digests: Mapping[str, str] = field(default_factory=dict)  # each slice's at global positions
 
 
+T = TypeVar("T")
 Encoded = tuple[bytes, str, str | None]
 """A patch, the digest of the local tensor it produces, and (a slice) the slice's digest at
 its positions in the whole tensor."""
 
 
-def _keyframe(buffer: ViewBuffer, slot: Slot, where: LocalSlice | None) -> Encoded:
-    data = buffer.host_bytes(slot)
-    patch = codec.keyframe(data, slot.dtype)
-    global_digest = None
-    if where is not None:
-        global_digest = codec.digest_slice(data, slot.dtype, where.offset, slot.shape, where.tensor_shape)
-    return patch, codec.read_header(patch).result_digest, global_digest
+def _keyframes(buffer: ViewBuffer, slots: list[Slot], slices: Mapping[str, LocalSlice]) -> list[Encoded]:
+    out: list[Encoded] = []
+    for slot in slots:
+        data = buffer.host_bytes(slot)
+        patch = codec.keyframe(data, slot.dtype)
+        global_digest = None
+        if (where := slices.get(slot.name)) is not None:
+            global_digest = codec.digest_slice(data, slot.dtype, where.offset, slot.shape, where.tensor_shape)
+        out.append((patch, codec.read_header(patch).result_digest, global_digest))
+    return out
 
 
-def _delta(
-    changes: codec.Changes,
-    base_digest: str,
-    where: tuple[LocalSlice, tuple[int, ...], str] | None,
-    old: np.ndarray | None,
-    hint: codec.ContextHint | None,
-) -> Encoded:
-    patch = codec.encode_changes(changes, old, changes.dtype, old_digest=base_digest, hint=hint)
-    global_digest = None
-    if where is not None:  # the slice's digest moves by its changes at their global positions
-        at, shape, base_global = where
-        positions = codec.slice_positions(changes.positions, at.offset, shape, at.tensor_shape)
-        moved = codec.Changes(
-            changes.dtype, math.prod(at.tensor_shape), positions, changes.old_bits, changes.new_bits
-        )
-        global_digest = codec.digest_update(base_global, moved)
-    return patch, codec.read_header(patch).result_digest, global_digest  # digest_update, by the encoder
+Where = tuple[LocalSlice, tuple[int, ...], str]  # a slice's place, local shape, global digest before
 
 
-Task = tuple[Slot, int, Callable[[], Encoded]]  # slot, changed count, encode
+def _deltas(
+    changes: list[codec.Changes],
+    base_digests: list[str],
+    wheres: list[Where | None],
+    old: tuple[np.ndarray, list[int]] | None,
+    hints: list[codec.ContextHint | None] | None,
+) -> list[Encoded]:
+    """A bundle of tensors' patches in one codec call (`codec.encode_batch`): against the old
+    bytes in place (`old`: a buffer and each tensor's first element) or with the device's
+    hints, or neither (no context encoding)."""
+    buffer, starts = old if old is not None else (None, None)
+    patches = codec.encode_batch(changes, base_digests, old=buffer, old_starts=starts, hints=hints)
+    out: list[Encoded] = []
+    for c, (patch, digest), where in zip(changes, patches, wheres, strict=True):
+        global_digest = None
+        if where is not None:  # the slice's digest moves by its changes at their global positions
+            at, shape, base_global = where
+            positions = codec.slice_positions(c.positions, at.offset, shape, at.tensor_shape)
+            moved = codec.Changes(c.dtype, math.prod(at.tensor_shape), positions, c.old_bits, c.new_bits)
+            global_digest = codec.digest_update(base_global, moved)
+        out.append((patch, digest, global_digest))
+    return out
+
+
+Bundle = tuple[list[tuple[Slot, int]], Callable[[], list[Encoded]]]
+"""Tensors (each with its changed count) and the call that encodes them all, in order."""
 
 
 def encode_rank(
@@ -130,8 +144,9 @@ def encode_rank(
     digests: dict[str, str] = {}  # a keyframe's are its own tensors' (names may have changed)
     global_digests: dict[str, str] = {}
     if base is None:
-        keyframes: list[Task] = [
-            (s, s.numel, partial(_keyframe, buffer, s, slices.get(s.name))) for s in layout.slots
+        keyframes: list[Bundle] = [
+            ([(s, s.numel) for s in group], partial(_keyframes, buffer, group, slices))
+            for group in _bundles(layout.slots, lambda s: s.numel)
         ]
         _encode_in_order(keyframes, encoders, window, packer, digests, global_digests)
         return RankVersion(
@@ -155,19 +170,19 @@ def encode_rank(
     # hands the codec the old bytes instead
     for part in iter_diffs(base, buffer, hints=context):
         diff_s += time.perf_counter() - started  # time waiting for the diff, not hidden by encoding
-        deltas: list[Task] = [
+        changed_slots = [(slots[name], c) for name, c in part.changes.items()]
+        deltas: list[Bundle] = [
             (
-                slots[name],
-                c.count,
+                [(slot, c.count) for slot, c in group],
                 partial(
-                    _delta,
-                    c,
-                    base_digests[name],
-                    _where(slices, global_digests, slots[name]),
-                    *_context(base, slots[name], part.hints, context),
+                    _deltas,
+                    [c for _, c in group],
+                    [base_digests[slot.name] for slot, _ in group],
+                    [_where(slices, global_digests, slot) for slot, _ in group],
+                    *_context(base, [slot for slot, _ in group], part.hints, context),
                 ),
             )
-            for name, c in part.changes.items()
+            for group in _bundles(changed_slots, lambda item: item[1].count)
         ]
         _encode_in_order(deltas, encoders, window, packer, digests, global_digests)
         changed += sum(c.count for c in part.changes.values())
@@ -190,24 +205,23 @@ def encode_rank(
     )
 
 
-def _where(
-    slices: Mapping[str, LocalSlice], global_digests: Mapping[str, str], slot: Slot
-) -> tuple[LocalSlice, tuple[int, ...], str] | None:
+def _where(slices: Mapping[str, LocalSlice], global_digests: Mapping[str, str], slot: Slot) -> Where | None:
     """A sliced tensor's place, local shape and global digest before this delta."""
     at = slices.get(slot.name)
     return None if at is None else (at, slot.shape, global_digests[slot.name])
 
 
 def _context(
-    base: ViewBuffer, slot: Slot, hints: Mapping[str, codec.ContextHint], context: bool | None
-) -> tuple[np.ndarray | None, codec.ContextHint | None]:
-    """What the codec's context encoding reads: host bytes in place, else the device's hint
-    if one was computed (neither: the codec falls back to its context-free encodings)."""
+    base: ViewBuffer, slots: list[Slot], hints: Mapping[str, codec.ContextHint], context: bool | None
+) -> tuple[tuple[np.ndarray, list[int]] | None, list[codec.ContextHint | None] | None]:
+    """What the codec's context encoding reads for a bundle (of one group): the old bytes
+    in place on the host, else the device's hints where computed (neither: the codec falls
+    back to its context-free encodings)."""
     if context is False:
         return None, None
-    if slot.device == "cpu":
-        return base.host_bytes(slot), None
-    return None, hints.get(slot.name)
+    if slots[0].device == "cpu":
+        return (base.host_group(slots[0].group), [s.offset for s in slots]), None
+    return None, [hints.get(s.name) for s in slots]
 
 
 BUNDLE_ELEMENTS = 1 << 16
@@ -216,46 +230,41 @@ elements; a keyframe's whole elements), so that a model of many small tensors pa
 task per bundle, not per tensor; a large tensor is a bundle of its own."""
 
 
-def _bundles(tasks: list[Task]) -> list[list[Task]]:
-    """Consecutive tasks grouped until each group holds `BUNDLE_ELEMENTS` of work."""
-    out: list[list[Task]] = []
-    work = BUNDLE_ELEMENTS
-    for task in tasks:
-        if work >= BUNDLE_ELEMENTS:
+def _bundles(items: Sequence[T], work: Callable[[T], int]) -> list[list[T]]:
+    """Consecutive items grouped until each group holds `BUNDLE_ELEMENTS` of work."""
+    out: list[list[T]] = []
+    done = BUNDLE_ELEMENTS
+    for item in items:
+        if done >= BUNDLE_ELEMENTS:
             out.append([])
-            work = 0
-        out[-1].append(task)
-        work += task[1]
+            done = 0
+        out[-1].append(item)
+        done += work(item)
     return out
 
 
-def _run_bundle(bundle: list[Task]) -> list[Encoded]:
-    return [encode() for _, _, encode in bundle]
-
-
 def _encode_in_order(
-    tasks: list[Task],
+    bundles: list[Bundle],
     encoders: Executor,
     window: int,
     packer: BlobPacker,
     digests: dict[str, str],
     global_digests: dict[str, str],
 ) -> None:
-    """Run `tasks` on `encoders` in bundles (`_bundles`, at most `window` submitted) and
-    pack the results in order."""
-    pending: deque[tuple[list[Task], Future[list[Encoded]]]] = deque()
+    """Run `bundles` on `encoders` (at most `window` submitted) and pack the results in order."""
+    pending: deque[tuple[list[tuple[Slot, int]], Future[list[Encoded]]]] = deque()
 
     def pack_first() -> None:
-        bundle, fut = pending.popleft()
-        for (slot, changed, _), (patch, digest, global_digest) in zip(bundle, fut.result(), strict=True):
+        items, fut = pending.popleft()
+        for (slot, changed), (patch, digest, global_digest) in zip(items, fut.result(), strict=True):
             digests[slot.name] = digest
             if global_digest is not None:
                 global_digests[slot.name] = global_digest
             packer.add(slot.name, slot.dtype, slot.shape, patch, digest, changed)
 
     try:
-        for bundle in _bundles(tasks):
-            pending.append((bundle, encoders.submit(_run_bundle, bundle)))
+        for items, encode in bundles:
+            pending.append((items, encoders.submit(encode)))
             if len(pending) >= window:
                 pack_first()
         while pending:

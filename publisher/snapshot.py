@@ -173,6 +173,9 @@ class ViewBuffer:
             self.groups[(device, width_)] = torch.zeros(numel, dtype=BITS_DTYPES[width_], device=device)
         # Typed views made once: a snapshot is then one copy per tensor and nothing else.
         self._targets = [(slot.name, self.tensor(slot)) for slot in layout.slots]
+        self._host_groups = {
+            group: bits.numpy().view(np.uint8) for group, bits in self.groups.items() if group[0] == "cpu"
+        }
         self._host_raw = {
             slot.name: self.bits(slot).numpy().view(np.uint8) for slot in layout.slots if slot.device == "cpu"
         }
@@ -231,6 +234,14 @@ class ViewBuffer:
         if self.ready is not None:
             self.ready.synchronize()
 
+    def host_group(self, group: tuple[str, int]) -> np.ndarray:
+        """A host group's whole buffer as bytes (a view): its slots' elements start at their
+        offsets, so a batch of them is read in place with one array."""
+        return self._host_groups[group]
+
     def host_bytes(self, slot: Slot) -> np.ndarray:
-        """The whole tensor's served bytes on the host (uint8): only keyframes need this."""
-        return self.bits(slot).cpu().numpy().view(np.uint8)
+        """The whole tensor's served bytes on the host (uint8): a view of a CPU buffer (made
+        once: a model of many small tensors asks for them per tensor and per version), a
+        copy of a device one (only keyframes need that)."""
+        host = self._host_raw.get(slot.name)
+        return self.bits(slot).cpu().numpy().view(np.uint8) if host is None else host

@@ -20,6 +20,7 @@ from deltaboard.board.codec.api import (
     keyframe_into,
     read_header,
 )
+from deltaboard.board.codec.batch import encode_batch
 from deltaboard.board.codec.changes import Changes, diff, empty_changes
 from deltaboard.board.codec.context import (
     EXPONENT_FIELDS,
@@ -64,6 +65,7 @@ __all__ = [
     "digest_update",
     "empty_changes",
     "encode",
+    "encode_batch",
     "encode_changes",
     "exponent_counts",
     "keyframe",

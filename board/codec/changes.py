@@ -40,7 +40,7 @@ class Changes:
         n = self.positions.size
         if self.old_bits.shape != (n,) or self.new_bits.shape != (n,):
             raise PatchError("changes: positions, old_bits and new_bits differ in length")
-        status = _check_positions(self.positions, self.numel)
+        status = check_positions(self.positions, self.numel)
         if status == 1:
             raise PatchError("changes: a position lies outside the tensor")
         if status == 2:
@@ -48,7 +48,7 @@ class Changes:
 
 
 @kernel
-def _check_positions(positions: np.ndarray, numel: int) -> int:
+def check_positions(positions: np.ndarray, numel: int) -> int:
     """0, or 1 if the first or last position lies outside [0, numel), else 2 if the
     positions do not strictly increase (one compiled pass: it runs on every patch)."""
     n = positions.size

@@ -37,7 +37,7 @@ def _limits(
 
 
 @kernel
-def _split(
+def split_by_class(
     old: np.ndarray,
     positions: np.ndarray,
     ranks: np.ndarray,
@@ -68,7 +68,9 @@ def split_ranks(
     """The ranks of each class (0, 1, 2) from the changed elements' old bits, checked:
     PatchError unless each is at most its position and they increase within a class."""
     limits = _limits(changed_old_bits, dtype, t_low, t_top)
-    r0, r1, r2, status = _split(changed_old_bits, positions, ranks.astype(np.int64, copy=False), *limits)
+    r0, r1, r2, status = split_by_class(
+        changed_old_bits, positions, ranks.astype(np.int64, copy=False), *limits
+    )
     if status == 1:
         raise PatchError("context hint: a rank outside its class")
     if status == 2:

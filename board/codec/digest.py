@@ -62,7 +62,7 @@ def _range_sums(bits: np.ndarray, start: int, stop: int) -> tuple[np.uint64, np.
 
 
 @kernel
-def _change_sums(positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[np.uint64, np.uint64]:
+def change_sums(positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[np.uint64, np.uint64]:
     """How both lanes move (mod 2**64) when `old` becomes `new` at `positions`."""
     sa = sb = np.uint64(0)
     for j in range(positions.size):
@@ -90,7 +90,8 @@ def _run_sums(
     return sa, sb
 
 
-def _format(a: int, b: int) -> str:
+def format_digest(a: int, b: int) -> str:
+    """A digest string from its two lanes (taken mod 2**64)."""
     return f"{a & _MASK:016x}{b & _MASK:016x}"
 
 
@@ -107,7 +108,7 @@ def parse_digest(value: str) -> tuple[int, int]:
 def digest_bits(bits: np.ndarray) -> str:
     """Digest of an array of element bit patterns (unsigned ints)."""
     sums = map_ranges(lambda start, stop: _range_sums(bits, start, stop), bits.size)
-    return _format(sum(int(s[0]) for s in sums), sum(int(s[1]) for s in sums))
+    return format_digest(sum(int(s[0]) for s in sums), sum(int(s[1]) for s in sums))
 
 
 def digest(data: np.ndarray, dtype: str) -> str:
@@ -158,26 +159,26 @@ def digest_slice(
     starts = _run_starts(offset, shape, tensor_shape)
     run_length = int(shape[-1]) if shape else 1
     if run_length == 0 or starts.size == 0:
-        return _format(0, 0)
+        return format_digest(0, 0)
     parallel_min = max(1, (1 << 18) // run_length)
     sums = map_ranges(
         lambda first, last: _run_sums(bits, starts, run_length, first, last), starts.size, parallel_min
     )
-    return _format(sum(int(s[0]) for s in sums), sum(int(s[1]) for s in sums))
+    return format_digest(sum(int(s[0]) for s in sums), sum(int(s[1]) for s in sums))
 
 
 def combine_digests(digests: Iterable[str]) -> str:
     """The digest of a tensor from the digests of disjoint slices that cover it, each
     computed at global positions (`digest_slice`): both lanes' sums mod 2**64."""
     lanes = [parse_digest(d) for d in digests]
-    return _format(sum(a for a, _ in lanes), sum(b for _, b in lanes))
+    return format_digest(sum(a for a, _ in lanes), sum(b for _, b in lanes))
 
 
 def digest_update(value: str, changes: Changes) -> str:
     """The digest after `changes`, from the digest before them, in O(changed elements)."""
     a, b = parse_digest(value)
-    da, db = _change_sums(changes.positions, changes.old_bits, changes.new_bits)
-    return _format(a + int(da), b + int(db))
+    da, db = change_sums(changes.positions, changes.old_bits, changes.new_bits)
+    return format_digest(a + int(da), b + int(db))
 
 
 def state_digest(entries: Iterable[tuple[str, str]]) -> str:

@@ -46,17 +46,30 @@ class PatchHeader:
 def pack(header: PatchHeader, payload: bytes) -> bytes:
     """Header + payload + checksum, as one patch."""
     base = _NO_BASE if header.base_digest is None else bytes.fromhex(header.base_digest)
-    fields = _FIELDS.pack(
-        MAGIC,
-        FORMAT_VERSION,
+    return pack_fields(
         dtype_code(header.dtype),
         ENCODINGS.index(header.encoding),
-        0,
         header.numel,
         header.changed,
         base,
         bytes.fromhex(header.result_digest),
-        len(payload),
+        payload,
+    )
+
+
+def pack_fields(
+    dtype: int,
+    encoding: int,
+    numel: int,
+    changed: int,
+    base: bytes,
+    result: bytes,
+    payload: bytes | memoryview,
+) -> bytes:
+    """`pack` from the header's wire fields (codes, raw digests): what a batch of patches
+    pays per patch, without a `PatchHeader` or a digest string to parse."""
+    fields = _FIELDS.pack(
+        MAGIC, FORMAT_VERSION, dtype, encoding, 0, numel, changed, base, result, len(payload)
     )
     check = xxhash.xxh3_64()
     check.update(fields)

@@ -37,7 +37,7 @@ class ContextHint:
 
 
 @kernel
-def _hint(
+def host_hint(
     old: np.ndarray, positions: np.ndarray, changed_old: np.ndarray, shift: int, mask: int
 ) -> tuple[int, int, np.ndarray]:
     """(t_low, t_top, ranks), t_low -1 for no hint: the steps of `plan_thresholds`'s contract
@@ -51,7 +51,7 @@ def _hint(
 
 def context_hint(changes: Changes, old_bits: np.ndarray) -> ContextHint | None:
     """The hint from the old bits on the host; None when the classes do not pay off."""
-    t_low, t_top, ranks = _hint(
+    t_low, t_top, ranks = host_hint(
         old_bits,
         changes.positions.astype(np.int64, copy=False),
         changes.old_bits,
@@ -73,11 +73,11 @@ def encode(w: Writer, changes: Changes, hint: ContextHint) -> None:
     per_class = split_ranks(
         changes.old_bits, changes.dtype, hint.t_low, hint.t_top, changes.positions, hint.ranks
     )
-    w.extend(written(_put_ranks, hint.t_low, hint.t_top, *per_class))
+    w.extend(written(put_ranks, hint.t_low, hint.t_top, *per_class))
 
 
 @kernel
-def _put_ranks(
+def put_ranks(
     buf: np.ndarray, at: int, t_low: int, t_top: int, r0: np.ndarray, r1: np.ndarray, r2: np.ndarray
 ) -> tuple[np.ndarray, int]:
     """Thresholds, class counts and each class's ranks as gaps, in one compiled call."""

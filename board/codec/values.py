@@ -42,7 +42,7 @@ from deltaboard.board.codec.jit import kernel, leading_zeros
 _CLASSES = 65  # bit lengths 0..64
 
 
-def _layout(old_bits: np.ndarray, dtype: str) -> tuple[int, int, np.uint64]:
+def layout(dtype: str) -> tuple[int, int, np.uint64]:
     """(exponent shift, exponent mask, element mask): mask 0 puts integers in one context."""
     shift, mask = EXPONENT_FIELDS.get(dtype, (0, 0))
     return shift, mask, np.uint64((1 << (8 * width(dtype))) - 1)
@@ -98,12 +98,12 @@ def _by_class(c: np.ndarray) -> list[tuple[int, np.ndarray]]:
 
 
 @kernel
-def _put_values(
-    buf: np.ndarray, old: np.ndarray, new: np.ndarray, shift: int, mask: int, element: np.uint64
+def put_values(
+    buf: np.ndarray, at: int, old: np.ndarray, new: np.ndarray, shift: int, mask: int, element: np.uint64
 ) -> tuple[np.ndarray, int]:
-    """The whole coding above in one compiled call: (buffer, end)."""
+    """The whole coding above in one compiled call, written from `at`: (buffer, end)."""
     signs, v, c = _steps(old, new, element)
-    buf, at = put_section(buf, 0, signs)
+    buf, at = put_section(buf, at, signs)
     ctx = _contexts(old, shift, mask)
     table = np.zeros((CONTEXTS, _CLASSES), dtype=np.int64)
     counts = np.zeros(_CLASSES, dtype=np.int64)
@@ -141,7 +141,7 @@ def _put_values(
 
 
 def encode_values(w: Writer, old_bits: np.ndarray, new_bits: np.ndarray, dtype: str) -> None:
-    buf, end = _put_values(np.zeros(256, dtype=np.uint8), old_bits, new_bits, *_layout(old_bits, dtype))
+    buf, end = put_values(np.zeros(256, dtype=np.uint8), 0, old_bits, new_bits, *layout(dtype))
     w.extend(bytes(buf[:end]))
 
 
@@ -182,7 +182,7 @@ def _apply_steps(
 def decode_values(r: Reader, old_bits: np.ndarray, dtype: str) -> np.ndarray:
     """New bit patterns (the old bits' dtype) for the changed elements whose old bits are given."""
     n = old_bits.size
-    shift, mask, element = _layout(old_bits, dtype)
+    shift, mask, element = layout(dtype)
     signs = r.section()
     if len(signs) * 8 < n:
         raise PatchError("patch is truncated or corrupted (sign bits missing)")

@@ -1,0 +1,217 @@
+"""`encode_changes` for many tensors at once: one compiled call per batch.
+
+A model of many small tensors (an MoE model has one per expert projection) pays the
+encoder's fixed cost per patch: validating the changes, the context hint, the ranks, the
+values, the digest, each a compiled call with its own dispatch, and the Python between
+them. Here one compiled call runs every step for every tensor of a batch and writes all
+the payloads into one buffer; Python then only frames each payload with its header.
+
+The bytes are `encode_changes`' bytes, tensor by tensor (`tests/board/test_codec_batch.py`):
+the kernel takes the same decisions (the context encoding when its hint pays, else
+`sparse`), and a tensor with more than 1/8 of its elements changed, where `dense` or
+`replace` may win, goes through `encode_changes` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from deltaboard.board.codec import api
+from deltaboard.board.codec.bitio import put_index_sets
+from deltaboard.board.codec.changes import Changes, check_positions
+from deltaboard.board.codec.classes import split_by_class
+from deltaboard.board.codec.context import EXPONENT_FIELDS
+from deltaboard.board.codec.digest import change_sums, format_digest, parse_digest
+from deltaboard.board.codec.dtypes import as_bits, dtype_code, uint_dtype
+from deltaboard.board.codec.errors import PatchError
+from deltaboard.board.codec.header import ENCODINGS, pack_fields
+from deltaboard.board.codec.jit import kernel
+from deltaboard.board.codec.ranked import ContextHint, host_hint, put_ranks
+from deltaboard.board.codec.values import layout, put_values
+
+_SPARSE, _CONTEXT = ENCODINGS.index("sparse"), ENCODINGS.index("context")
+_GENERAL = -1  # encoded by `encode_changes` (dense or replace may win)
+# per tensor, how its context hint is had: none (sparse), from the old bits, or given
+_NO_HINT, _FROM_OLD, _GIVEN = 0, 1, 2
+# failures the kernel reports per tensor, raised as `encode_changes` raises them
+_FAILURES = {
+    1: "changes: a position lies outside the tensor",
+    2: "changes: positions are not strictly increasing",
+    3: "context hint: bad thresholds",
+    4: "context hint: a rank outside its class",
+    5: "context hint: ranks not increasing within a class",
+}
+_DENSE_FROM = 8  # as `api`: more than numel / 8 changed may take a bitmap or the tensor
+
+
+@kernel
+def _encode_all(
+    old: np.ndarray,
+    old_starts: np.ndarray,
+    numels: np.ndarray,
+    bounds: np.ndarray,
+    positions: np.ndarray,
+    old_bits: np.ndarray,
+    new_bits: np.ndarray,
+    modes: np.ndarray,
+    fields: np.ndarray,
+    thresholds: np.ndarray,
+    ranks: np.ndarray,
+    lanes: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(payloads end to end, each one's end, its encoding, status) for every tensor;
+    `lanes` (base digest lanes in, result lanes out) is updated in place.
+
+    Tensor i: changes `bounds[i]:bounds[i + 1]` of `positions`, `old_bits`, `new_bits`;
+    its old bits `old[old_starts[i]:][:numels[i]]` (mode `_FROM_OLD`); `fields[i]` its
+    exponent field (shift, mask, element mask); `thresholds[i]` and the ranks at its
+    changes, a given hint (mode `_GIVEN`).
+    """
+    count = numels.size
+    buf = np.zeros(max(256, 8 * positions.size), dtype=np.uint8)
+    ends = np.zeros(count, dtype=np.int64)
+    encodings = np.full(count, _SPARSE, dtype=np.int64)
+    status = np.zeros(count, dtype=np.int64)
+    sign = (np.uint64(1) << np.uint64(8 * old_bits.itemsize - 1)) - np.uint64(1)
+    at = 0
+    for i in range(count):
+        a, b = bounds[i], bounds[i + 1]
+        n, numel = b - a, numels[i]
+        pos, before, after = positions[a:b], old_bits[a:b], new_bits[a:b]
+        status[i] = check_positions(pos, numel)
+        if status[i] == 0 and n * _DENSE_FROM > numel:
+            encodings[i] = _GENERAL
+        if status[i] or encodings[i] == _GENERAL:
+            ends[i] = at
+            continue
+        shift, mask, element = int(fields[i, 0]), int(fields[i, 1]), fields[i, 2]
+        t_low, t_top = thresholds[i, 0], thresholds[i, 1]
+        tensor_ranks = ranks[a:b]
+        hinted = False
+        if modes[i] == _FROM_OLD and n and mask:
+            start = old_starts[i]
+            t_low, t_top, tensor_ranks = host_hint(old[start : start + numel], pos, before, shift, mask)
+            hinted = t_low >= 0
+        elif modes[i] == _GIVEN and n:
+            hinted = mask > 0 and 0 <= t_low <= t_top <= mask + 1
+            status[i] = 0 if hinted else 3
+        if hinted:
+            limits = np.empty(3, dtype=old_bits.dtype)  # in the element's own type
+            limits[0] = sign
+            limits[1] = np.uint64(t_low) << np.uint64(shift)
+            limits[2] = np.uint64(t_top) << np.uint64(shift)
+            r0, r1, r2, split = split_by_class(before, pos, tensor_ranks, limits[0], limits[1], limits[2])
+            if split:
+                status[i] = split + 3
+            else:
+                encodings[i] = _CONTEXT
+                buf, at = put_ranks(buf, at, t_low, t_top, r0, r1, r2)
+        if status[i] == 0 and encodings[i] == _SPARSE:
+            buf, at = put_index_sets(buf, at, pos, np.array([0, n], dtype=np.int64))
+        if status[i] == 0:
+            buf, at = put_values(buf, at, before, after, shift, mask, element)
+            da, db = change_sums(pos, before, after)
+            lanes[i, 0] += da
+            lanes[i, 1] += db
+        ends[i] = at
+    return buf, ends, encodings, status
+
+
+def encode_batch(
+    changes: Sequence[Changes],
+    old_digests: Sequence[str],
+    *,
+    old: np.ndarray | None = None,
+    old_starts: Sequence[int] | None = None,
+    hints: Sequence[ContextHint | None] | None = None,
+) -> list[tuple[bytes, str]]:
+    """Each tensor's patch and its result digest: byte for byte what
+    `encode_changes(changes[i], old_i, dtype, old_digest=old_digests[i], hint=hints[i])` gives.
+
+    `old` (raw bytes, as everywhere) holds every tensor's old elements, tensor i's from
+    element `old_starts[i]` on (several tensors of a view buffer, in place); without it
+    there is no `replace` and, without `hints` too, no context encoding. Every tensor's
+    elements have one width.
+    """
+    if not changes:
+        return []
+    if len(old_digests) != len(changes) or (hints is not None and len(hints) != len(changes)):
+        raise PatchError("encode_batch: one base digest (and hint) per tensor expected")
+    bits_dtype = uint_dtype(changes[0].dtype)
+    if any(uint_dtype(c.dtype) != bits_dtype for c in changes):
+        raise PatchError("encode_batch: tensors of one element width expected")
+    for c in changes:
+        n = c.positions.shape
+        if len(n) != 1 or c.old_bits.shape != n or c.new_bits.shape != n:
+            raise PatchError("changes: positions, old_bits and new_bits differ in length")
+    numels = np.array([c.numel for c in changes], dtype=np.int64)
+    old_bits = np.empty(0, dtype=bits_dtype) if old is None else as_bits(old, changes[0].dtype, "old")
+    starts = (
+        np.zeros(len(changes), dtype=np.int64) if old_starts is None else np.asarray(old_starts, np.int64)
+    )
+    if old is not None and (
+        starts.shape != numels.shape or (starts < 0).any() or (starts + numels > old_bits.size).any()
+    ):
+        raise PatchError(f"old has {old_bits.size} elements, fewer than the tensors' at their starts")
+    bounds = np.zeros(len(changes) + 1, dtype=np.int64)
+    np.cumsum([c.positions.size for c in changes], out=bounds[1:])
+    lanes = np.array([parse_digest(d) for d in old_digests], dtype=np.uint64).reshape(-1, 2)
+    modes, thresholds, ranks = _hints(changes, old is not None, hints, bounds)
+    fields = np.array(
+        [(*EXPONENT_FIELDS.get(c.dtype, (0, 0)), layout(c.dtype)[2]) for c in changes], np.uint64
+    )
+    payloads, ends, encodings, status = _encode_all(
+        old_bits,
+        starts,
+        numels,
+        bounds,
+        np.concatenate([c.positions for c in changes], dtype=np.int64),
+        np.concatenate([c.old_bits for c in changes], dtype=bits_dtype),
+        np.concatenate([c.new_bits for c in changes], dtype=bits_dtype),
+        modes,
+        fields,
+        thresholds,
+        ranks,
+        lanes,
+    )
+    failed = np.flatnonzero(status)
+    if failed.size:
+        raise PatchError(_FAILURES[int(status[failed[0]])])
+    view = payloads.data
+    out = []
+    starts_of = np.concatenate(([0], ends[:-1])).tolist()
+    for i, c in enumerate(changes):
+        if encodings[i] == _GENERAL:
+            tensor_old = None if old is None else old_bits[starts[i] : starts[i] + c.numel].view(np.uint8)
+            hint = None if hints is None else hints[i]
+            patch = api.encode_changes(c, tensor_old, c.dtype, old_digest=old_digests[i], hint=hint)
+            out.append((patch, api.read_header(patch).result_digest))
+            continue
+        result = format_digest(int(lanes[i, 0]), int(lanes[i, 1]))
+        payload = view[starts_of[i] : ends[i]]
+        base, after = bytes.fromhex(old_digests[i]), bytes.fromhex(result)
+        patch = pack_fields(dtype_code(c.dtype), int(encodings[i]), c.numel, c.count, base, after, payload)
+        out.append((patch, result))
+    return out
+
+
+def _hints(
+    changes: Sequence[Changes], has_old: bool, hints: Sequence[ContextHint | None] | None, bounds: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mode, given thresholds, given ranks at the changes) per tensor, as `encode_changes`
+    decides: a given hint as given, else one from the old bits of a floating tensor."""
+    count = len(changes)
+    modes = np.full(count, _FROM_OLD if has_old else _NO_HINT, dtype=np.int64)
+    thresholds = np.zeros((count, 2), dtype=np.int64)
+    ranks = np.zeros(int(bounds[-1]), dtype=np.int64)
+    for i, hint in enumerate(hints or ()):
+        if hint is None:
+            continue
+        if hint.ranks.shape != changes[i].positions.shape:
+            raise PatchError("context hint: one rank per changed element expected")
+        modes[i] = _GIVEN
+        thresholds[i] = hint.t_low, hint.t_top
+        ranks[bounds[i] : bounds[i + 1]] = hint.ranks
+    return modes, thresholds, ranks

@@ -1,0 +1,101 @@
+"""`encode_batch` writes `encode_changes`' bytes for every tensor of a batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltaboard.board import codec
+from tests.board.codec_cases import PATTERNS, make_case
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# dtypes by element width: a batch holds tensors of one width
+WIDTH_GROUPS = [
+    sorted(d for d in codec.WIDTHS if codec.width(d) == w) for w in sorted(set(codec.WIDTHS.values()))
+]
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Tensors of one width (dtypes mixed: BF16 beside F16, I16, ...), every change pattern."""
+    dtypes = draw(st.sampled_from(WIDTH_GROUPS))
+    count = draw(st.integers(1, 6))
+    out = []
+    for _ in range(count):
+        n = draw(st.one_of(st.sampled_from([0, 1, 9, 64, 65]), st.integers(0, 3000)))
+        case = make_case(
+            draw(st.sampled_from(dtypes)), n, draw(st.sampled_from(PATTERNS)), draw(st.integers(0, 2**32 - 1))
+        )
+        out.append((case.dtype, case.old, case.new))
+    return out
+
+
+def one_buffer(tensors: list[tuple[str, np.ndarray, np.ndarray]], gap: int) -> tuple[np.ndarray, list[int]]:
+    """Every old tensor in one byte buffer, `gap` elements of junk apart (as a view buffer
+    holds them), and each one's first element."""
+    width = codec.width(tensors[0][0])
+    parts, starts, at = [], [], 0
+    for _, old, _ in tensors:
+        parts += [old, np.full(gap * width, 0xA5, dtype=np.uint8)]
+        starts.append(at)
+        at += old.size // width + gap
+    return np.concatenate(parts), starts
+
+
+@SETTINGS
+@given(batches(), st.integers(0, 3))
+def test_a_batch_is_each_tensors_own_patch(
+    tensors: list[tuple[str, np.ndarray, np.ndarray]], gap: int
+) -> None:
+    changes = [codec.diff(old, new, dtype) for dtype, old, new in tensors]
+    digests = [codec.digest(old, dtype) for dtype, old, _ in tensors]
+    buffer, starts = one_buffer(tensors, gap)
+    got = codec.encode_batch(changes, digests, old=buffer, old_starts=starts)
+    without_old = codec.encode_batch(changes, digests)
+    for (dtype, old, new), c, d, (patch, result), (bare, bare_result) in zip(
+        tensors, changes, digests, got, without_old, strict=True
+    ):
+        assert patch == codec.encode_changes(c, old, dtype, old_digest=d)
+        assert bare == codec.encode_changes(c, None, dtype, old_digest=d)
+        assert result == bare_result == codec.digest(new, dtype) == codec.read_header(patch).result_digest
+        assert codec.apply(old, patch).tobytes() == new.tobytes()
+
+
+@SETTINGS
+@given(st.sampled_from(["BF16", "F16", "F32", "F8_E4M3"]), st.integers(1, 4), st.integers(0, 2**32 - 1))
+def test_given_hints_are_used_as_given(dtype: str, count: int, seed: int) -> None:
+    """The device's hints (here the host's own, and one tensor without) give the patches
+    `encode_changes` gives with them."""
+    cases = [make_case(dtype, 2000 + 37 * i, "small-weights", seed + i) for i in range(count)]
+    changes = [codec.diff(c.old, c.new, dtype) for c in cases]
+    hints = [
+        codec.context_hint(ch, c.old.view(codec.uint_dtype(dtype))) if i else None
+        for i, (c, ch) in enumerate(zip(cases, changes, strict=True))
+    ]
+    digests = [codec.digest(c.old, dtype) for c in cases]
+    got = codec.encode_batch(changes, digests, hints=hints)
+    for c, ch, d, h, (patch, _) in zip(cases, changes, digests, hints, got, strict=True):
+        assert patch == codec.encode_changes(ch, None, dtype, old_digest=d, hint=h)
+        assert codec.apply(c.old, patch).tobytes() == c.new.tobytes()
+
+
+def test_bad_input_is_refused_as_encode_changes_refuses_it() -> None:
+    case = make_case("BF16", 500, "ulp", 1)
+    good = codec.diff(case.old, case.new, "BF16")
+    digest = codec.digest(case.old, "BF16")
+    unsorted = codec.Changes("BF16", good.numel, good.positions[::-1].copy(), good.old_bits, good.new_bits)
+    with pytest.raises(codec.PatchError, match="strictly increasing"):
+        codec.encode_batch([good, unsorted], [digest, digest])
+    outside = codec.Changes("BF16", 3, good.positions, good.old_bits, good.new_bits)
+    with pytest.raises(codec.PatchError, match="outside"):
+        codec.encode_batch([outside], [digest])
+    with pytest.raises(codec.PatchError, match="fewer than"):
+        codec.encode_batch([good], [digest], old=case.old, old_starts=[1])
+    wrong = codec.ContextHint(0, 300, np.zeros(good.count, dtype=np.int64))
+    with pytest.raises(codec.PatchError, match="bad thresholds"):
+        codec.encode_batch([good], [digest], hints=[wrong])
+    with pytest.raises(codec.PatchError, match="one element width"):
+        f32 = make_case("F32", 10, "one", 1)
+        codec.encode_batch([good, codec.diff(f32.old, f32.new, "F32")], [digest, digest])

@@ -16,7 +16,9 @@ with:
   mode, or a request pinned at the served version; otherwise the last event says),
 - a JSON object body gains `"weight_version": {"start": s, "end": e, "spans": ...}`
   (which version made which token: `services.sidecar.stamping`),
-- a stream's last data event (the one before `data: [DONE]`) gains the same field.
+- a stream passes as it comes and ends with an event of the sidecar's own carrying the
+  same field (`data: {"choices": [], "weight_version": ...}`), its last data event, just
+  before `data: [DONE]`.
 
 With `VersionGate.abort_stale` (`deltaboard sidecar --abort-stale`), a swap aborts the
 requests in flight that the new version would break instead of waiting for them
@@ -45,7 +47,9 @@ when it names `weight_version` (a request whose headers carry its constraint is 
 parsed at all), a request whose constraint holds is admitted without waiting on the
 gate's lock (`VersionGate.admit_now`), the upstream is the sidecar's own connection pool
 (`services.sidecar.upstream`), a stream's bytes go out as each read of the engine brings
-them (`restamped_stream`), and a watcher, from a request's 50th millisecond on, turns its
+them, nothing held back (`restamped_stream`), bodies are stamped by splicing bytes, the
+engine's stamp is asked once for all the requests that need it in a turn of the loop
+(`Proxy.engine_stamp`), and a watcher, from a request's 50th millisecond on, turns its
 client's disconnect into the cancellation of its work (`_Watch`). Figures, before and
 after, in docs/design.md.
 """
@@ -261,6 +265,7 @@ class Proxy:
         self.routes = adapter.inference_routes
         self.pool = UpstreamPool(settings.engine_url)
         self._outcome = {name: metrics.requests.labels(name) for name in ("proxied", "aborted", "stale")}
+        self._asking: asyncio.Future[EngineStamp | str] | None = None  # the next stamp question
 
     def count(self, outcome: str) -> None:
         counter = self._outcome.get(outcome)
@@ -268,10 +273,22 @@ class Proxy:
 
     async def engine_stamp(self, headers: ResponseHeaders | None) -> EngineStamp | str:
         """What the engine reports it holds: from `headers` if it stamped them, else asked
-        at the adapter's `stamp_path` (a string says why it cannot be told)."""
+        at the adapter's `stamp_path` (a string says why it cannot be told) by a question
+        sent after this call."""
         stamp = None if headers is None else self.adapter.stamp_of(headers)
         if stamp is not None:
             return stamp
+        if self._asking is None:
+            self._asking = asyncio.ensure_future(self._ask_stamp())
+        return await asyncio.shield(self._asking)
+
+    async def _ask_stamp(self) -> EngineStamp | str:
+        """The engine's stamp asked at `stamp_path`, once for every request that asked
+        before this task's first step (in the same turn of the event loop): the question
+        goes out after each of them asked, so its answer holds for each, and a stream's
+        end costs the engine and the sidecar one question per turn, not one per stream.
+        Whoever asks from this step on waits for the next question."""
+        self._asking = None
         path = self.adapter.stamp_path
         try:
             async with asyncio.timeout(STAMP_TIMEOUT_S):

@@ -2,15 +2,16 @@
 
 - headers `X-Weight-Version-Start` / `X-Weight-Version-End`,
 - a JSON object body gains `"weight_version": {"start": s, "end": e, "spans": ...}`,
-- a server-sent event stream is passed through as it comes, holding back only its latest
-  data event (and what came after it), so that its last data event (the one before
-  `data: [DONE]`) can gain the same field once the range's end is known; a stream
-  without a JSON last event gets one extra event carrying it. When the weights behind
-  the stream cannot be vouched for at its end, the last event goes out unstamped,
-  followed by `{"error": {"code": "EngineChanged", ...}}`; when a swap aborts the request
-  (`abort_stale`, see `services.sidecar.gate`), the events so far go out unstamped, then
-  `{"error": {"code": "WeightVersionGone", ...}}` (the error object of the 410 a request
-  arriving now would get), and the stream ends there.
+- a server-sent event stream is passed through as it comes (nothing held back: each
+  token leaves with the read that brought it) and ends with an event of the sidecar's own,
+  `data: {"choices": [], "weight_version": {...}}`, after the engine's last data event
+  and before `data: [DONE]`; so the stream's last data event carries the range, as an
+  OpenAI usage chunk carries usage (`choices` empty). An engine's own `weight_version` in
+  an event is taken out of it (its spans are read, see below). When the weights behind the
+  stream cannot be vouched for at its end, `{"error": {"code": "EngineChanged", ...}}`
+  takes the range's place; when a swap aborts the request (`abort_stale`, see
+  `services.sidecar.gate`), the stream ends with `{"error": {"code": "WeightVersionGone",
+  ...}}` (the error object of the 410 a request arriving now would get).
 
 `spans` says which version made which token of the completion: `[[0, 7], [12, 8]]` is
 tokens 0-11 from version 7, from token 12 on version 8 (indices into the choice's
@@ -28,6 +29,12 @@ generated tokens). Only the engine can know where a swap fell between two tokens
 
 For a response of several choices (`n` > 1, engines other than the reference), `[[0, v]]`
 holds for each choice; engine spans describe its one choice.
+
+Bodies are stamped by splicing bytes, not by decoding and encoding them: the field is
+appended before an object's closing brace, and an engine's own `weight_version`, when it
+is the object's last member (as the reference engine writes it), is read alone and cut
+out; only a body where it sits elsewhere is decoded whole. A stream's reads are scanned
+for event boundaries, `[DONE]` and the field's name, and passed on in one piece.
 
 `Release` ends a request's admission exactly once (its result is the range's end); the
 proxy releases every admission once its upstream is closed, whatever happened.
@@ -80,19 +87,65 @@ def version_field(start: int | None, end: int | None, reported: Any = None) -> d
     return {"start": start, "end": end, "spans": spans}
 
 
-def stamp(payload: bytes, start: int | None, end: int | None) -> bytes | None:
-    """`payload` (JSON) with the versions added (None: none, and any the engine wrote
-    removed), or None when it is not a JSON object."""
+_FIELD = b'"weight_version"'
+_DECODER = json.JSONDecoder()
+
+
+def _last_member(body: bytes) -> tuple[bytes, Any] | None:
+    """(`body` up to its `weight_version` member, the member's value) when that member is
+    the last of the object `body` (stripped), read without decoding the rest; else None."""
+    at = body.rfind(_FIELD)
+    head = body[:at].rstrip()
+    if not head.endswith((b",", b"{")):
+        return None
+    rest = body[at + len(_FIELD) :].lstrip()
+    if not rest.startswith(b":"):
+        return None
     try:
-        decoded = json.loads(payload)
+        text = rest[1:].decode().lstrip()
+        value, stop = _DECODER.raw_decode(text)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    if text[stop:].strip() != "}":  # a nested member, or not the last one
+        return None
+    return head.removesuffix(b","), value
+
+
+def without_field(payload: bytes) -> tuple[bytes, Any] | None:
+    """A JSON object's text without its closing brace and without its `weight_version`
+    member, and that member's value (None: it has none); None when `payload` is not an
+    object. Only a payload naming the field elsewhere than as its last member is decoded."""
+    body = payload.strip()
+    if not (body.startswith(b"{") and body.endswith(b"}")):
+        return None
+    if _FIELD not in body:
+        return body[:-1].rstrip(), None
+    found = _last_member(body)
+    if found is not None:
+        return found
+    try:
+        decoded = json.loads(body)
     except ValueError:
         return None
     if not isinstance(decoded, dict):
         return None
     reported = decoded.pop("weight_version", None)
-    if start is not None or end is not None:
-        decoded["weight_version"] = version_field(start, end, reported)
-    return json.dumps(decoded, separators=(",", ":")).encode()
+    return json.dumps(decoded, separators=(",", ":")).encode()[:-1], reported
+
+
+def stamp(payload: bytes, start: int | None, end: int | None) -> bytes | None:
+    """`payload` (a JSON object) with the versions added (start and end None: none, and any
+    the engine wrote removed), or None when it is not a JSON object. A body that only looks
+    like one (braces around something else) is spliced as if it were, and stays as invalid
+    as it came."""
+    split = without_field(payload)
+    if split is None:
+        return None
+    head, reported = split
+    if start is None and end is None:
+        return head + b"}"
+    field = json.dumps(version_field(start, end, reported), separators=(",", ":")).encode()
+    return head + (b'"weight_version":' if head == b"{" else b',"weight_version":') + field + b"}"
 
 
 def _event_data(event: bytes) -> bytes | None:
@@ -123,125 +176,73 @@ async def restamped_stream(
     verify: Callable[[], Awaitable[str | None]],
     aborted: Callable[[], None],
 ) -> AsyncIterator[bytes]:
-    """Pass SSE events through, holding back only what the last data event needs, so it
-    can carry the range (`verify()`, asked at the end, returns why the range must not be
-    given, or None). `upstream.aiter_raw()` gives the body; every read's complete events
-    go out as one piece, as they came, except the last data event among them (and what
-    follows it), which waits for the next read. A swap that aborts the request ends the
-    stream with its error (and calls `aborted()`); the caller closes the upstream and
-    releases the admission after it."""
+    """Pass SSE events through as each read of `upstream.aiter_raw()` brings them (its
+    complete events in one piece), then the range in an event of its own, before `[DONE]`
+    or at the end (`verify()`, asked then, returns why the range must not be given, or
+    None). A swap that aborts the request ends the stream with its error (and calls
+    `aborted()`); the caller closes the upstream and releases the admission after it."""
     start = admitted.start
     abortable = admitted.high is not None  # only a request with a highest version goes stale
     chunks = upstream.aiter_raw()
-    held = b""  # complete events, from the last data event on
     pending = b""  # the start of an event not complete yet
+    reported: list[Any] = [None]  # the engine's own `weight_version`, the last it wrote
     while True:
         if abortable:
             try:
                 chunk = await unless_stale(anext(chunks, None), admitted)
             except Stale as stale:
                 aborted()
-                yield _unstamped(held) + _data_event({"error": stale.refused.error()})
+                yield _data_event({"error": stale.refused.error()})
                 return
         else:
             chunk = await anext(chunks, None)
         if chunk is None:
             break
-        if b"\r" in chunk:
-            chunk = chunk.replace(b"\r\n", b"\n")
         data = pending + chunk if pending else chunk
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
         cut = data.rfind(b"\n\n") + 2
         if cut < 2:
             pending = data
             continue
-        complete, pending = data[:cut], data[cut:]
-        if b"[DONE]" in complete:  # once a stream: event by event
+        complete, pending = (data, b"") if cut == len(data) else (data[:cut], data[cut:])
+        if b"[DONE]" in complete or _FIELD in complete:  # once or twice a stream: event by event
+            out = []
             for event in complete.split(b"\n\n")[:-1]:
-                out, held = await _next_event(event, held, start, release, verify)
-                if out:
-                    yield out
-            continue
-        last = _last_data_event(complete)
-        if last < 0 and held:
-            held += complete
-            continue
-        out, held = (complete, b"") if last < 0 else (held + complete[:last], complete[last:])
-        if out:
-            yield out
-    if held or not release.done:
-        yield await _final_event(held, start, release, verify)
+                if not release.done and _event_data(event) == b"[DONE]":
+                    out.append(await _final_event(start, release, verify, reported[0]))
+                out.append(_without_engine_versions(event, reported) + b"\n\n")
+            complete = b"".join(out)
+        if complete:
+            yield complete
+    if not release.done:
+        yield await _final_event(start, release, verify, reported[0])
 
 
-def _is_data(event: bytes) -> bool:
-    return event.startswith(b"data:") or b"\ndata:" in event
-
-
-def _last_data_event(complete: bytes) -> int:
-    """Where the last data event of `complete` (whole events) starts; -1: none in it."""
-    end = len(complete) - 2
-    while True:
-        separator = complete.rfind(b"\n\n", 0, end)
-        begin = 0 if separator < 0 else separator + 2
-        if _is_data(complete[begin:end]):
-            return begin
-        if separator < 0:
-            return -1
-        end = separator
-
-
-async def _next_event(
-    event: bytes,
-    held: bytes,
-    start: int | None,
-    release: Release,
-    verify: Callable[[], Awaitable[str | None]],
-) -> tuple[bytes, bytes]:
-    """What goes out for one more `event`, and what is held back after it."""
+def _without_engine_versions(event: bytes, reported: list[Any]) -> bytes:
+    """`event` without the `weight_version` the engine wrote into its data, which goes into
+    `reported[0]` (the event as it came when its data names none)."""
     data = _event_data(event)
-    if data == b"[DONE]":
-        return await _final_event(held, start, release, verify) + event + b"\n\n", b""
-    if data is not None:
-        return held, event + b"\n\n"
-    if held:
-        return b"", held + event + b"\n\n"
-    return event + b"\n\n", b""
+    if data is None or _FIELD not in data:
+        return event
+    split = without_field(data)
+    if split is None:
+        return event
+    reported[0] = split[1]
+    others = [line for line in event.split(b"\n") if not line.startswith(b"data:")]
+    return b"\n".join([*others, b"data: " + split[0].replace(b"\n", b" ") + b"}"])
 
 
 def _data_event(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-def _split_held(held: bytes) -> tuple[bytes | None, bytes]:
-    """The held data event (None: none) and the events after it (with their separators)."""
-    if not held:
-        return None, b""
-    end = held.index(b"\n\n")
-    return held[:end], held[end + 2 :]
-
-
-def _unstamped(held: bytes) -> bytes:
-    """The held events as they go out before an error: the data event without any
-    versions, not even ones the engine wrote itself."""
-    event, after = _split_held(held)
-    if event is None:
-        return b""
-    data = _event_data(event)
-    unstamped = stamp(data, None, None) if data is not None else None
-    return (b"data: " + unstamped if unstamped else event) + b"\n\n" + after
-
-
 async def _final_event(
-    held: bytes, start: int | None, release: Release, verify: Callable[[], Awaitable[str | None]]
+    start: int | None, release: Release, verify: Callable[[], Awaitable[str | None]], reported: Any
 ) -> bytes:
+    """The stream's range, in an event of its own (or, not vouched for, an error)."""
     refusal = await verify()
     end = await release()
     if refusal is not None:
-        error = {"code": str(SidecarCode.ENGINE_CHANGED), "message": refusal}
-        return _unstamped(held) + _data_event({"error": error})
-    event, after = _split_held(held)
-    data = _event_data(event) if event is not None else None
-    stamped = stamp(data, start, end) if data is not None else None
-    if stamped is not None:
-        return b"data: " + stamped + b"\n\n" + after
-    before = b"" if event is None else event + b"\n\n"
-    return before + after + _data_event({"weight_version": version_field(start, end)})
+        return _data_event({"error": {"code": str(SidecarCode.ENGINE_CHANGED), "message": refusal}})
+    return _data_event({"choices": [], "weight_version": version_field(start, end, reported)})

@@ -78,8 +78,9 @@ async def load(url: str, swapper: Swapper, mode: CommitMode) -> tuple[int, set[i
         events = [e[6:] for e in text.split(b"\n\n") if e.startswith(b"data: ")]
         assert events[-1] == b"[DONE]"
         payloads = [json.loads(e) for e in events[:-1]]
-        versions = [p["choices"][0]["v"] for p in payloads]
+        versions = [p["choices"][0]["v"] for p in payloads[:-1]]
         assert all("weight_version" not in p for p in payloads[:-1])
+        assert payloads[-1]["choices"] == []  # the range's own event, after the last token
         check(payloads[-1]["weight_version"], versions, response.headers, mode)
         seen.update(versions)
         checked += 1

@@ -5,6 +5,7 @@ swaps, reloads the engine if asked, and records what the engine then reports."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -22,7 +23,7 @@ from deltaboard.services.engine.app import EngineState, create_app
 from deltaboard.services.sidecar.background import BackgroundServer
 from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
-from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
+from deltaboard.services.sidecar.proxy import Proxy, ProxySettings, create_proxy_app
 from tests.services.fakes.direct import direct_logprobs
 from tests.services.fakes.echo import echo_engine
 from tests.services.fakes.held_slot import HeldSlot
@@ -168,6 +169,36 @@ def test_a_stream_whose_weights_changed_under_it_ends_with_an_error(node, engine
     assert all("weight_version" not in json.loads(e) for e in events[:-1])
 
 
+def test_the_engine_is_asked_its_stamp_once_for_all_who_ask_in_one_turn():
+    """Streams that end together (or engines that stamp no response) share one question to
+    the engine's stamp path; a request asking after that question went out gets its own."""
+    asked: list[bytes] = []
+
+    async def health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # until the sidecar's pool closes its connection, or the test's loop ends
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            while True:
+                asked.append(await reader.readuntil(b"\r\n\r\n"))
+                body = b'{"weight_version": 3, "loads": 2}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+
+    async def main() -> tuple[list[Any], Any]:
+        server = await asyncio.start_server(health, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        adapter = make_adapter("reference", url)
+        proxy = Proxy(VersionGate("quiesce"), adapter, ProxySettings(url), SidecarMetrics())
+        together = await asyncio.gather(*(proxy.engine_stamp(None) for _ in range(5)))
+        later = await proxy.engine_stamp(None)
+        await proxy.pool.aclose()
+        adapter.close()
+        server.close()
+        return together, later
+
+    together, later = asyncio.run(main())
+    assert together == [EngineStamp("3", loads=2)] * 5 and later == EngineStamp("3", loads=2)
+    assert len(asked) == 2 and all(head.startswith(b"GET /health ") for head in asked)
+
+
 def test_constraint_is_removed_before_forwarding_and_everything_else_passes(echo_node):
     response = echo_node.client.post(
         "/v1/completions?x=1",
@@ -210,8 +241,9 @@ def test_stream_last_event_carries_the_range(node):
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert len(chunks) == 4 and chunks[-1]["weight_version"] == {"start": 1, "end": 1, "spans": [[0, 1]]}
-    assert all("weight_version" not in c for c in chunks[:-1])
+    assert len(chunks) == 5  # the 4 tokens, then the range in an event of its own
+    assert chunks[-1] == {"choices": [], "weight_version": {"start": 1, "end": 1, "spans": [[0, 1]]}}
+    assert all("weight_version" not in c for c in chunks[:-1])  # the engine's own taken out
 
 
 @pytest.mark.parametrize("done", [True, False])
@@ -220,8 +252,12 @@ def test_stream_restamping_keeps_every_event(echo_node, done):
     with echo_node.client.stream("POST", "/v1/completions", json=body) as response:
         events = [line for line in response.iter_lines() if line]
     data = [json.loads(line[6:]) for line in events if line.startswith("data: {")]
-    assert [d.get("i") for d in data] == [0, 1, 2]
-    assert data[-1]["weight_version"] == {"start": 4, "end": 4, "spans": [[0, 4]]}
+    assert data == [
+        {"i": 0},
+        {"i": 1},
+        {"i": 2},
+        {"choices": [], "weight_version": {"start": 4, "end": 4, "spans": [[0, 4]]}},
+    ]
     assert events[0] == ": a comment" and (events[-1] == "data: [DONE]") == done
 
 
@@ -396,8 +432,9 @@ def generated(response: httpx.Response, stream: bool) -> tuple[list[int], list[f
         choice = body["choices"][0]
         return choice["token_ids"], choice["logprobs"]["token_logprobs"], body["weight_version"]
     events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
-    ids = [token for e in events for token in e["choices"][0]["token_ids"]]
-    logprobs = [lp for e in events for lp in e["choices"][0]["logprobs"]["token_logprobs"]]
+    choices = [c for e in events for c in e["choices"]]  # the range's own event has none
+    ids = [token for c in choices for token in c["token_ids"]]
+    logprobs = [lp for c in choices for lp in c["logprobs"]["token_logprobs"]]
     return ids, logprobs, events[-1]["weight_version"]
 
 
@@ -434,16 +471,16 @@ def test_spans_say_exactly_which_version_made_each_token(model_dir, other_model_
     assert logprobs[swap_at:] != direct_logprobs(first, PROMPT + before, after)
 
 
-def stream_events(node: Node, body: dict[str, Any], first: threading.Event) -> list[str]:
-    """The stream's data events; `first` is set once the first one arrived (the sidecar
-    passes an event on once it holds the next, which it keeps back for the range)."""
+def stream_events(node: Node, body: dict[str, Any], arrived: threading.Event, count: int) -> list[str]:
+    """The stream's data events; `arrived` is set once `count` of them arrived."""
     events = []
     with node.client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
-                first.set()
+                if len(events) >= count:
+                    arrived.set()
     return events
 
 
@@ -464,7 +501,7 @@ def test_abort_stale_ends_the_requests_a_swap_breaks_and_only_those(model_dir, o
                 threading.Thread(
                     target=lambda: answers.update(
                         streamed=stream_events(
-                            n, {**long, "stream": True, "weight_version": {"max": 1}}, streaming
+                            n, {**long, "stream": True, "weight_version": {"max": 1}}, streaming, held_at
                         )
                     )
                 ),
@@ -475,7 +512,7 @@ def test_abort_stale_ends_the_requests_a_swap_breaks_and_only_those(model_dir, o
             for request in requests:
                 request.start()
             slot.wait_held(3)
-            assert streaming.wait(60)  # the sidecar holds the stream's 2nd event: both came through
+            assert streaming.wait(60)  # the tokens made before the engine holds went through
             reload = {"model": str(other_model_dir), "weight_version": 2}
             swap = threading.Thread(
                 target=n.serve, args=(2, lambda: httpx.post(f"{engine}/reload", json=reload))

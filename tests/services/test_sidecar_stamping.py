@@ -94,7 +94,9 @@ payloads = st.dictionaries(
     st.integers(0, 50),
     st.integers(0, 50),
 )
-def test_every_event_passes_and_only_the_last_data_event_is_stamped(events, comment, done, cuts, start, end):
+def test_every_event_passes_as_it_came_and_the_range_comes_last_in_its_own(
+    events, comment, done, cuts, start, end
+):
     lines = [b": keep-alive"] if comment else []
     lines += [b"data: " + json.dumps(e).encode() for e in events]
     if done:
@@ -102,11 +104,50 @@ def test_every_event_passes_and_only_the_last_data_event_is_stamped(events, comm
     body = b"".join(line + b"\n\n" for line in lines)
     out, released = run_stream(body, cuts, start, end)
     assert released == 1
+    assert out[: len(lines) - done] == lines[: len(lines) - done]  # byte for byte
     data = [json.loads(e[6:]) for e in out if e.startswith(b"data: {")]
-    assert data[:-1] == events[:-1]
-    assert data[-1] == {**events[-1], "weight_version": whole(start, end)}
+    assert data == [*events, {"choices": [], "weight_version": whole(start, end)}]
     assert (out[-1] == b"data: [DONE]") == done
-    assert (out[0] == b": keep-alive") == comment
+
+
+@given(st.lists(payloads, min_size=1, max_size=4), st.lists(st.integers(0, 10_000), max_size=6))
+def test_the_engines_own_versions_leave_its_event_for_the_range(events, cuts):
+    spans = {"start": 7, "end": 8, "spans": [[0, 7], [2, 8]]}
+    last = {**events[-1], "weight_version": spans}
+    lines = [b"data: " + json.dumps(e).encode() for e in [*events[:-1], last]] + [b"data: [DONE]"]
+    out, _ = run_stream(b"".join(line + b"\n\n" for line in lines), cuts, 7, 8)
+    data = [json.loads(e[6:]) for e in out if e.startswith(b"data: {")]
+    assert data == [*events, {"choices": [], "weight_version": spans}]
+
+
+def test_an_event_goes_out_before_the_next_one_is_read():
+    """Nothing is held back for the range: a stream's first token leaves when it comes."""
+    received: list[bytes] = []
+    asked: list[int] = []
+
+    class OneByOne:
+        async def aiter_raw(self) -> AsyncIterator[bytes]:
+            for i in range(3):
+                asked.append(len(received))  # what the client had when the engine was read again
+                yield b'data: {"i": %d}\n\n' % i
+
+    async def main() -> None:
+        stale: asyncio.Future[Refused] = asyncio.get_running_loop().create_future()
+        admitted = Admitted(1, 0.0, VersionConstraint(), 0, stale)
+        release = Release(cast(VersionGate, EndsAt(1)), admitted)
+
+        async def verify() -> None:
+            return None
+
+        async for part in restamped_stream(OneByOne(), admitted, release, verify, lambda: None):
+            received.append(part)
+
+    asyncio.run(main())
+    assert asked == [0, 1, 2]
+    assert (
+        received[-1]
+        == b'data: {"choices": [], "weight_version": {"start": 1, "end": 1, "spans": [[0, 1]]}}\n\n'
+    )
 
 
 @given(
@@ -124,7 +165,8 @@ def test_a_stream_the_gate_does_not_vouch_for_ends_with_an_error_not_a_range(eve
 def test_a_stream_without_data_events_still_reports_its_range():
     out, released = run_stream(b": only a comment\n\n", [3], 4, 5)
     assert released == 1
-    assert out == [b": only a comment", b'data: {"weight_version": {"start": 4, "end": 5, "spans": null}}']
+    range_event = b'data: {"choices": [], "weight_version": {"start": 4, "end": 5, "spans": null}}'
+    assert out == [b": only a comment", range_event]
 
 
 @given(payloads, st.integers(0, 9), st.integers(0, 9))
@@ -132,6 +174,40 @@ def test_json_objects_gain_the_range_and_keep_everything_else(payload, start, en
     stamped = stamp(json.dumps(payload).encode(), start, end)
     assert stamped is not None
     assert json.loads(stamped) == {**payload, "weight_version": whole(start, end)}
+
+
+engine_values = (
+    st.integers()
+    | st.text(alphabet='a"\\{}:, weight_version', max_size=20)
+    | st.fixed_dictionaries({"weight_version": st.integers(0, 9)})
+    | st.fixed_dictionaries({"spans": st.just([[0, 3], [2, 4]])})
+)
+engine_bodies = st.dictionaries(
+    st.sampled_from(["i", "text", "weight_version", "x"]), engine_values, max_size=4
+)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(
+    engine_bodies,
+    st.sampled_from([{}, {"indent": 1}, {"separators": (",", ":")}]),
+    st.sampled_from([b"", b" \n"]),
+    st.integers(3, 4),
+    st.integers(4, 5),
+)
+def test_a_spliced_body_reads_as_the_decoded_one_would_be_stamped(body, style, space, start, end):
+    """Byte splicing (the engine's field last, elsewhere, nested, named in strings; any
+    layout) gives the object that decoding, editing and encoding would."""
+    payload = space + json.dumps(body, **style).encode() + space
+    expected = {k: v for k, v in body.items() if k != "weight_version"}
+    stamped = stamp(payload, start, end)
+    assert stamped is not None
+    assert json.loads(stamped) == {
+        **expected,
+        "weight_version": version_field(start, end, body.get("weight_version")),
+    }
+    unstamped = stamp(payload, None, None)
+    assert unstamped is not None and json.loads(unstamped) == expected
 
 
 def test_non_objects_are_left_alone():

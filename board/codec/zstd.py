@@ -11,6 +11,13 @@ host's cores, so it makes no copy it can avoid: zstd decompresses straight into 
 compiled loop (GIL released too) straight into the destination, which may be the mapped
 shard itself; a 1-byte dtype has no planes and is decompressed into the destination.
 Threads decoding several tensors therefore run on every core.
+
+Level 1: on byte planes, what compresses is the order-0 skew of the sign/exponent plane
+(zstd's Huffman literals); mantissa planes are noise that zstd stores as raw blocks
+(copied, not decoded, on the way back). Higher levels add short matches within the
+exponent plane, which code it worse than its literals and decode several times slower
+(docs/design.md, section 6). Any level's frame decodes the same way: the choice is the
+encoder's alone.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from deltaboard.board.codec.errors import PatchError
 from deltaboard.board.codec.jit import kernel
 from deltaboard.board.codec.parallel import map_ranges
 
-LEVEL = 3
+LEVEL = 1
 _MAX_RATIO = (128 << 10) // 4  # bytes out per byte in, at most
 
 
@@ -70,31 +77,59 @@ def decompress_exact(data: bytes | memoryview, size: int) -> np.ndarray:
 
 
 @kernel
-def _interleave(planes: np.ndarray, out: np.ndarray, width: int, start: int, stop: int) -> None:
-    """Elements [start, stop) of `out` from the byte planes (plane k: byte k of every element)."""
-    n = out.size // width
-    if width == 2:  # the common case (16-bit floats), written out so that it vectorises
-        for i in range(start, stop):
-            out[2 * i] = planes[i]
-            out[2 * i + 1] = planes[n + i]
-        return
-    for i in range(start, stop):
+def _join(planes: np.ndarray, out: np.ndarray) -> None:
+    """The elements whose byte planes are the rows of `planes` (plane k: byte k of each
+    element), written into `out` (their bytes).
+
+    Each row is a 1-D array of its own and every loop runs from 0 over whole arrays: with
+    index arithmetic into one flat array (`planes[k * n + i]`) or a loop from a `start`,
+    numba cannot prove the indices non-negative, keeps its wraparound check per access and
+    does not vectorise. 2- and 4-byte elements (16-bit and 32-bit floats) are assembled in
+    registers; 1-byte elements have no planes and 8-byte ones are rare, one plane at a time.
+    """
+    width, n = planes.shape
+    if width == 2:
+        lo, hi, out2 = planes[0], planes[1], out.view(np.uint16)
+        for i in range(n):
+            out2[i] = np.uint16(lo[i]) | (np.uint16(hi[i]) << np.uint16(8))
+    elif width == 4:
+        p0, p1, p2, p3, out4 = planes[0], planes[1], planes[2], planes[3], out.view(np.uint32)
+        for i in range(n):
+            out4[i] = (
+                np.uint32(p0[i])
+                | (np.uint32(p1[i]) << np.uint32(8))
+                | (np.uint32(p2[i]) << np.uint32(16))
+                | (np.uint32(p3[i]) << np.uint32(24))
+            )
+    else:
         for k in range(width):
-            out[i * width + k] = planes[k * n + i]
+            plane = planes[k]
+            for i in range(n):
+                out[i * width + k] = plane[i]
 
 
 @kernel
-def _deinterleave(data: np.ndarray, planes: np.ndarray, width: int, start: int, stop: int) -> None:
-    """Byte planes of elements [start, stop) of `data` (`_interleave` undone)."""
-    n = data.size // width
+def _split(data: np.ndarray, planes: np.ndarray) -> None:
+    """The byte planes of the elements in `data` into the rows of `planes` (`_join` undone)."""
+    width, n = planes.shape
     if width == 2:
-        for i in range(start, stop):
-            planes[i] = data[2 * i]
-            planes[n + i] = data[2 * i + 1]
-        return
-    for i in range(start, stop):
+        lo, hi, data2 = planes[0], planes[1], data.view(np.uint16)
+        for i in range(n):
+            lo[i] = np.uint8(data2[i] & np.uint16(0xFF))
+            hi[i] = np.uint8(data2[i] >> np.uint16(8))
+    elif width == 4:
+        p0, p1, p2, p3, data4 = planes[0], planes[1], planes[2], planes[3], data.view(np.uint32)
+        for i in range(n):
+            v = data4[i]
+            p0[i] = np.uint8(v & np.uint32(0xFF))
+            p1[i] = np.uint8((v >> np.uint32(8)) & np.uint32(0xFF))
+            p2[i] = np.uint8((v >> np.uint32(16)) & np.uint32(0xFF))
+            p3[i] = np.uint8(v >> np.uint32(24))
+    else:
         for k in range(width):
-            planes[k * n + i] = data[i * width + k]
+            plane = planes[k]
+            for i in range(n):
+                plane[i] = data[i * width + k]
 
 
 def shuffle(data: np.ndarray, width: int) -> memoryview:
@@ -102,15 +137,21 @@ def shuffle(data: np.ndarray, width: int) -> memoryview:
     flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     if width == 1:
         return flat.data
-    planes = np.empty_like(flat)
-    map_ranges(lambda start, stop: _deinterleave(flat, planes, width, start, stop), flat.size // width)
-    return planes.data
+    planes = np.empty_like(flat).reshape(width, -1)
+
+    map_ranges(
+        lambda start, stop: _split(flat[start * width : stop * width], planes[:, start:stop]), planes.shape[1]
+    )
+    return planes.reshape(-1).data
 
 
 def unshuffle_into(planes: np.ndarray, width: int, out: np.ndarray) -> None:
     """The elements whose byte planes are `planes`, written into `out` (both 1-D uint8,
     contiguous, of one size); the elements are split over the codec's threads."""
-    map_ranges(lambda start, stop: _interleave(planes, out, width, start, stop), out.size // width)
+    rows = planes.reshape(width, -1)
+    map_ranges(
+        lambda start, stop: _join(rows[:, start:stop], out[start * width : stop * width]), out.size // width
+    )
 
 
 def decode_shuffled(

@@ -11,13 +11,16 @@ and fetched once more; a second mismatch is an `IntegrityError`.
 A worker keyframe is not cached: `RangedReader` fetches each tensor's range when the apply
 asks for it, on the apply's threads, so ranges download in parallel and each is decoded and
 written as soon as it arrives (a new node writes its shards once, with no copy of the blob
-on disk). Each range is checked against the sha256 its entry carries, fetched once more on
-a mismatch, and a second mismatch is an `IntegrityError`.
+on disk). Each range is one patch, checked by the patch's own checksum (the header's xxh3
+over every byte of the range), fetched once more on a mismatch, and a second mismatch is
+an `IntegrityError`. The entry's `range_sha256` is not checked: it would prove the same
+bytes a second time, for several times the CPU of the checksum, on the path that bounds a
+new node (docs/design.md, "Bootstrap at link speed"); what proves the decoded tensor is
+the trainer's is its digest, checked against the manifest as for any keyframe.
 """
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import time
@@ -28,6 +31,7 @@ from typing import Protocol
 
 import httpx
 
+from deltaboard.board import codec
 from deltaboard.board.contract.errors import BoardError, BoardUnavailable
 from deltaboard.board.contract.schemas import BlobRef, BlobSize
 from deltaboard.board.contract.spans import KeyframeManifest
@@ -165,14 +169,11 @@ class RangedReader:
     ) -> None:
         self._board = board
         self._run = keyframe.run
-        self._expected = {
-            (t.blob.sha256, t.blob.offset, t.blob.length): t.range_sha256 for t in keyframe.tensors
-        }
+        self._ranges = {(t.blob.sha256, t.blob.offset, t.blob.length) for t in keyframe.tensors}
         self._progress = progress
 
     def read(self, ref: BlobRef) -> memoryview:
-        expected = self._expected.get((ref.sha256, ref.offset, ref.length))
-        if expected is None:
+        if (ref.sha256, ref.offset, ref.length) not in self._ranges:
             raise FollowerError(
                 f"blob {ref.sha256[:12]} range {ref.offset}+{ref.length} is not the keyframe's"
             )
@@ -183,6 +184,17 @@ class RangedReader:
                 raise FollowerError(f"cannot fetch blob {ref.sha256[:12]}: {exc}") from exc
             if self._progress is not None:
                 self._progress(len(data))
-            if len(data) == ref.length and hashlib.sha256(data).hexdigest() == expected:
+            if len(data) == ref.length and _intact(data):
                 return memoryview(data)
-        raise IntegrityError(f"blob {ref.sha256[:12]} range {ref.offset}+{ref.length} hashed wrong twice")
+        raise IntegrityError(
+            f"blob {ref.sha256[:12]} range {ref.offset}+{ref.length} failed its checksum twice"
+        )
+
+
+def _intact(patch: bytes) -> bool:
+    """Whether a patch's checksum covers its bytes (a truncated or flipped range fails)."""
+    try:
+        codec.read_header(patch)
+    except codec.PatchError:
+        return False
+    return True

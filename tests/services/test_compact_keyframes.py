@@ -1,6 +1,6 @@
 """Worker keyframes against a real board: built from the worker's copy at head, checked by
 the board against the committed manifests, planned for new nodes, fetched by parallel
-ranged requests each checked by its own sha256, and kept by retention only while a plan
+ranged requests each checked by its patch's checksum, and kept by retention only while a plan
 takes them."""
 
 from __future__ import annotations
@@ -121,27 +121,54 @@ def test_wrong_keyframes_are_refused_and_nothing_is_stored(run, board):
     assert not (board.data_dir / "store" / "runs" / "r" / "keyframes").exists()
 
 
-def test_a_range_that_hashes_wrong_is_refused_by_the_follower(run, board, tmp_path):
-    """A keyframe that passed no board's checks (written into the store behind its back)
-    whose first range's sha256 is wrong: the new node fetches it twice, then stops with
+def test_a_range_that_fails_its_checksum_is_refetched_once_then_refused(run, board, tmp_path):
+    """A keyframe whose first range rotted in the store after the board took it: the new
+    node fetches that range twice (the patch's checksum fails both times), then stops with
     `IntegrityError` and serves nothing."""
     _, (keyframe, blob) = run
-    board.client(board.compact_token).upload_blob("r", blob)
-    first, *rest = keyframe.tensors
-    forged = keyframe.model_copy(
-        update={"tensors": (first.model_copy(update={"range_sha256": "0" * 64}), *rest)}
-    )
-    store = board.data_dir / "store" / "runs" / "r" / "keyframes"
-    store.mkdir(parents=True)
-    (store / "000000000009.json").write_text(forged.model_dump_json())
-    board.restart()  # a board reads the stored keyframes when it starts
+    compactor = board.client(board.compact_token)
+    compactor.upload_blob("r", blob)
+    compactor.register_keyframe("r", keyframe)
+    ref = keyframe.tensors[0].blob
+    (stored,) = (p for p in board.data_dir.rglob(ref.sha256) if p.is_file())
+    rotted = bytearray(stored.read_bytes())
+    rotted[ref.offset + ref.length // 2] ^= 0x10
+    stored.write_bytes(bytes(rotted))
     counting = RangeCountingClient(board.url, board.read_token)
     with counting, Follower(counting, "r", tmp_path / "node", node_id="n1") as node:
+        with pytest.raises(IntegrityError, match="checksum twice"):
+            node.sync(9)
+        assert node.version is None
+    assert counting.reads.count((ref.sha256, ref.offset, ref.offset + ref.length)) == 2
+
+
+def test_the_follower_proves_a_keyframe_by_its_digests_not_its_range_hashes(run, board, tmp_path):
+    """A keyframe whose `range_sha256` are all wrong but whose bytes are intact is served
+    (the ranges' sha256 would prove the bytes the checksum and the digests already prove);
+    one whose range holds another tensor's valid patch is refused by the digests."""
+    views, (keyframe, blob) = run
+    store = board.data_dir / "store" / "runs" / "r" / "keyframes"
+    store.mkdir(parents=True)
+    wrong_hashes = keyframe.model_copy(
+        update={"tensors": tuple(t.model_copy(update={"range_sha256": "0" * 64}) for t in keyframe.tensors)}
+    )
+    (store / "000000000009.json").write_text(wrong_hashes.model_dump_json())
+    board.client(board.compact_token).upload_blob("r", blob)
+    board.restart()  # a board reads the stored keyframes when it starts
+    with Follower(board.client(board.read_token), "r", tmp_path / "node", node_id="n1") as node:
+        assert node.sync(9) == 9
+    assert_view(tmp_path / "node", views[9])
+
+    first, second, *rest = keyframe.tensors
+    swapped = keyframe.model_copy(
+        update={"tensors": (first.model_copy(update={"blob": second.blob}), second, *rest)}
+    )
+    (store / "000000000009.json").write_text(swapped.model_dump_json())
+    board.restart()
+    with Follower(board.client(board.read_token), "r", tmp_path / "other", node_id="n2") as node:
         with pytest.raises(IntegrityError):
             node.sync(9)
         assert node.version is None
-    ref = first.blob
-    assert counting.reads.count((ref.sha256, ref.offset, ref.offset + ref.length)) == 2
 
 
 def test_the_worker_registers_a_keyframe_when_new_nodes_would_start_far_back(board, tmp_path):

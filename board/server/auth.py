@@ -3,7 +3,10 @@
 Tokens come from a config file (YAML or JSON) or from `scope:token[:glob]` strings (env or
 flags). Tokens are compared in constant time against every configured token, so response
 timing does not reveal how much of a guess was right. A higher scope includes the lower
-ones; `read` can never publish or delete. `compact` is the compaction worker's: it may
+ones; `read` can never publish or delete. A check that passed is remembered under the
+token's sha256 (with the scope and run), since grants never change in a process: a
+thousand long-pollers re-asking every second would otherwise each compare every token and
+match every glob again. `compact` is the compaction worker's: it may
 upload blobs and register derived data (spans, keyframes), which the board checks against
 the committed manifests, but never take a lease, commit a version, create a run or write
 an asset, so a leaked worker token cannot change what a run serves.
@@ -12,6 +15,7 @@ an asset, so a leaked worker token cannot change what a run serves.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import hmac
 import json
 from collections.abc import Iterable
@@ -69,9 +73,14 @@ class AuthConfig(BaseModel):
         return AuthConfig(tokens=self.tokens + tuple(grants), anonymous_read=anonymous)
 
 
+# Checks that passed, remembered at most; beyond, the memory starts again empty.
+PASSED_CHECKS = 4096
+
+
 class Authorizer:
     def __init__(self, config: AuthConfig) -> None:
         self.config = config
+        self._passed: set[tuple[bytes, str, str | None]] = set()
 
     def _grants(self, token: str) -> list[TokenGrant]:
         presented = token.encode()
@@ -97,6 +106,9 @@ class Authorizer:
         kind, _, token = authorization.partition(" ")
         if kind.lower() != "bearer" or not token:
             raise Unauthorized("expected 'Authorization: Bearer <token>'")
+        passed = (hashlib.sha256(token.strip().encode()).digest(), scope, run)
+        if passed in self._passed:
+            return
         grants = self._grants(token.strip())
         if not grants:
             raise Unauthorized("unknown token")
@@ -104,5 +116,8 @@ class Authorizer:
             if SCOPE_RANK[grant.scope] >= SCOPE_RANK[scope] and (
                 run is None or any(fnmatch.fnmatchcase(target, p) for p in grant.runs)
             ):
+                if len(self._passed) >= PASSED_CHECKS:
+                    self._passed.clear()
+                self._passed.add(passed)
                 return
         raise Forbidden(f"token lacks scope {scope!r}" + ("" if run is None else f" on run {run!r}"))

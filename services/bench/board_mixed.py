@@ -2,32 +2,42 @@
 
 One board process (local store, embedded index, as `bench board`) carries at once:
 
-- N long-pollers (raw asyncio connections, as in `bench board`), each re-polling with
-  `after=` the head it was last answered; a wake's latency is the first byte of a
-  poller's answer minus the moment the commit's own answer arrived;
-- D blob downloaders in another process (a thread each, raw sockets read with
-  `recv_into`, so that the measuring side stays cheap), each fetching one large blob
-  again and again, bytes discarded;
-- one small commit per second (its latency: request sent to answer received).
+- N long-pollers, each re-polling with `after=` the head it was last answered; a wake's
+  latency is the first byte of a poller's answer minus the moment the commit's own answer
+  arrived (both on the system's monotonic clock, shared by the processes);
+- one small commit per second (its latency: request sent to answer received), from a
+  process of its own;
+- D blob downloaders in a third process (a thread each, raw sockets read with
+  `recv_into`), each fetching one large blob again and again, bytes discarded.
 
-Errors: any answer other than a 200 (a 201 for commits), a dropped connection, or a
-download of the wrong size. The pollers and the publisher share this process; the
-downloaders have their own, so that reading blobs does not delay the measuring side.
+The load generator shares the machine's cores with the board, so it is kept light and
+apart: the pollers are protocol callbacks on uvloop (no task or stream per poller; an
+answer's arrival is stamped as the loop hands its bytes over), and the commits have their
+own process, so that a thousand answers arriving at once delay neither the commit's answer
+nor its timestamp. Errors: any answer other than a 200 (a 201 for commits), a dropped
+connection, or a download of the wrong size.
+
+Each process reports its CPU seconds over the measured phase (the board's, the pollers',
+the committer's, the downloaders'), with the machine's load average at both ends, so that
+a run on a shared machine says who had the cores; and the board's own mean time per commit
+(its `deltaboard_commit_seconds`), the part of a commit's latency spent inside
+`BoardService.commit` rather than queued on the way in and out.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import multiprocessing
+import os
 import socket
 import tempfile
 import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import httpx
 from rich.console import Console
@@ -42,10 +52,11 @@ from deltaboard.services.bench.board_bench import (
     get_request,
     percentile,
     raise_fd_limit,
-    read_response,
     upload_random_blob,
     waiting_polls,
 )
+
+T = TypeVar("T")
 
 POLL_WAIT_S = 30
 DOWNLOAD_BUFFER = 1 << 20
@@ -67,30 +78,68 @@ class MixedConfig:
 
 @dataclass
 class Tally:
-    """What the pollers saw: wake latencies (s) and errors."""
+    """What the pollers saw: (version, arrival) of each wake, and errors."""
 
-    wakes: list[float]
+    wakes: list[tuple[int, float]]
     errors: int = 0
+    stopping: bool = False
 
 
-async def poller(port: int, after: int, acked: dict[int, float], tally: Tally, stop: asyncio.Event) -> None:
-    """Long-poll the head for ever, one connection, each answer's version the next `after`."""
-    reader, writer = await asyncio.open_connection(HOST, port)
-    try:
-        while not stop.is_set():
-            writer.write(get_request(f"/v1/runs/{RUN}/head?after={after}&wait={POLL_WAIT_S}"))
-            try:
-                arrived, body = await read_response(reader)
-            except (RuntimeError, OSError, asyncio.IncompleteReadError):
-                if not stop.is_set():
-                    tally.errors += 1
-                return
-            version = json.loads(body)["version"]
-            if version is not None and version > after and version in acked:
-                tally.wakes.append(arrived - acked[version])
-            after = version if version is not None else after
-    finally:
-        writer.close()
+class Poller(asyncio.Protocol):
+    """One long-poller on its own connection, each answer's head its next `after`."""
+
+    def __init__(self, after: int, tally: Tally) -> None:
+        self.after = after
+        self.tally = tally
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.arrived = 0.0
+        self.refused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.ask()
+
+    def ask(self) -> None:
+        assert self.transport is not None
+        self.transport.write(get_request(f"/v1/runs/{RUN}/head?after={self.after}&wait={POLL_WAIT_S}"))
+
+    def data_received(self, data: bytes) -> None:
+        if not self.buffer:
+            self.arrived = time.monotonic()
+        self.buffer += data
+        head_end = self.buffer.find(b"\r\n\r\n")
+        if head_end < 0:
+            return
+        head = bytes(self.buffer[:head_end]).lower()
+        length = (
+            int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+            if b"content-length:" in head
+            else 0
+        )
+        if len(self.buffer) < head_end + 4 + length:
+            return
+        body = bytes(self.buffer[head_end + 4 : head_end + 4 + length])
+        self.buffer.clear()
+        if not head.startswith(b"http/1.1 200"):
+            self.failed()
+            return
+        version = json.loads(body)["version"]
+        if version is not None and version > self.after:
+            self.tally.wakes.append((version, self.arrived))
+            self.after = version
+        if not self.tally.stopping:
+            self.ask()
+
+    def failed(self) -> None:
+        self.tally.errors += 1
+        self.refused = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not (self.tally.stopping or self.refused):
+            self.tally.errors += 1
 
 
 def download(port: int, sha: str, size: int, buffer: bytearray) -> int:
@@ -120,8 +169,8 @@ def download(port: int, sha: str, size: int, buffer: bytearray) -> int:
 
 def download_loop(port: int, sha: str, size: int, downloaders: int, seconds: float, out: Any) -> None:
     """The downloaders' process: `downloaders` threads fetching the blob again and again for
-    `seconds`; puts (bytes, downloads, errors) on the queue `out`."""
-    deadline = time.monotonic() + seconds
+    `seconds`; puts (bytes, downloads, errors, CPU seconds) on the queue `out`."""
+    deadline, cpu = time.monotonic() + seconds, time.process_time()
     totals = [0, 0, 0]
     lock = threading.Lock()
 
@@ -141,7 +190,74 @@ def download_loop(port: int, sha: str, size: int, downloaders: int, seconds: flo
         t.start()
     for t in threads:
         t.join()
-    out.put((totals[0], totals[1], totals[2]))
+    out.put((totals[0], totals[1], totals[2], time.process_time() - cpu))
+
+
+def board_pid() -> int:
+    """The board child process of this bench (`board_process`)."""
+    import psutil
+
+    for child in psutil.Process().children():
+        if "deltaboard.board.server.api" in child.cmdline():
+            return int(child.pid)
+    raise RuntimeError("the board process is not a child of this bench")
+
+
+def cpu_seconds(pid: int) -> float:
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+async def commit_seconds(http: httpx.AsyncClient) -> tuple[float, int]:
+    """The board's `deltaboard_commit_seconds` sum and count."""
+    found = {"sum": 0.0, "count": 0.0}
+    for line in (await http.get("/metrics")).text.splitlines():
+        for key in found:
+            if line.startswith(f"deltaboard_commit_seconds_{key} "):
+                found[key] = float(line.split()[1])
+    return found["sum"], int(found["count"])
+
+
+async def commits(
+    url: str, version: int, epoch: int, seconds: float
+) -> tuple[list[tuple[int, float, float]], int]:
+    """A commit per second for `seconds`: (version, latency, answer time) of each, and errors."""
+    done: list[tuple[int, float, float]] = []
+    errors = 0
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as http:
+        publisher = Publisher(http)
+        publisher.version, publisher.epoch = version, epoch
+        began = time.monotonic()
+        for i in range(int(seconds)):
+            await asyncio.sleep(max(0.0, began + i + 1 - time.monotonic()))
+            try:
+                latency = await publisher.commit()
+            except httpx.HTTPError:
+                errors += 1
+                continue
+            done.append((publisher.version, latency, time.monotonic()))
+    return done, errors
+
+
+def commit_loop(url: str, version: int, epoch: int, seconds: float, out: Any) -> None:
+    """The committer's process: puts (`commits`' answer, CPU seconds) on the queue `out`."""
+    cpu = time.process_time()
+    done, errors = asyncio.run(commits(url, version, epoch, seconds))
+    out.put((done, errors, time.process_time() - cpu))
+
+
+async def connect_pollers(port: int, count: int, after: int, tally: Tally) -> list[asyncio.Transport]:
+    loop = asyncio.get_running_loop()
+    transports: list[asyncio.Transport] = []
+    for start in range(0, count, CONNECT_BATCH):
+        batch = min(CONNECT_BATCH, count - start)
+        for _ in range(batch):
+            transport, _ = await loop.create_connection(lambda: Poller(after, tally), HOST, port)
+            transports.append(transport)
+        await asyncio.sleep(0.05)
+    return transports
 
 
 async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Console) -> dict[str, Any]:
@@ -150,15 +266,8 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
         publisher = Publisher(http)
         await publisher.setup()
         sha, size = await asyncio.to_thread(upload_random_blob, url, config.blob_mb, tmp)
-        acked: dict[int, float] = {}
         tally = Tally(wakes=[])
-        stop = asyncio.Event()
-        tasks: list[asyncio.Task[None]] = []
-        for start in range(0, config.pollers, CONNECT_BATCH):
-            batch = min(CONNECT_BATCH, config.pollers - start)
-            for _ in range(batch):
-                tasks.append(asyncio.create_task(poller(port, publisher.version, acked, tally, stop)))
-            await asyncio.sleep(0.05)
+        transports = await connect_pollers(port, config.pollers, publisher.version, tally)
         deadline = time.monotonic() + 60
         while await waiting_polls(http) < config.pollers:
             if time.monotonic() > deadline:
@@ -168,48 +277,72 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
             f"  {config.pollers} long-pollers, {config.downloaders} downloaders of {config.blob_mb} MiB, "
             f"a commit per second for {config.seconds:g}s"
         )
+        board = board_pid()
+        board_cpu, own_cpu, load_start = cpu_seconds(board), time.process_time(), os.getloadavg()[0]
+        in_board = await commit_seconds(http)
         context = multiprocessing.get_context("spawn")
-        queue = context.Queue()
-        downloads = context.Process(
-            target=download_loop, args=(port, sha, size, config.downloaders, config.seconds, queue)
-        )
-        downloads.start()
-        commits: list[float] = []
-        commit_errors = 0
+        down_queue, commit_queue = context.Queue(), context.Queue()
+        processes = [
+            context.Process(
+                target=download_loop, args=(port, sha, size, config.downloaders, config.seconds, down_queue)
+            ),
+            context.Process(
+                target=commit_loop,
+                args=(url, publisher.version, publisher.epoch, config.seconds, commit_queue),
+            ),
+        ]
         began = time.monotonic()
-        for i in range(int(config.seconds)):
-            await asyncio.sleep(max(0.0, began + i + 1 - time.monotonic()))
-            try:
-                commits.append(await publisher.commit())
-            except httpx.HTTPError:
-                commit_errors += 1
-                continue
-            acked[publisher.version] = time.perf_counter()
-        down_bytes, down_count, down_errors = await asyncio.to_thread(queue.get)
-        await asyncio.to_thread(downloads.join)
+        for process in processes:
+            process.start()
+        down_bytes, down_count, down_errors, down_cpu = await asyncio.to_thread(down_queue.get)
+        done, commit_errors, commit_cpu = await asyncio.to_thread(commit_queue.get)
+        for process in processes:
+            await asyncio.to_thread(process.join)
         await asyncio.sleep(1.0)  # the last commit's wakes
-        stop.set()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        tally.stopping = True
+        board_cpu, own_cpu = cpu_seconds(board) - board_cpu, time.process_time() - own_cpu
+        in_board_sum, in_board_count = (
+            a - b for a, b in zip(await commit_seconds(http), in_board, strict=True)
+        )
+        for transport in transports:
+            transport.close()
     elapsed = time.monotonic() - began
-    wakes = tally.wakes or [float("nan")]
+    acked = {version: answered for version, _, answered in done}
+    wakes = [arrived - acked[version] for version, arrived in tally.wakes if version in acked] or [
+        float("nan")
+    ]
+    latencies = [latency for _, latency, _ in done] or [float("nan")]
     return {
         "mixed_pollers": config.pollers,
         "mixed_downloaders": config.downloaders,
         "mixed_seconds": config.seconds,
-        "mixed_commits": len(commits),
-        "mixed_wakes": len(tally.wakes),
+        "mixed_commits": len(done),
+        "mixed_wakes": len(wakes),
         "mixed_wake_p50_ms": round(percentile(wakes, 50) * 1e3, 2),
         "mixed_wake_p99_ms": round(percentile(wakes, 99) * 1e3, 2),
-        "mixed_commit_p50_ms": round(percentile(commits or [float("nan")], 50) * 1e3, 2),
-        "mixed_commit_p99_ms": round(percentile(commits or [float("nan")], 99) * 1e3, 2),
+        "mixed_commit_p50_ms": round(percentile(latencies, 50) * 1e3, 2),
+        "mixed_commit_p99_ms": round(percentile(latencies, 99) * 1e3, 2),
         "mixed_download_gbps": round(down_bytes / elapsed / 1e9, 3),
         "mixed_downloads": down_count,
         "mixed_errors": tally.errors + commit_errors + down_errors,
+        "mixed_commit_in_board_mean_ms": round(in_board_sum / max(1, in_board_count) * 1e3, 2),
+        "mixed_cpu_board_s": round(board_cpu, 2),
+        "mixed_cpu_pollers_s": round(own_cpu, 2),
+        "mixed_cpu_committer_s": round(commit_cpu, 2),
+        "mixed_cpu_downloaders_s": round(down_cpu, 2),
+        "mixed_load_start": round(load_start, 2),
+        "mixed_load_end": round(os.getloadavg()[0], 2),
     }
+
+
+def run_on_uvloop(main: Coroutine[Any, Any, T]) -> T:
+    """The pollers on uvloop where it is installed (with the board extra): less of the
+    machine's CPU for the measuring side."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def run_mixed_bench(quick: bool, pollers: int, downloaders: int, json_path: Path | None) -> dict[str, Any]:
@@ -221,7 +354,7 @@ def run_mixed_bench(quick: bool, pollers: int, downloaders: int, json_path: Path
         board_process(Path(tmp) / "board") as url,
     ):
         console.print(f"[bold]bench board --mixed[/] against {url} (another process, local store)")
-        results = asyncio.run(measure_mixed(url, config, Path(tmp), console))
+        results = run_on_uvloop(measure_mixed(url, config, Path(tmp), console))
     results.update({"quick": quick, "blob_mb": config.blob_mb})
     for key, value in results.items():
         console.print(f"  {key:>20}: {value}")

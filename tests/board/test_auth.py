@@ -8,7 +8,7 @@ import pytest
 
 from deltaboard.board.contract.errors import BoardError
 from deltaboard.board.server.api.errors import status_of
-from deltaboard.board.server.auth import AuthConfig, Authorizer
+from deltaboard.board.server.auth import PASSED_CHECKS, AuthConfig, Authorizer
 
 
 def status(auth: Authorizer, header: str | None, scope: str, run: str | None) -> int:
@@ -34,6 +34,21 @@ def test_scopes_and_patterns():
     assert status(auth, None, "read", "x") == 401
     assert status(auth, "Bearer nope-nope", "read", "x") == 401
     assert status(auth, "Token reader-token", "read", "x") == 401
+
+
+def test_a_passed_check_is_remembered_for_its_token_scope_and_run_only():
+    grants = AuthConfig.parse_grants(["read:reader-token:exp-*", "publish:pub-token-x:exp-*"])
+    auth = Authorizer(AuthConfig(tokens=grants))
+    r = "Bearer reader-token"
+    for _ in range(2):  # the second round answers from what the first remembered
+        assert status(auth, r, "read", "exp-1") == 200
+        assert status(auth, r, "publish", "exp-1") == 403
+        assert status(auth, r, "read", "prod") == 403
+        assert status(auth, "Bearer reader-tokeX", "read", "exp-1") == 401
+        assert status(auth, "Bearer pub-token-x", "read", "exp-1") == 200
+    for i in range(PASSED_CHECKS + 10):
+        assert status(auth, r, "read", f"exp-{i}") == 200
+    assert len(auth._passed) <= PASSED_CHECKS
 
 
 def test_compact_lies_between_read_and_publish():

@@ -14,16 +14,29 @@ import time
 from pathlib import Path
 
 import httpx
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from deltaboard.board.contract.errors import InvalidRequest
+from deltaboard.board.server.api.zerocopy import ZEROCOPY, ZeroCopyCycle
 from deltaboard.board.server.settings import Settings
 
 
-class JSONErrorsProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP protocol, answering a request its parser refuses before the app runs
-    (a Content-Length beyond 64 bits, a malformed request line or header) with the board's
-    JSON error body, as every other failure, instead of uvicorn's plain text."""
+class BoardProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol with two changes. A request its parser refuses before the app
+    runs (a Content-Length beyond 64 bits, a malformed request line or header) gets the
+    board's JSON error body, as every other failure, instead of uvicorn's plain text. And
+    every request's cycle also takes `http.response.zerocopysend` (`zerocopy`), announced
+    in the scope's extensions, so that blob downloads leave by `sendfile`."""
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["extensions"] = {ZEROCOPY: {}}
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        # The cycle's task has not run yet: it sends through the subclass from its start.
+        if type(self.cycle) is RequestResponseCycle:
+            self.cycle.__class__ = ZeroCopyCycle
 
     def send_400_response(self, msg: str) -> None:
         body = json.dumps(InvalidRequest(f"the HTTP request is malformed: {msg}").body()).encode()
@@ -55,10 +68,13 @@ def serve(settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        # Above `info` uvicorn's access lines are dropped, but it still formats their
+        # arguments for every request: a thousand long-polls a second pay for nothing.
+        access_log=settings.log_level.lower() in ("trace", "debug", "info"),
         # Long-polls hold connections for up to a minute; keep idle ones a little longer.
         timeout_keep_alive=75,
         backlog=4096,
-        http=JSONErrorsProtocol,
+        http=BoardProtocol,
     )
 
 

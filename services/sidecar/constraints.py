@@ -67,13 +67,20 @@ class VersionConstraint:
         return all(getattr(self, name) is None for name in FIELDS)
 
     def low(self, head: int | None) -> int | None:
-        """The lowest acceptable version (None: any)."""
-        lag_floor = head - self.max_lag if head is not None and self.max_lag is not None else None
-        return max((v for v in (self.exact, self.min, lag_floor) if v is not None), default=None)
+        """The lowest acceptable version (None: any). Asked a few times per request: plain
+        comparisons, no generator."""
+        low = self.exact
+        if self.min is not None and (low is None or self.min > low):
+            low = self.min
+        if head is not None and self.max_lag is not None and (low is None or head - self.max_lag > low):
+            low = head - self.max_lag
+        return low
 
     def high(self) -> int | None:
         """The highest acceptable version (None: no upper bound)."""
-        return min((v for v in (self.exact, self.max) if v is not None), default=None)
+        if self.exact is None or (self.max is not None and self.max < self.exact):
+            return self.max
+        return self.exact
 
     def describe(self, head: int | None) -> dict[str, int | None]:
         return {"min": self.low(head), "max": self.high()}

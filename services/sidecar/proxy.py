@@ -69,12 +69,12 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from deltaboard.clients.engines import EngineAdapter, EngineStamp
-from deltaboard.services.sidecar.background import unless_disconnected
 from deltaboard.services.sidecar.constraints import (
     BODY_KEY,
     HEADER_PREFIX,
     ConstraintError,
     SidecarCode,
+    VersionConstraint,
     parse_constraint,
 )
 from deltaboard.services.sidecar.gate import Admitted, Refused, Stale, VersionGate, unless_stale
@@ -206,10 +206,12 @@ def _response_headers(upstream: ResponseHeaders, extra: dict[str, str]) -> list[
 
 class _Watch:
     """A request's watch for its client going away: a client that disconnects while the
-    request's work runs cancels that work (the upstream closes with it: the engine stops
-    generating). The watcher starts only once the request has run `WATCH_AFTER_S`: most
-    answers are done before, and a task per request is a good part of a short request's
-    cost; a client that leaves sooner is noticed then."""
+    request waits for its admission or its answer cancels that work (the upstream closes
+    with it: the engine stops generating). The watcher starts only once the request has run
+    `WATCH_AFTER_S`: most answers are done before, and a task per request is a good part of
+    a short request's cost; a client that leaves sooner is noticed then. A request waiting
+    at a swap costs no task of its own either (it was two, and a wait on both, per request:
+    a swap under load has hundreds waiting)."""
 
     def __init__(self, receive: Receive) -> None:
         self.task = asyncio.current_task()
@@ -343,19 +345,35 @@ class Proxy:
             return await _error(SidecarCode.BAD_WEIGHT_VERSION, str(exc))(scope, receive, send)
         if stripped is not body:
             raw = json.dumps(stripped).encode()
+        watch = _Watch(receive)
+        try:
+            await self._admit(scope, receive, send, constraint, forward, raw)
+        except asyncio.CancelledError:
+            if not watch.disconnected or watch.task is None:
+                raise
+            watch.task.uncancel()
+            self.count("aborted")
+        finally:
+            watch.stop()
 
+    async def _admit(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        constraint: VersionConstraint,
+        headers: list[tuple[bytes, bytes]],
+        raw: bytes,
+    ) -> None:
+        """Admit the request (at once, or once its constraint holds) and pass it on, or
+        answer the refusal; a client that leaves meanwhile cancels this (`_Watch`)."""
         admission: Admitted | Refused | None = self.gate.admit_now(constraint)
         if admission is None:
             default = self.settings.default_wait_s
             wait_s = min(
                 constraint.wait_s if constraint.wait_s is not None else default, self.settings.max_wait_s
             )
-            admitted, admission = await unless_disconnected(
-                Request(scope, receive), self.gate.admit(constraint, wait_s)
-            )
-            if not admitted:
-                self.count("aborted")
-                return
+            admission = await self.gate.admit(constraint, wait_s)
         if isinstance(admission, Refused):
             self.count(OUTCOME[admission.code])
             return await _refusal(admission)(scope, receive, send)
@@ -363,7 +381,7 @@ class Proxy:
         target = scope["raw_path"]
         if scope["query_string"]:
             target += b"?" + scope["query_string"]
-        await self._forward(scope, receive, send, target.decode("latin-1"), forward, raw, admission)
+        await self._forward(scope, receive, send, target.decode("latin-1"), headers, raw, admission)
 
     async def _forward(
         self,
@@ -379,16 +397,9 @@ class Proxy:
         closed and the admission released whatever happens."""
         release = Release(self.gate, admission)
         upstream: list[UpstreamResponse] = []
-        watch = _Watch(receive)
         try:
             await self._exchange(scope, receive, send, target, headers, raw, admission, release, upstream)
-        except asyncio.CancelledError:
-            if not watch.disconnected or watch.task is None:
-                raise
-            watch.task.uncancel()
-            self.count("aborted")
         finally:
-            watch.stop()
             if upstream:
                 await upstream[0].aclose()
             await release()

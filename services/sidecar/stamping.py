@@ -89,6 +89,7 @@ def version_field(start: int | None, end: int | None, reported: Any = None) -> d
 
 _FIELD = b'"weight_version"'
 _DECODER = json.JSONDecoder()
+_COMPACT = json.JSONEncoder(separators=(",", ":")).encode  # one encoder, not one per call
 
 
 def _last_member(body: bytes) -> tuple[bytes, Any] | None:
@@ -130,7 +131,7 @@ def without_field(payload: bytes) -> tuple[bytes, Any] | None:
     if not isinstance(decoded, dict):
         return None
     reported = decoded.pop("weight_version", None)
-    return json.dumps(decoded, separators=(",", ":")).encode()[:-1], reported
+    return _COMPACT(decoded).encode()[:-1], reported
 
 
 def stamp(payload: bytes, start: int | None, end: int | None) -> bytes | None:
@@ -144,7 +145,7 @@ def stamp(payload: bytes, start: int | None, end: int | None) -> bytes | None:
     head, reported = split
     if start is None and end is None:
         return head + b"}"
-    field = json.dumps(version_field(start, end, reported), separators=(",", ":")).encode()
+    field = _COMPACT(version_field(start, end, reported)).encode()
     return head + (b'"weight_version":' if head == b"{" else b',"weight_version":') + field + b"}"
 
 

@@ -92,6 +92,16 @@ versions = st.integers(0, 50)
 optional = st.none() | versions
 
 
+@given(optional, optional, optional, optional, optional)
+def test_bounds_are_the_tightest_of_the_fields(exact, lo, hi, lag, head):
+    constraint = VersionConstraint(exact=exact, min=lo, max=hi, max_lag=lag)
+    floor = head - lag if head is not None and lag is not None else None
+    lows = [v for v in (exact, lo, floor) if v is not None]
+    highs = [v for v in (exact, hi) if v is not None]
+    assert constraint.low(head) == (max(lows) if lows else None)
+    assert constraint.high() == (min(highs) if highs else None)
+
+
 @given(optional, optional, optional, optional, optional, versions)
 def test_decide_agrees_with_the_bounds(exact, lo, hi, lag, served, extra):
     constraint = VersionConstraint(exact=exact, min=lo, max=hi, max_lag=lag)

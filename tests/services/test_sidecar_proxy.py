@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -345,6 +346,21 @@ def test_client_disconnect_aborts_the_upstream_request(node, engine):
     httpx.post(f"{engine}/resume")
     wait_until(lambda: aborted(engine) >= 2, "the engine kept generating for a departed client")
     wait_until(lambda: node.gate.inflight == 0, "admissions leaked")
+
+
+def test_a_client_that_leaves_while_its_request_waits_is_forgotten(node):
+    """A request waiting for its version whose client goes away stops waiting: its pin no
+    longer holds the node back, and it is counted as aborted."""
+    body = json.dumps({"prompt": PROMPT, "weight_version": {"exact": 2, "wait": 300}}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n"
+    with socket.create_connection((node.server.host, node.server.port)) as client:
+        client.sendall(head.encode() + body)
+        wait_until(lambda: node.client.get("/sidecar/status").json()["pins"] == [[2, 2]], "never waited")
+    wait_until(
+        lambda: node.client.get("/sidecar/status").json()["pins"] == [], "the departed request waits on"
+    )
+    aborted = 'deltaboard_sidecar_requests_total{outcome="aborted"} 1.0'
+    wait_until(lambda: aborted in node.client.get("/metrics").text, "not counted as aborted")
 
 
 def test_quiesce_swap_drains_in_flight_requests_first(node, engine):

@@ -79,7 +79,7 @@ from deltaboard.services.sidecar.constraints import (
 )
 from deltaboard.services.sidecar.gate import Admitted, Refused, Stale, VersionGate, unless_stale
 from deltaboard.services.sidecar.metrics import SidecarMetrics
-from deltaboard.services.sidecar.stamping import Release, range_headers, restamped_stream, stamp
+from deltaboard.services.sidecar.stamping import Release, cut_field, range_headers, restamped_stream, stamp
 from deltaboard.services.sidecar.upstream import (
     ResponseHeaders,
     UpstreamError,
@@ -344,7 +344,7 @@ class Proxy:
             self.count("bad_request")
             return await _error(SidecarCode.BAD_WEIGHT_VERSION, str(exc))(scope, receive, send)
         if stripped is not body:
-            raw = json.dumps(stripped).encode()
+            raw = cut_field(raw) or json.dumps(stripped).encode()
         watch = _Watch(receive)
         try:
             await self._admit(scope, receive, send, constraint, forward, raw)

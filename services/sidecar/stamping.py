@@ -134,6 +134,32 @@ def without_field(payload: bytes) -> tuple[bytes, Any] | None:
     return _COMPACT(decoded).encode()[:-1], reported
 
 
+def cut_field(raw: bytes) -> bytes | None:
+    """`raw`, a JSON object whose decoding has a top-level `weight_version`, without that
+    member, cut out by bytes; None when it cannot be told by bytes alone which occurrence
+    is that member (the name written twice, or a `\\u` escape that could spell it)."""
+    at = raw.find(_FIELD)
+    if at < 0 or raw.find(_FIELD, at + 1) >= 0 or b"\\u" in raw:
+        return None
+    colon = raw.find(b":", at + len(_FIELD))
+    if colon < 0 or raw[at + len(_FIELD) : colon].strip():
+        return None
+    text = raw.decode("latin-1")  # one character per byte: the offsets are the bytes'
+    begin = colon + 1
+    while text[begin : begin + 1] in (" ", "\t", "\n", "\r"):
+        begin += 1
+    try:
+        stop = _DECODER.raw_decode(text, begin)[1]
+    except ValueError:
+        return None
+    before, after = raw[:at].rstrip(), raw[stop:].lstrip()
+    if before.endswith(b","):
+        return before[:-1] + after
+    if before.endswith(b"{"):
+        return before + after.removeprefix(b",")
+    return None
+
+
 def stamp(payload: bytes, start: int | None, end: int | None) -> bytes | None:
     """`payload` (a JSON object) with the versions added (start and end None: none, and any
     the engine wrote removed), or None when it is not a JSON object. A body that only looks

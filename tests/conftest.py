@@ -19,6 +19,33 @@ import pytest
 
 from tests.support.servers import BoardServer, S3Server, board_server, seaweedfs, valkey
 
+# Files holding the suite's longest tests (measured with `--durations`), longest first.
+# They run first: on two workers a long test that starts last runs on alone at the end,
+# while short tests started last let both workers finish together.
+LONG_FIRST = (
+    "tests/chaos/",
+    "tests/test_readme.py",
+    "tests/services/test_demo.py",
+    "tests/clients/test_kill.py",
+    "tests/publisher/test_sharded.py",
+    "tests/board/test_store_outage.py",
+    "tests/board/test_schemathesis.py",
+    "tests/publisher/test_distributed.py",
+    "tests/clients/test_cli.py",
+    "tests/board/test_replicas.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of `LONG_FIRST` first, in its order (each file's own order kept); every
+    worker collects the same order, as pytest-xdist requires."""
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::")[0]
+        return next((i for i, prefix in enumerate(LONG_FIRST) if path.startswith(prefix)), len(LONG_FIRST))
+
+    items.sort(key=rank)
+
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(

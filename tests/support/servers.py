@@ -3,6 +3,7 @@ Valkey/Redis. Each helper waits until its server answers and stops it cleanly.""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,8 +21,9 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from deltaboard.board.server.api.server import PortTaken, free_port, spawn
+from deltaboard.board.server.api.server import PortTaken, free_port
 from deltaboard.clients.board_client import BoardClient
+from tests.support.zygote import ForkedBoard, Zygote
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -31,7 +34,7 @@ VENV_BIN = Path(sys.executable).parent
 def wait_until(
     check: Callable[[], bool],
     what: str,
-    proc: subprocess.Popen[bytes] | None,
+    proc: subprocess.Popen[bytes] | ForkedBoard | None,
     log: Path | None,
     timeout: float = 60.0,
 ) -> None:
@@ -47,7 +50,7 @@ def wait_until(
     raise TimeoutError(f"{what} did not come up within {timeout}s")
 
 
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+def stop_process(proc: subprocess.Popen[bytes] | ForkedBoard, timeout: float = 10.0) -> None:
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
@@ -64,6 +67,44 @@ def http_ok(url: str) -> bool:
 
 # ---- the board -------------------------------------------------------------------------
 
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def zygote() -> Zygote:
+    """This process's board zygote (`tests/support/zygote.py`), started on first use."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None:
+            _zygote = Zygote()
+            atexit.register(_zygote.close)
+        return _zygote
+
+
+def fork_board(env: dict[str, str], log: Path, timeout_s: float = 60.0) -> ForkedBoard:
+    """A board forked from the zygote with DELTABOARD_* settings in `env` (plus this
+    process's environment), once /healthz answers with its instance nonce: a port found
+    free a moment earlier may have been taken by another server (`PortTaken`), which would
+    otherwise answer in the board's place."""
+    instance = secrets.token_hex(8)
+    url = f"http://{env.get('DELTABOARD_HOST', '127.0.0.1')}:{env['DELTABOARD_PORT']}/healthz"
+    proc = zygote().fork({**os.environ, **env, "DELTABOARD_INSTANCE": instance}, str(log))
+
+    def answers() -> bool:
+        answer = httpx.get(url, timeout=1.0)
+        return answer.status_code == 200 and answer.json().get("instance") == instance
+
+    try:
+        wait_until(answers, "the board", proc, log, timeout_s)
+    except RuntimeError as exc:
+        if "address already in use" in str(exc):
+            raise PortTaken(str(exc)) from None
+        raise
+    except TimeoutError:
+        proc.kill()
+        raise
+    return proc
+
 
 @dataclass
 class BoardServer:
@@ -76,7 +117,7 @@ class BoardServer:
     read_token: str
     compact_token: str
     port: int = 0
-    process: subprocess.Popen[bytes] | None = None
+    process: ForkedBoard | None = None
     _clients: list[BoardClient] = field(default_factory=list)
 
     @property
@@ -112,7 +153,7 @@ class BoardServer:
             fresh = not self.port
             self.port = self.port or free_port()
             try:
-                self.process = spawn({**self.env, "DELTABOARD_PORT": str(self.port)}, self.log)
+                self.process = fork_board({**self.env, "DELTABOARD_PORT": str(self.port)}, self.log)
                 return self
             except PortTaken:
                 if not fresh or attempt == 4:

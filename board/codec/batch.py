@@ -159,9 +159,9 @@ def encode_batch(
     np.cumsum([c.positions.size for c in changes], out=bounds[1:])
     lanes = np.array([parse_digest(d) for d in old_digests], dtype=np.uint64).reshape(-1, 2)
     modes, thresholds, ranks = _hints(changes, old is not None, hints, bounds)
-    fields = np.array(
-        [(*EXPONENT_FIELDS.get(c.dtype, (0, 0)), layout(c.dtype)[2]) for c in changes], np.uint64
-    )
+    dtypes = {c.dtype: (*EXPONENT_FIELDS.get(c.dtype, (0, 0)), layout(c.dtype)[2]) for c in changes}
+    fields = np.array([dtypes[c.dtype] for c in changes], np.uint64)
+    codes = {dtype: dtype_code(dtype) for dtype in dtypes}
     payloads, ends, encodings, status = _encode_all(
         old_bits,
         starts,
@@ -192,7 +192,7 @@ def encode_batch(
         result = format_digest(int(lanes[i, 0]), int(lanes[i, 1]))
         payload = view[starts_of[i] : ends[i]]
         base, after = bytes.fromhex(old_digests[i]), bytes.fromhex(result)
-        patch = pack_fields(dtype_code(c.dtype), int(encodings[i]), c.numel, c.count, base, after, payload)
+        patch = pack_fields(codes[c.dtype], int(encodings[i]), c.numel, c.count, base, after, payload)
         out.append((patch, result))
     return out
 

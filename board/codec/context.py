@@ -37,11 +37,12 @@ CONTEXT_GAIN = 0.9  # use context classes when they estimate <= 90% of the posit
 
 
 @kernel
-def count_exponents(bits: np.ndarray, shift: int, mask: int) -> np.ndarray:
-    """`exponent_counts` for the exponent field (shift, mask), compiled."""
+def count_exponents(bits: np.ndarray, shift: int, mask: int, stride: int = 1) -> np.ndarray:
+    """`exponent_counts` for the exponent field (shift, mask) of `bits[::stride]`, compiled
+    (a contiguous array and a stride: a strided view would be read element by element)."""
     counts = np.zeros(mask + 1, dtype=np.int64)
-    for x in bits:
-        counts[(int(x) >> shift) & mask] += 1
+    for i in range(0, bits.size, stride):
+        counts[(int(bits[i]) >> shift) & mask] += 1
     return counts
 
 

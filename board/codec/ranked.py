@@ -42,7 +42,7 @@ def host_hint(
 ) -> tuple[int, int, np.ndarray]:
     """(t_low, t_top, ranks), t_low -1 for no hint: the steps of `plan_thresholds`'s contract
     in one compiled call (its fixed cost is what a model of many small tensors pays)."""
-    sampled = count_exponents(old[:: sample_stride(old.size)], shift, mask)
+    sampled = count_exponents(old, shift, mask, sample_stride(old.size))
     t_low, t_top = plan(sampled, count_exponents(changed_old, shift, mask), old.size)
     if t_low < 0:
         return t_low, t_top, positions[:0]

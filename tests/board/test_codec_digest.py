@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -65,3 +67,12 @@ def test_bad_digest_strings_are_refused() -> None:
         codec.digest_update("xyz", changes)
     with pytest.raises(codec.PatchError):
         codec.digest_update("g" * 32, changes)
+
+
+def test_state_digest_is_sha256_of_the_sorted_lines() -> None:
+    """Stored manifests keep their state digests: sha256 over `name NUL digest LF` per tensor."""
+    entries = [("b.weight", "2" * 32), ("a.weight", "1" * 32), ("ü", "3" * 32)]
+    reference = hashlib.sha256()
+    for name, value in sorted(entries):
+        reference.update(name.encode() + b"\0" + value.encode() + b"\n")
+    assert codec.state_digest(entries) == reference.hexdigest()

@@ -51,7 +51,8 @@ def test_small_tensors_are_encoded_in_bundles_with_the_same_patches():
     assert len(version.parts) == 3000 > changed // BUNDLE_ELEMENTS + 2 >= pool.submitted
     for part, slot in zip(version.parts, layout.slots, strict=True):
         assert part.name == slot.name
-        blob = blobs[part.blob.sha256][part.blob.offset : part.blob.offset + part.blob.length]
+        at, length = part.blob["offset"], part.blob["length"]
+        blob = blobs[part.blob["sha256"]][at : at + length]
         assert np.array_equal(codec.apply(base.host_bytes(slot), blob), buffer.host_bytes(slot))
 
 

@@ -12,12 +12,15 @@ compiled loop (GIL released too) straight into the destination, which may be the
 shard itself; a 1-byte dtype has no planes and is decompressed into the destination.
 Threads decoding several tensors therefore run on every core.
 
-Level 1: on byte planes, what compresses is the order-0 skew of the sign/exponent plane
-(zstd's Huffman literals); mantissa planes are noise that zstd stores as raw blocks
-(copied, not decoded, on the way back). Higher levels add short matches within the
-exponent plane, which code it worse than its literals and decode several times slower
-(docs/design.md, section 6). Any level's frame decodes the same way: the choice is the
-encoder's alone.
+Parameters (`compress` without a level): on byte planes, what compresses is the order-0
+skew of the sign/exponent plane, which zstd codes as Huffman literals; mantissa planes are
+noise that zstd stores as raw blocks (copied, not decoded, on the way back). Matches within
+the exponent plane are short and code it worse than its literals, and executing them is
+most of the decode: so the planes go through zstd's fastest strategy with a 64-entry match
+table and 7-byte minimum matches, which leaves nearly all of such a plane to the literals
+and still finds the runs of structured tensors (zeros, constants, counters). Any frame
+decodes the same way, whatever parameters wrote it: the choice is the encoder's alone
+(figures: docs/design.md, section 6).
 """
 
 from __future__ import annotations
@@ -29,12 +32,17 @@ from deltaboard.board.codec.errors import PatchError
 from deltaboard.board.codec.jit import kernel
 from deltaboard.board.codec.parallel import map_ranges
 
-LEVEL = 1
 _MAX_RATIO = (128 << 10) // 4  # bytes out per byte in, at most
+_LITERALS = {"window_log": 19, "hash_log": 6, "chain_log": 6, "search_log": 1, "min_match": 7, "strategy": 1}
 
 
-def compress(data: bytes | memoryview, level: int = LEVEL) -> bytes:
-    return zstandard.ZstdCompressor(level=level).compress(data)
+def compress(data: bytes | memoryview, level: int | None = None) -> bytes:
+    """One zstd frame of `data`: at `level`, or by default with the parameters that favour
+    literals (the module docstring says why)."""
+    if level is not None:
+        return zstandard.ZstdCompressor(level=level).compress(data)
+    params = zstandard.ZstdCompressionParameters(**_LITERALS)
+    return zstandard.ZstdCompressor(compression_params=params).compress(data)
 
 
 def decompress_into(data: bytes | memoryview, out: np.ndarray) -> None:

@@ -1,9 +1,10 @@
 """Whole-tensor payloads (keyframes, replacements): byte planes through zstd.
 
-The encoder's level is its own choice (frames of any level decode alike), so keyframes
-stored before the level changed must still decode bit for bit; the byte-plane kernels
-must give the planes of the wire format for every width, at any address (a tensor's bytes
-in a mapped shard need not be aligned to its width), on one thread or split over several.
+The encoder's zstd parameters are its own choice (frames of any parameters decode alike),
+so keyframes stored before they changed (zstd level 3) must still decode bit for bit; the
+byte-plane kernels must give the planes of the wire format for every width, at any address
+(a tensor's bytes in a mapped shard need not be aligned to its width), on one thread or
+split over several.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def test_whole_tensors_round_trip_at_any_address(dtype: str, n: int, seed: int, 
 @pytest.mark.parametrize("dtype", sorted(codec.WIDTHS))
 @pytest.mark.parametrize("level", [3, 19])
 def test_keyframes_of_other_levels_still_decode(dtype: str, level: int) -> None:
-    """A frame written at another level (keyframes stored before level 1) decodes bit for bit."""
+    """A frame written at a level (keyframes stored before the literal parameters were level
+    3) decodes bit for bit."""
     data = tensor(dtype, _PARALLEL_MIN + 5, seed=7)
     width = codec.width(dtype)
     frame = zstandard.ZstdCompressor(level=level).compress(planes_of(data, width))
@@ -74,8 +76,8 @@ def test_keyframes_of_other_levels_still_decode(dtype: str, level: int) -> None:
 
 def test_a_trained_like_bf16_tensor_compresses_by_its_exponents() -> None:
     """N(0, 0.02) bf16 weights: the sign/exponent plane is coded near its order-0 entropy
-    (about 2.7 of 8 bits) and the mantissa plane stored, about 0.69 of the tensor; zstd's
-    level 3 matches code the exponent plane worse (0.71)."""
+    (about 2.7 of 8 bits) and the mantissa plane stored, under 0.68 of the tensor; zstd's
+    matches code the exponent plane worse (level 1: 0.69, level 3: 0.72)."""
     data = tensor("BF16", 1 << 20, seed=0)
     _, payload = unpack(codec.encode(None, data, "BF16"))
-    assert len(payload) / data.size < 0.70
+    assert len(payload) / data.size < 0.68

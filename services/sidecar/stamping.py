@@ -233,17 +233,33 @@ async def restamped_stream(
             pending = data
             continue
         complete, pending = (data, b"") if cut == len(data) else (data[:cut], data[cut:])
-        if b"[DONE]" in complete or _FIELD in complete:  # once or twice a stream: event by event
-            out = []
-            for event in complete.split(b"\n\n")[:-1]:
-                if not release.done and _event_data(event) == b"[DONE]":
-                    out.append(await _final_event(start, release, verify, reported[0]))
-                out.append(_without_engine_versions(event, reported) + b"\n\n")
-            complete = b"".join(out)
+        if b"[DONE]" in complete or _FIELD in complete:  # once or twice a stream
+            complete = await _ending(complete, start, release, verify, reported)
         if complete:
             yield complete
     if not release.done:
         yield await _final_event(start, release, verify, reported[0])
+
+
+async def _ending(
+    complete: bytes,
+    start: int | None,
+    release: Release,
+    verify: Callable[[], Awaitable[str | None]],
+    reported: list[Any],
+) -> bytes:
+    """`complete` (whole events) with the engine's versions taken out of its events and the
+    range put before `[DONE]`. Event by event, but only from the first event that names
+    either: a read behind a fast engine holds many tokens, and only the last ones matter."""
+    first = min(at for at in (complete.find(b"[DONE]"), complete.find(_FIELD)) if at >= 0)
+    cut = complete.rfind(b"\n\n", 0, first)
+    begin = 0 if cut < 0 else cut + 2
+    out = [complete[:begin]]
+    for event in complete[begin:].split(b"\n\n")[:-1]:
+        if not release.done and _event_data(event) == b"[DONE]":
+            out.append(await _final_event(start, release, verify, reported[0]))
+        out.append(_without_engine_versions(event, reported) + b"\n\n")
+    return b"".join(out)
 
 
 def _without_engine_versions(event: bytes, reported: list[Any]) -> bytes:

@@ -224,7 +224,7 @@ def test_a_requests_field_cut_out_by_bytes_leaves_what_decoding_would(others, fi
     cut = cut_field(raw)
     if cut is not None:
         assert json.loads(cut) == {k: v for k, v in body.items() if k != "weight_version"}
-    if json.dumps(others).count('"weight_version"') == 0 and b"\\u" not in raw:
+    if raw.count(b'"weight_version"') == 1 and b"\\u" not in raw:
         assert cut is not None  # the usual request: its one field, cut by bytes
 
 

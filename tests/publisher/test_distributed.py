@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torch.multiprocessing.spawn import start_processes
 
 from tests.publisher.pub_support import assert_same_view, materialize, view_bytes
+from tests.support.ranks import run_ranks
 
 VERSIONS = 3
 FAIL_AT = 1  # the version index at which the failing rank's uploads are refused
@@ -73,14 +73,12 @@ def _rank_main(
 @pytest.mark.parametrize(("world", "fail_rank"), [(2, -1), (4, 2)])
 def test_ranks_commit_one_version_atomically(board, tmp_path, monkeypatch, world, fail_rank):
     run = f"dist-{world}"
-    # spawned ranks import this module by name: they take the parent's sys.path
+    # the ranks import this module by name: they take the parent's sys.path
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
-    start_processes(  # type: ignore[no-untyped-call]
+    run_ranks(
         _rank_main,
-        args=(world, str(tmp_path / "init"), board.url, board.publish_token, run, fail_rank, str(tmp_path)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
+        (world, str(tmp_path / "init"), board.url, board.publish_token, run, fail_rank, str(tmp_path)),
+        world,
     )
     outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     reader = board.client(board.read_token)

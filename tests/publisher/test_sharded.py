@@ -5,8 +5,9 @@ A tiny Llama is trained a few AdamW steps under FSDP2 (`fully_shard`: every para
 `Shard(0)`, rowwise o/down: `Shard(1)`; embeddings and norms stay plain tensors, which
 rank 0 publishes). FSDP2's dimensions are chosen uneven (vocabulary 37, MLP width 22)
 so that some shards are smaller than others; TP's parallel styles refuse uneven splits
-in forward, so under TP the MLP width is 24. Each case spawns its ranks (transformers imported in
-each), so the default run takes the two cases of 2 ranks; those of 4 are `slow`.
+in forward, so under TP the MLP width is 24. Each case starts its ranks (forked from a
+server that imported torch and transformers once: `tests/support/ranks.py`); the default
+run takes the two cases of 2 ranks, those of 4 are `slow`.
 Every rank publishes its own slices; while it does, every Python entry to an all-gather
 of floating tensors (`dist.all_gather*`, the functional collectives,
 `DTensor.full_tensor` / `redistribute`) raises, so a publish that gathered a weight would
@@ -26,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torch.multiprocessing.spawn import start_processes
 
 from deltaboard.clients.follower import Follower
+from tests.support.ranks import run_ranks
 
 VERSIONS = 4
 FAIL_AT = 2  # the publish whose uploads the failing rank has refused
@@ -189,9 +190,9 @@ def test_sharded_ranks_publish_what_an_unsharded_trainer_would(
 
     run = f"{mode}-{world}"
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
-    start_processes(  # type: ignore[no-untyped-call]
+    run_ranks(
         _rank_main,
-        args=(
+        (
             world,
             str(tmp_path / "init"),
             board.url,
@@ -201,9 +202,7 @@ def test_sharded_ranks_publish_what_an_unsharded_trainer_would(
             fail_rank,
             str(tmp_path),
         ),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
+        world,
     )
     outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     committed = VERSIONS if fail_rank < 0 else VERSIONS - 1
@@ -284,13 +283,7 @@ def test_plain_local_tensors_with_declared_slices(board, tmp_path, monkeypatch):
     from deltaboard.publisher.publisher import Publisher
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
-    start_processes(  # type: ignore[no-untyped-call]
-        _declared_main,
-        args=(2, str(tmp_path / "init"), board.url, board.publish_token, "declared"),
-        nprocs=2,
-        join=True,
-        start_method="spawn",
-    )
+    run_ranks(_declared_main, (2, str(tmp_path / "init"), board.url, board.publish_token, "declared"), 2)
     with Publisher(board.client(board.publish_token), "declared-whole", assets={}) as pub:
         for v in range(3):
             pub.publish(_declared_state(v, 0, 1)[0], step=v).result()

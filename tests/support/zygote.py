@@ -1,14 +1,15 @@
 """Boards forked from a process that has imported the board once.
 
 Most of a board process's start is importing (FastAPI and its pydantic models, uvicorn,
-boto3), and the suite starts a board for about 150 tests: on a 2-core machine those imports
-alone were minutes of the suite's CPU. The zygote (one per test process, run as this file)
-imports the board's modules once, then forks one board per request: the child takes the
-environment it is given, sends its output to the board's log and runs `serve(Settings())`,
-as `python -m deltaboard.board.server.api` does. Each board is still a process of its own,
-with its port, data dir and settings; only the imported modules are shared (copied on
-write). The zygote is single-threaded, so forking it is safe; `deltaboard board serve` and
-`spawn` themselves keep their own tests (`tests/board/test_board_serve.py`).
+boto3), and about 120 tests take a fresh board (more start their own): on a 2-core
+machine those imports alone were minutes of the suite's CPU. The zygote (one per test
+process, run as this file) imports the board's modules once, then forks one board per
+request: the child takes the environment it is given, sends its output to the board's log
+and runs `serve(Settings())`, as `python -m deltaboard.board.server.api` does. Each board
+is still a process of its own, with its port, data dir and settings; only the imported
+modules are shared (copied on write). The zygote is single-threaded, so forking it is
+safe; `deltaboard board serve` and `spawn` themselves keep their own tests
+(`tests/board/test_board_serve.py`).
 
 The zygote answers one JSON line per request line on its stdin:
 `{"op": "fork", "env": {...}, "log": PATH}` -> `{"pid": N}`, and

@@ -32,6 +32,11 @@ process (loopback); the nodes are real `Follower`s on local disk. Figures:
   trainer keyframe plus every delta after it: the worst case of a keyframe schedule;
   download included), and `bootstrap_keyframe_s` to serving the trainer keyframe's version
   itself; `keyframe_build_s` is the worker building and registering its keyframe;
+  `bootstrap_cpu_per_gb`: CPU seconds per GB of view that the node (this process, from the
+  sync call to serving) and the board process spent on that bootstrap, beside the floors
+  measured in the same run (`floor_cpu_per_gb`): copying the view's bytes into fresh memory
+  (page faults and one copy: what writing the shards at least costs) and reading them over
+  loopback TCP from memory (both ends: what receiving them at least costs);
 * `catchup_*`: a node k = 32 versions behind, on the plan once the spans ending at k
   are registered (`catchup_s`, `catchup_bytes`, of which `span_bytes` in spans), and
   the same node by the deltas alone, before they were (`catchup_deltas_s`,
@@ -47,6 +52,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import resource
+import socket
 import statistics
 import tempfile
 import time
@@ -57,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -226,14 +234,22 @@ class Timeline:
     fetched: int = 0
     served_at: float = 0.0
     ended: float = 0.0
+    begun_cpu: float = 0.0
+    served_cpu: float = 0.0
 
     def reset(self) -> None:
         self.begun, self.started, self.fetched = time.perf_counter(), {}, 0
+        self.begun_cpu = process_cpu()
 
     @property
     def ready_s(self) -> float:
         """From the sync call to the new version being served."""
         return self.served_at - self.begun
+
+    @property
+    def ready_cpu_s(self) -> float:
+        """CPU seconds of this process from the sync call to the new version being served."""
+        return self.served_cpu - self.begun_cpu
 
     @property
     def apply_verify_s(self) -> float:
@@ -254,6 +270,43 @@ class Timeline:
 
     def served(self, version: int) -> None:
         self.served_at = time.perf_counter()
+        self.served_cpu = process_cpu()
+
+
+def process_cpu() -> float:
+    """CPU seconds (user + system) of this process, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def board_cpu() -> float:
+    """CPU seconds of this process's children: the bench's board process."""
+    return sum(sum(child.cpu_times()[:2]) for child in psutil.Process().children(recursive=True))
+
+
+def floors(nbytes: int) -> dict[str, float]:
+    """CPU seconds per GB of the two floors under a bootstrap of `nbytes` (module docstring)."""
+    source = np.ones(nbytes, dtype=np.uint8)
+    started = process_cpu()
+    np.copyto(np.empty_like(source), source)
+    memcpy = process_cpu() - started
+    server = socket.create_server(("127.0.0.1", 0))
+    receiver = socket.create_connection(server.getsockname())
+    sender, _ = server.accept()
+
+    def send() -> None:
+        with sender:
+            sender.sendall(source.data)
+
+    with server, receiver, ThreadPoolExecutor(1) as pool:
+        started = process_cpu()
+        sending = pool.submit(send)
+        view, got = np.empty_like(source).data, 0
+        while got < nbytes and (n := receiver.recv_into(view[got : got + (1 << 20)])):
+            got += n
+        sending.result()
+        loopback = process_cpu() - started
+    return {"memcpy_fresh": memcpy * 1e9 / nbytes, "loopback_read": loopback * 1e9 / nbytes}
 
 
 @dataclass
@@ -437,9 +490,16 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
             status("bootstrapping a new node from the worker's keyframe")
             fresh = node(client, tmp / "fresh-worker", "fresh-worker")
             bootstrap_plan = client.plan(RUN, None, head)
+            board_started = board_cpu()
             timeline = fresh.sync(head)
             bootstrap_s, bootstrap_bytes = timeline.ready_s, timeline.fetched
+            bootstrap_cpu = {
+                "follower": timeline.ready_cpu_s * 1e9 / trainer.nbytes,
+                "board": (board_cpu() - board_started) * 1e9 / trainer.nbytes,
+            }
             fresh.follower.close()
+        status("measuring the floors: a copy of the view into fresh memory, a loopback read")
+        floor = floors(trainer.nbytes)
 
     apply_s = statistics.median(applies)
     changed = statistics.median(r.changed_elements / r.total_elements for r in results[1:])
@@ -461,6 +521,8 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
         "bootstrap_s": bootstrap_s,
         "bootstrap_bytes": bootstrap_bytes,
         "bootstrap_strategy": bootstrap_plan.strategy,
+        "bootstrap_cpu_per_gb": bootstrap_cpu,
+        "floor_cpu_per_gb": floor,
         "bootstrap_deltas_s": bootstrap_deltas_s,
         "keyframe_build_s": keyframe_build_s,
         "bootstrap_keyframe_s": bootstrap_keyframe_s,
@@ -521,6 +583,14 @@ def render(report: dict[str, Any], console: Console) -> None:
             "new node serving head (worker keyframe, ranged)",
             f"{report['bootstrap_s']:.3f} s, {report['bootstrap_bytes']:,} bytes "
             f"({report['bootstrap_strategy']})",
+        ),
+        (
+            "  CPU per GB of view to serving: node, board",
+            "{follower:.2f} s, {board:.2f} s".format(**report["bootstrap_cpu_per_gb"]),
+        ),
+        (
+            "  floors per GB: copy into fresh memory, loopback read",
+            "{memcpy_fresh:.2f} s, {loopback_read:.2f} s".format(**report["floor_cpu_per_gb"]),
         ),
         ("  before the worker (trainer keyframe + all deltas)", f"{report['bootstrap_deltas_s']:.3f} s"),
         ("  building the worker's keyframe", f"{report['keyframe_build_s']:.3f} s"),

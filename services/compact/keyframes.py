@@ -5,8 +5,9 @@ one near head a new node would take the trainer's last keyframe and every step s
 When the board's bootstrap plan to a head starts `every` or more versions back, the worker
 encodes the head's tensors from its follower copy (the codec's keyframe encoding, each
 checked against the tensor's digest at head), in the layout's order, into one blob, and
-registers them with the sha256 of each tensor's range, which lets a node fetch the ranges
-in parallel and check each as it arrives. The board checks the digests against the
+registers them with each tensor's range, which a node fetches in parallel and checks as it
+arrives (by the patch's checksum, then the digests; the `range_sha256` each entry still
+carries is for followers that checked it). The board checks the digests against the
 committed manifests and stores it create-if-absent, like a span.
 
 Schedule: `every` = 32 by default, the longest span. A new node then takes one keyframe

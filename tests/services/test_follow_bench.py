@@ -28,6 +28,10 @@ def test_bench_follow_small_view() -> None:
     # a new node starts at the worker's keyframe of head, not at the trainer's first one
     assert report["bootstrap_strategy"] == "keyframe+deltas" and report["keyframe_build_s"] > 0
     assert 0 < report["bootstrap_bytes"] < report["keyframe_bytes"] + report["replay_bytes"]
+    # the bootstrap's CPU per GB beside the floors of the same run, all measured
+    assert report["bootstrap_cpu_per_gb"]["follower"] > 0 and report["bootstrap_cpu_per_gb"]["board"] >= 0
+    assert set(report["floor_cpu_per_gb"]) == {"memcpy_fresh", "loopback_read"}
+    assert all(v >= 0 for v in report["floor_cpu_per_gb"].values())
     assert set(report["targets"]) == {
         "apply_verify_le_0.1x_full_write",
         "catchup_le_one_keyframe",

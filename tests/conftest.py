@@ -27,12 +27,14 @@ LONG_FIRST = (
     "tests/test_readme.py",
     "tests/services/test_demo.py",
     "tests/clients/test_kill.py",
+    "tests/ui/",
     "tests/publisher/test_sharded.py",
     "tests/board/test_store_outage.py",
     "tests/board/test_schemathesis.py",
     "tests/publisher/test_distributed.py",
     "tests/clients/test_cli.py",
     "tests/board/test_replicas.py",
+    "tests/board/test_board_serve.py",
 )
 
 

@@ -11,8 +11,9 @@ the same digests again against what its slot holds.
 
 A worker keyframe lists every tensor of a committed version whole, in the layout's order,
 so that a new node starts there instead of at the trainer's last keyframe. Each entry also
-carries the sha256 of its own byte range (`range_sha256`): a node downloads the ranges in
-parallel and checks each as it arrives, instead of one sha256 over the whole blob.
+carries the sha256 of its own byte range (`range_sha256`), which workers still write for
+followers that check it; today's follower downloads the ranges in parallel and checks each
+by its patch's own checksum and the trainer's digests, the end-to-end proof (docs/contract.md).
 """
 
 from __future__ import annotations

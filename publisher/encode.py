@@ -120,8 +120,9 @@ def encode_rank(
 ) -> RankVersion:
     """Encode `buffer` as a keyframe (`base` None) or as a delta against `base`.
 
-    Tensors are encoded in parallel on `encoders` (the codec's numpy and zstd work
-    releases the GIL), in bundles of small tensors (`BUNDLE_ELEMENTS`), at most `window`
+    Tensors are encoded in parallel on `encoders` (the codec's compiled and zstd work
+    releases the GIL), in bundles of small tensors (`BUNDLE_ELEMENTS`; a delta's bundle is
+    one `codec.encode_batch` call), at most `window`
     bundles at a time, and packed in layout order, so blobs and manifests do not depend on
     thread timing and a keyframe holds at most `window` bundles' host bytes and patches
     while the packer waits for the link.

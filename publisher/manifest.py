@@ -61,7 +61,7 @@ def build_manifest(
             "stats": ManifestStats(
                 changed_elements=sum(r.changed_elements for r in ranks),
                 total_elements=sum(r.total_elements for r in ranks),
-                encoded_bytes=sum(p.blob["length"] for r in ranks for p in r.parts),
+                encoded_bytes=sum(p.blob.length for r in ranks for p in r.parts),
                 view_bytes=sum(r.view_bytes for r in ranks),
             ),
         }

@@ -15,18 +15,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypedDict
+
+from deltaboard.board.contract.schemas import BlobRef
 
 Upload = Callable[[str, bytes], None]
-
-
-class BlobRange(TypedDict):
-    """A manifest entry's `blob` (`BlobRef`'s fields), as a plain dict: validated once with
-    the whole manifest, so that a model of 20,000 tensors does not build a model per patch."""
-
-    sha256: str
-    offset: int
-    length: int
 
 
 @dataclass(frozen=True)
@@ -36,7 +28,7 @@ class TensorPart:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    blob: BlobRange
+    blob: BlobRef
     digest: str
     changed: int
 
@@ -106,8 +98,9 @@ class BlobPacker:
         data = b"".join(self._chunks)
         sha = hashlib.sha256(data).hexdigest()
         for p in self._open:
-            blob = BlobRange(sha256=sha, offset=p.offset, length=p.length)
-            self._parts.append(TensorPart(p.name, p.dtype, p.shape, blob, p.digest, p.changed))
+            # our own hash and offsets: no validation per part (a blob may hold thousands)
+            ref = BlobRef.model_construct(sha256=sha, offset=p.offset, length=p.length)
+            self._parts.append(TensorPart(p.name, p.dtype, p.shape, ref, p.digest, p.changed))
         self._chunks, self._open, self._open_bytes = [], [], 0
         with self._cond:
             while self._pending_bytes and self._pending_bytes + len(data) > self._max_pending:

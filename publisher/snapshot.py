@@ -205,13 +205,13 @@ class ViewBuffer:
         batch_bytes = 0
         on_device: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for name, target in self._targets:
-            src = state[name].detach()
+            src = state[name]  # under no_grad: copies need no detached view (a call per tensor)
             host = self._host_raw.get(name)
             if host is None:
                 on_device[0].append(target)
                 on_device[1].append(src)
             elif host.size >= _PIECE_BYTES and src.dtype == target.dtype and src.is_contiguous():
-                source = src.reshape(-1).view(torch.uint8).numpy()
+                source = src.detach().reshape(-1).view(torch.uint8).numpy()
                 pieces.extend(partial(stream_copy, host[a:b], source[a:b]) for a, b in _pieces(host.size))
             else:
                 batch[0].append(target)

@@ -29,7 +29,17 @@ class CountingPool(ThreadPoolExecutor):
         return super().submit(fn, *args, **kwargs)
 
 
-def test_small_tensors_are_encoded_in_bundles_with_the_same_patches():
+def test_small_tensors_are_encoded_in_bundles_with_the_same_patches(monkeypatch):
+    """One encoder task and one codec call per bundle; each patch what `encode_changes`
+    writes for its tensor alone."""
+    batches: list[int] = []
+    encode_batch = codec.encode_batch
+
+    def counted(changes: Any, *args: Any, **kwargs: Any) -> Any:
+        batches.append(len(changes))
+        return encode_batch(changes, *args, **kwargs)
+
+    monkeypatch.setattr(codec, "encode_batch", counted)
     g = torch.Generator().manual_seed(0)
     old = {f"t{i}": (torch.randn(500, generator=g) * 0.02).to(torch.bfloat16) for i in range(3000)}
     new = {}
@@ -49,11 +59,16 @@ def test_small_tensors_are_encoded_in_bundles_with_the_same_patches():
         version = encode_rank(buffer, base, digests, packer, pool, window=4)
     changed = version.changed_elements
     assert len(version.parts) == 3000 > changed // BUNDLE_ELEMENTS + 2 >= pool.submitted
+    assert len(batches) == pool.submitted and sum(batches) == 3000
     for part, slot in zip(version.parts, layout.slots, strict=True):
         assert part.name == slot.name
-        at, length = part.blob["offset"], part.blob["length"]
-        blob = blobs[part.blob["sha256"]][at : at + length]
+        blob = blobs[part.blob.sha256][part.blob.offset : part.blob.offset + part.blob.length]
         assert np.array_equal(codec.apply(base.host_bytes(slot), blob), buffer.host_bytes(slot))
+        old_bytes, new_bytes = base.host_bytes(slot), buffer.host_bytes(slot)
+        alone = codec.encode_changes(
+            codec.diff(old_bytes, new_bytes, slot.dtype), old_bytes, slot.dtype, old_digest=digests[slot.name]
+        )
+        assert blob == alone
 
 
 def test_a_manifest_of_many_entries_is_what_its_json_reads_back():

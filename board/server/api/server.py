@@ -14,29 +14,16 @@ import time
 from pathlib import Path
 
 import httpx
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from deltaboard.board.contract.errors import InvalidRequest
-from deltaboard.board.server.api.zerocopy import ZEROCOPY, ZeroCopyCycle
 from deltaboard.board.server.settings import Settings
 
 
-class BoardProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP protocol with two changes. A request its parser refuses before the app
-    runs (a Content-Length beyond 64 bits, a malformed request line or header) gets the
-    board's JSON error body, as every other failure, instead of uvicorn's plain text. And
-    every request's cycle also takes `http.response.zerocopysend` (`zerocopy`), announced
-    in the scope's extensions, so that blob downloads leave by `sendfile`."""
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self.scope["extensions"] = {ZEROCOPY: {}}
-
-    def on_headers_complete(self) -> None:
-        super().on_headers_complete()
-        # The cycle's task has not run yet: it sends through the subclass from its start.
-        if type(self.cycle) is RequestResponseCycle:
-            self.cycle.__class__ = ZeroCopyCycle
+class JSONErrorsProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol, answering a request its parser refuses before the app runs
+    (a Content-Length beyond 64 bits, a malformed request line or header) with the board's
+    JSON error body, as every other failure, instead of uvicorn's plain text."""
 
     def send_400_response(self, msg: str) -> None:
         body = json.dumps(InvalidRequest(f"the HTTP request is malformed: {msg}").body()).encode()
@@ -74,7 +61,7 @@ def serve(settings: Settings) -> None:
         # Long-polls hold connections for up to a minute; keep idle ones a little longer.
         timeout_keep_alive=75,
         backlog=4096,
-        http=BoardProtocol,
+        http=JSONErrorsProtocol,
     )
 
 

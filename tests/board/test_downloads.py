@@ -1,88 +1,14 @@
-"""Blob downloads by `sendfile` (`board.server.api.zerocopy`): the bytes, ranges and HTTP
-framing of a download are those of the read path, through a socket that fills, a client
-that goes away, and requests pipelined behind a download."""
+"""Blob downloads through a board under the ways clients use a connection: a blob larger
+than a socket's buffer, a range, a HEAD and a head request pipelined behind it on one
+connection (each answer whole and in order), and a client that leaves half-way."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
-import threading
 
-import pytest
-
-from deltaboard.board.server.api.zerocopy import SEND_NICE, send_blocking, senders
-
-BLOB = 8 * 2**20 + 17  # larger than a loopback socket's buffer: the sender must wait
-
-
-def socket_pair() -> tuple[socket.socket, socket.socket]:
-    """(sender, receiver): the sender non-blocking with a small buffer, as a busy one is."""
-    sender, receiver = socket.socketpair()
-    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
-    sender.setblocking(False)
-    return sender, receiver
-
-
-def receive(sock: socket.socket, size: int, into: bytearray) -> None:
-    while len(into) < size:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return
-        into += chunk
-
-
-@pytest.fixture
-def blob(tmp_path):
-    data = os.urandom(BLOB)
-    path = tmp_path / "blob"
-    path.write_bytes(data)
-    with open(path, "rb") as f:
-        yield f.fileno(), data
-
-
-def test_a_file_range_leaves_whole_through_a_full_socket(blob):
-    fd, data = blob
-    sender, receiver = socket_pair()
-    got = bytearray()
-    reader = threading.Thread(target=receive, args=(receiver, BLOB - 10, got))
-    reader.start()
-    send_blocking(os.dup(sender.fileno()), fd, 5, BLOB - 10)
-    reader.join(60)
-    assert bytes(got) == data[5:-5]
-
-
-def test_a_client_that_takes_nothing_is_given_up(blob):
-    fd, _ = blob
-    sender, _receiver = socket_pair()
-    with pytest.raises(TimeoutError):
-        send_blocking(os.dup(sender.fileno()), fd, 0, BLOB, stall_s=0.2)
-
-
-def test_a_client_gone_ends_the_send(blob):
-    fd, _ = blob
-    sender, receiver = socket_pair()
-    receiver.close()
-    with pytest.raises(OSError):
-        send_blocking(os.dup(sender.fileno()), fd, 0, BLOB)
-
-
-def test_a_file_shorter_than_promised_is_an_error(blob):
-    fd, _ = blob
-    sender, receiver = socket_pair()
-    reader = threading.Thread(target=receive, args=(receiver, BLOB, bytearray()))
-    reader.start()
-    with pytest.raises(EOFError):
-        send_blocking(os.dup(sender.fileno()), fd, 0, BLOB + 1)
-    sender.close()
-    reader.join(60)
-
-
-def test_the_sending_threads_yield_the_cpu_to_the_event_loop():
-    def niceness() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    assert senders().submit(niceness).result(60) == min(19, niceness() + SEND_NICE)
+BLOB = 8 * 2**20 + 17  # larger than a loopback socket's buffer: the board must wait
 
 
 def read_answer(sock: socket.socket, buffer: bytearray) -> tuple[bytes, bytes]:

@@ -32,6 +32,10 @@ Face's `FP8Linear` and DeepSeek's `weight_dequant` do: despite its name, the sto
 "scale_inv" multiplies. (Hugging Face's own quantizer multiplies by `448 / amax` instead
 of dividing by `amax / 448`, which rounds a few values differently and makes NaN scales
 for all-zero blocks; the layout and the dequantization are the same.)
+
+On CUDA, with Triton installed, bf16, fp16 and fp32 weights are quantized by one kernel that
+reads each block once (`quantize_kernels`); the torch code below is the reference it is
+tested against, bit for bit, and the path everywhere else.
 """
 
 from __future__ import annotations
@@ -60,11 +64,25 @@ def _pow2_ceil(s: torch.Tensor) -> torch.Tensor:
     return up.view(torch.float32)
 
 
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 @torch.no_grad()
-def quantize_fp8_block(w: torch.Tensor, rule: ScaleRule = "amax") -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight of `w`'s shape, fp32 block scales), as the module docstring says."""
+def quantize_fp8_block(
+    w: torch.Tensor, rule: ScaleRule = "amax", *, fused: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight of `w`'s shape, fp32 block scales), as the module docstring says.
+
+    `fused`: the Triton kernel (None: on CUDA when Triton is installed; True on CPU tensors
+    runs it under Triton's interpreter, which the tests do)."""
     if w.dim() != 2:
         raise ValueError(f"block FP8 quantizes 2-D weights, not shape {tuple(w.shape)}")
+    if fused is None:
+        from deltaboard.publisher import fused_diff  # it imports the view, which imports this
+
+        fused = fused_diff.available(w.device)
+    if fused and w.dtype in KERNEL_DTYPES:
+        return _quantize_fused(w, rule)
     rows, cols = w.shape
     br, bc = -(-rows // BLOCK), -(-cols // BLOCK)
     x = w.detach().to(torch.float32)
@@ -81,6 +99,21 @@ def quantize_fp8_block(w: torch.Tensor, rule: ScaleRule = "amax") -> tuple[torch
     return bits.view(torch.float8_e4m3fn), scale.contiguous()
 
 
+def _quantize_fused(w: torch.Tensor, rule: ScaleRule) -> tuple[torch.Tensor, torch.Tensor]:
+    from deltaboard.publisher import quantize_kernels
+
+    rows, cols = w.shape
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    q = torch.empty((rows, cols), dtype=torch.uint8, device=w.device)
+    scales = torch.empty((-(-rows // BLOCK), -(-cols // BLOCK)), dtype=torch.float32, device=w.device)
+    if q.numel():
+        quantize_kernels.quantize_block128[scales.shape](
+            w, q, scales, rows, cols, w.stride(0), UE8M0=rule == "ue8m0", BLOCK=BLOCK, num_warps=8
+        )
+    return q.view(torch.float8_e4m3fn), scales
+
+
 def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """fp32 values of a block-quantized weight: `fp32(q) * scale_inv` of each element's block."""
     rows, cols = q.shape
@@ -88,10 +121,13 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tens
     return q.to(torch.float32) * per_element
 
 
-def quantize_state(state: Mapping[str, torch.Tensor], spec: ViewSpec) -> Mapping[str, torch.Tensor]:
+def quantize_state(
+    state: Mapping[str, torch.Tensor], spec: ViewSpec, *, fused: bool | None = None
+) -> Mapping[str, torch.Tensor]:
     """`state` with each floating weight an FP8 block rule of `spec` serves replaced by its
     FP8 bytes, followed at once by its `_scale_inv`; every other tensor passes through
-    untouched (and `state` itself when no rule quantizes anything)."""
+    untouched (and `state` itself when no rule quantizes anything). `fused` as
+    `quantize_fp8_block` takes it."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         floating = tensor.is_floating_point() and tensor.element_size() > 1  # fp8 passes through
@@ -99,5 +135,5 @@ def quantize_state(state: Mapping[str, torch.Tensor], spec: ViewSpec) -> Mapping
         if rule is None or rule.dtype != FP8_BLOCK:
             out[name] = tensor
         else:
-            out[name], out[name + SCALE_SUFFIX] = quantize_fp8_block(tensor, rule.scale)
+            out[name], out[name + SCALE_SUFFIX] = quantize_fp8_block(tensor, rule.scale, fused=fused)
     return out if len(out) > len(state) else state

@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "deltaboard.services.commands.compact",
     "deltaboard.services.commands.hot",
     "deltaboard.services.commands.publish",
+    "deltaboard.services.commands.quantize",
     "deltaboard.services.commands.rollout",
     "deltaboard.services.commands.serving",
 )

@@ -37,7 +37,8 @@ def _tiny_llama() -> torch.nn.Module:
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float().eval()
+    model: torch.nn.Module = transformers.LlamaForCausalLM(config).float().eval()
+    return model
 
 
 def test_transformers_loads_the_fp8_directory_and_generates(board, tmp_path):

@@ -117,7 +117,7 @@ class HostCopy:
         out, offset = [], 0
         for t in self._tensors:
             size = t.numel() * t.element_size()
-            out.append(flat[offset : offset + size].view(_NUMPY[t.dtype]))
+            out.append(flat[offset : offset + size].view(_NUMPY[t.dtype]).reshape(t.shape))
             offset += size
         return out
 

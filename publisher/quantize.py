@@ -89,7 +89,10 @@ def quantize_fp8_block(
     padded = F.pad(x, (0, bc * BLOCK - cols, 0, br * BLOCK - rows)) if rows % BLOCK or cols % BLOCK else x
     blocks = padded.reshape(br, BLOCK, bc, BLOCK)
     finite = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0)
-    scale = finite.amax(dim=(1, 3)) / FP8_MAX
+    amax = finite.amax(dim=(1, 3))
+    # Divided by a tensor, not the number: torch on CUDA multiplies by a scalar divisor's
+    # reciprocal, which rounds some scales differently from the division the text specifies.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     scale = torch.where(scale > 0, scale, 1.0)
     if rule == "ue8m0":
         scale = _pow2_ceil(scale)

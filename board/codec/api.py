@@ -42,7 +42,6 @@ _REPLACE_FROM = 4  # try replacement when more than numel / 4 changed
 _POSITIONS: dict[str, Callable[[Reader, int, np.ndarray, str], np.ndarray]] = {
     "sparse": sparse.decode,
     "dense": dense.decode,
-    "context": ranked.decode,
 }
 
 
@@ -177,8 +176,11 @@ def _decode(
             raise PatchError("corrupted patch: changed count mismatch")
         return changes
     r = Reader(payload)
-    positions = _POSITIONS[header.encoding](r, header.changed, bits, header.dtype)
-    before = bits[positions]
+    if header.encoding == "context":  # its pass over the old tensor reads the old bits too
+        positions, before = ranked.decode(r, header.changed, bits, header.dtype)
+    else:
+        positions = _POSITIONS[header.encoding](r, header.changed, bits, header.dtype)
+        before = bits[positions]
     after = decode_values(r, before, header.dtype)
     r.done()
     decoded = Changes(header.dtype, header.numel, positions, before, after)

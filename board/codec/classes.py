@@ -22,7 +22,7 @@ import numpy as np
 
 from deltaboard.board.codec.context import EXPONENT_FIELDS, class_limits
 from deltaboard.board.codec.errors import PatchError
-from deltaboard.board.codec.jit import below_mask, kernel, popcount, trailing_zeros
+from deltaboard.board.codec.jit import FAST_DEPOSIT, below_mask, deposit, kernel, popcount, trailing_zeros
 
 _PAST = np.iinfo(np.int64).max  # a rank past every class: ends each list of wanted ranks
 
@@ -146,9 +146,11 @@ def class_ranks(
 
 
 @kernel
-def _select_bit(word: np.uint64, k: int) -> np.uint64:
+def _select_bit_search(word: np.uint64, k: int) -> np.uint64:
     """The k-th (from 0) set bit of `word` alone, k < popcount(word): a binary search on
-    the popcounts of halves in masks, not branches (its steps are unpredictable)."""
+    the popcounts of halves in masks, not branches (its steps are unpredictable). Where
+    BMI2's deposit is fast, `_select_bit` is that one instruction instead: a hit per
+    word or so at ~1% changed makes this search a large part of the decoder's pass."""
     at = np.uint64(0)
     left = np.uint64(k)
     for half in (32, 16, 8, 4, 2, 1):
@@ -159,6 +161,15 @@ def _select_bit(word: np.uint64, k: int) -> np.uint64:
         word = ((word >> h) & right) | (word & ~right)
         at += h & right
     return np.uint64(1) << at
+
+
+@kernel
+def _select_bit_deposit(word: np.uint64, k: int) -> np.uint64:
+    """`_select_bit_search` in one instruction (only where `FAST_DEPOSIT`)."""
+    return deposit(np.uint64(1) << np.uint64(k), word)
+
+
+_select_bit = _select_bit_deposit if FAST_DEPOSIT else _select_bit_search
 
 
 @kernel
@@ -174,6 +185,39 @@ def _pick(mask: np.uint64, count: int, ranks: np.ndarray, i: int) -> tuple[np.ui
 
 
 @kernel
+def _take(
+    old: np.ndarray,
+    base: int,
+    masks: tuple[np.uint64, np.uint64, np.uint64],
+    state: np.ndarray,
+    r0: np.ndarray,
+    r1: np.ndarray,
+    r2: np.ndarray,
+    out: np.ndarray,
+    out_old: np.ndarray,
+    found: int,
+) -> int:
+    """One word of `_select`: its wanted members' positions and old bits written from
+    `found` (the new count returned); `state` holds each class's members before the word
+    (0-2) and next wanted index (3-5)."""
+    m0, m1, m2 = masks
+    h0, state[3] = _pick(m0, state[0], r0, state[3])
+    h1, state[4] = _pick(m1, state[1], r1, state[4])
+    h2, state[5] = _pick(m2, state[2], r2, state[5])
+    state[0] += int(popcount(m0))
+    state[1] += int(popcount(m1))
+    state[2] += int(popcount(m2))
+    hits = h0 | h1 | h2
+    while hits:
+        p = base + int(trailing_zeros(hits))
+        out[found] = p
+        out_old[found] = old[p]  # in cache now: no second, random-access gather
+        found += 1
+        hits &= hits - np.uint64(1)
+    return found
+
+
+@kernel
 def _select(
     old: np.ndarray,
     sign: np.generic,
@@ -182,40 +226,39 @@ def _select(
     r0: np.ndarray,
     r1: np.ndarray,
     r2: np.ndarray,
-) -> tuple[np.ndarray, int]:
-    """(positions, how many were found) of the wanted members (strictly increasing ranks
-    per class, each list ending with the sentinel `_PAST`); fewer are found when a rank
-    lies past its class."""
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(positions, old bits there, how many were found) of the wanted members (strictly
+    increasing ranks per class, each list ending with the sentinel `_PAST`); fewer are
+    found when a rank lies past its class.
+
+    Whole words go through a loop of their own and the last, partial word through
+    `_masks` once: with the partial word's branch inside it, the loop ran several times
+    slower (docs/design.md)."""
     out = np.empty(r0.size + r1.size + r2.size - 3, dtype=np.int64)
-    i0 = i1 = i2 = 0  # next wanted index per class
-    c0 = c1 = c2 = 0  # members of each class before the word
+    out_old = np.empty(out.size, dtype=old.dtype)
+    state = np.zeros(6, dtype=np.int64)
     found = 0
-    for base in range(0, old.size, 64):
+    whole = old.size - old.size % 64
+    for base in range(0, whole, 64):
         if found == out.size:
             break
-        m0, m1, m2 = _masks(old, base, sign, low, top)
-        h0, i0 = _pick(m0, c0, r0, i0)
-        h1, i1 = _pick(m1, c1, r1, i1)
-        h2, i2 = _pick(m2, c2, r2, i2)
-        c0 += int(popcount(m0))
-        c1 += int(popcount(m1))
-        c2 += int(popcount(m2))
-        hits = h0 | h1 | h2
-        while hits:
-            out[found] = base + int(trailing_zeros(hits))
-            found += 1
-            hits &= hits - np.uint64(1)
-    return out, found
+        low_mask = below_mask(old, base, low)
+        small = below_mask(old, base, top)
+        masks = (low_mask, small & ~low_mask, ~small)
+        found = _take(old, base, masks, state, r0, r1, r2, out, out_old, found)
+    if whole < old.size and found < out.size:
+        found = _take(old, whole, _masks(old, whole, sign, low, top), state, r0, r1, r2, out, out_old, found)
+    return out, out_old, found
 
 
 def class_positions(
     old_bits: np.ndarray, dtype: str, t_low: int, t_top: int, ranks: list[np.ndarray]
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of `class_ranks`: the sorted positions of the members of each class whose
-    (strictly increasing) ranks are given; PatchError if a rank lies past its class."""
+    (strictly increasing) ranks are given, and the old bits there; PatchError if a rank
+    lies past its class."""
     r0, r1, r2 = (np.append(r.astype(np.int64, copy=False), _PAST) for r in ranks)
-    positions, found = _select(old_bits, *_limits(old_bits, dtype, t_low, t_top), r0, r1, r2)
+    positions, old_at, found = _select(old_bits, *_limits(old_bits, dtype, t_low, t_top), r0, r1, r2)
     if found != positions.size:
         raise PatchError("corrupted patch: a changed element's rank lies past its class")
-    out: np.ndarray = positions
-    return out
+    return positions, old_at

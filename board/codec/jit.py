@@ -6,7 +6,7 @@ step streams a fresh temporary through memory and pays a call per array; one com
 does the same work in registers, which is what the throughput targets need.
 
 Besides `kernel`, this module holds the few LLVM intrinsics the kernels need (popcount,
-64-lane compares straight into bit masks).
+64-lane compares straight into bit masks, BMI2's bit deposit where it is fast).
 
 `kernel` compiles with `nogil`, so the codec's thread pools (`deltaboard.board.codec.parallel`, and
 callers that code several tensors at once) run kernels on every core. numba does not check
@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+import llvmlite.binding
 import numba
 import numpy as np
 from llvmlite import ir
@@ -102,6 +103,39 @@ def _differ_mask(typingctx: Any, a: Any, b: Any, start: Any) -> Any:
     return types.uint64(a, b, start), codegen
 
 
+def _fast_deposit() -> bool:
+    """Whether the compiled code may use BMI2's `pdep` and it is fast: an x86-64 host with
+    BMI2 whose code numba compiles for the host itself (not `NUMBA_CPU_NAME`), and not AMD
+    before Zen 3, where `pdep` is microcoded (tens to hundreds of cycles)."""
+    if getattr(numba.config, "CPU_NAME", None) is not None:
+        return False
+    name = llvmlite.binding.get_host_cpu_name()
+    features = llvmlite.binding.get_host_cpu_features()
+    return bool(features.get("bmi2")) and name not in ("znver1", "znver2")
+
+
+FAST_DEPOSIT = _fast_deposit()
+
+
+@intrinsic
+def _deposit(typingctx: Any, x: Any, mask: Any) -> Any:
+    """BMI2 `pdep`: the low bits of `x` scattered to the set bits of `mask`, in order (one
+    instruction: the k-th set bit of a word is `deposit(1 << k, word)`). Only where
+    `FAST_DEPOSIT`: elsewhere the instruction may not exist."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64 = ir.IntType(64)
+        name = "llvm.x86.bmi.pdep.64"
+        pdep = builder.module.globals.get(name) or ir.Function(
+            builder.module, ir.FunctionType(i64, [i64, i64]), name
+        )
+        return builder.call(pdep, args)
+
+    if x != types.uint64 or mask != types.uint64:
+        return None
+    return types.uint64(x, mask), codegen
+
+
 # The intrinsics as plain functions for the type checker (numba sees the same objects).
 Word = np.uint64
 popcount = cast(Callable[[Word], Word], _popcount)
@@ -109,3 +143,4 @@ leading_zeros = cast(Callable[[Word], Word], _leading_zeros)
 trailing_zeros = cast(Callable[[Word], Word], _trailing_zeros)
 below_mask = cast(Callable[[np.ndarray, int, np.generic], Word], _below_mask)
 differ_mask = cast(Callable[[np.ndarray, np.ndarray, int], Word], _differ_mask)
+deposit = cast(Callable[[Word, Word], Word], _deposit)

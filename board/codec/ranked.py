@@ -87,7 +87,8 @@ def put_ranks(
     return put_index_sets(buf, at, np.concatenate((r0, r1, r2)), bounds)
 
 
-def decode(r: Reader, changed: int, old_bits: np.ndarray, dtype: str) -> np.ndarray:
+def decode(r: Reader, changed: int, old_bits: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """The changed positions and the old bits there (read in the same pass)."""
     if dtype not in EXPONENT_FIELDS:
         raise PatchError(f"corrupted patch: context encoding for {dtype}")
     t_low, t_top = r.u64(), r.u64()

@@ -10,9 +10,16 @@ from hypothesis import strategies as st
 
 from deltaboard.board import codec
 from deltaboard.board.codec.bitio import Reader, put_fixed, unpack_fixed, written
-from deltaboard.board.codec.classes import class_positions, class_ranks, split_ranks
+from deltaboard.board.codec.classes import (
+    _select_bit_deposit,
+    _select_bit_search,
+    class_positions,
+    class_ranks,
+    split_ranks,
+)
 from deltaboard.board.codec.context import EXPONENT_FIELDS
 from deltaboard.board.codec.digest import digest_bits
+from deltaboard.board.codec.jit import FAST_DEPOSIT
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 UINTS: dict[str, Any] = {
@@ -91,7 +98,9 @@ def test_rank_and_select_invert_each_other(
     assert np.array_equal(ranks, want)
     per_class = split_ranks(old[positions], dtype, t_low, t_top, positions, ranks)
     assert [r.tolist() for r in per_class] == [want[cls[positions] == c].tolist() for c in range(3)]
-    assert np.array_equal(class_positions(old, dtype, t_low, t_top, per_class), positions)
+    found, old_at = class_positions(old, dtype, t_low, t_top, per_class)
+    assert np.array_equal(found, positions)
+    assert np.array_equal(old_at, old[positions]) and old_at.dtype == old.dtype
     if positions.size:  # a rank past its class is refused, never read out of bounds
         members = int(np.count_nonzero(cls == cls[positions[-1]]))
         bad = [r.copy() for r in per_class]
@@ -131,3 +140,16 @@ def test_digest_matches_the_reference_mixes(pair: tuple[str, np.ndarray, np.ndar
         b ^= b >> 33
         sa, sb = (sa + a) & mask, (sb + b) & mask
     assert digest_bits(old) == f"{sa:016x}{sb:016x}"
+
+
+@SETTINGS
+@given(st.integers(1, 2**64 - 1), st.data())
+def test_select_bit_finds_the_kth_set_bit(word: int, data: st.DataObject) -> None:
+    """Both selects (the bit deposit where this host has a fast one, the search elsewhere)
+    pick the k-th set bit of a word."""
+    bits = [b for b in range(64) if word >> b & 1]
+    k = data.draw(st.integers(0, len(bits) - 1))
+    want = np.uint64(1 << bits[k])
+    assert _select_bit_search(np.uint64(word), k) == want
+    if FAST_DEPOSIT:
+        assert _select_bit_deposit(np.uint64(word), k) == want

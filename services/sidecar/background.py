@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import threading
 import time
@@ -43,13 +44,20 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def uvicorn_server(app: Any) -> Any:
-    """A uvicorn server for `app`, to be run on a socket from `listen`."""
+    """A uvicorn server for `app`, to be run on a socket from `listen`; the sidecar's app
+    (`InferenceRoutes`) is served by the sidecar's own connection protocol
+    (`services.sidecar.server`), any other by uvicorn's."""
     import uvicorn
 
+    from deltaboard.services.sidecar.proxy import InferenceRoutes
+    from deltaboard.services.sidecar.server import SidecarProtocol
+
+    http: Any = functools.partial(SidecarProtocol, app=app) if isinstance(app, InferenceRoutes) else "auto"
     # No access log and no proxy headers: a line and a header pass per request that
     # neither server uses.
     config = uvicorn.Config(
         app,
+        http=http,
         log_level="warning",
         lifespan="on",
         timeout_graceful_shutdown=2,

@@ -49,9 +49,10 @@ gate's lock (`VersionGate.admit_now`), the upstream is the sidecar's own connect
 (`services.sidecar.upstream`), a stream's bytes go out as each read of the engine brings
 them, nothing held back (`restamped_stream`), bodies are stamped by splicing bytes, the
 engine's stamp is asked once for all the requests that need it in a turn of the loop
-(`Proxy.engine_stamp`), and a watcher, from a request's 50th millisecond on, turns its
-client's disconnect into the cancellation of its work (`_Watch`). Figures, before and
-after, in docs/design.md.
+(`Proxy.engine_stamp`), and a client's disconnect cancels its request's work (`_Watch`:
+told by the sidecar's server, `services.sidecar.server`, which also answers in one write
+and ends a stream's body with its last event). Figures, before and after, in
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ from deltaboard.services.sidecar.constraints import (
 )
 from deltaboard.services.sidecar.gate import Admitted, Refused, Stale, VersionGate, unless_stale
 from deltaboard.services.sidecar.metrics import SidecarMetrics
+from deltaboard.services.sidecar.server import DISCONNECT
 from deltaboard.services.sidecar.stamping import Release, cut_field, range_headers, restamped_stream, stamp
 from deltaboard.services.sidecar.upstream import (
     ResponseHeaders,
@@ -207,19 +209,24 @@ def _response_headers(upstream: ResponseHeaders, extra: dict[str, str]) -> list[
 class _Watch:
     """A request's watch for its client going away: a client that disconnects while the
     request waits for its admission or its answer cancels that work (the upstream closes
-    with it: the engine stops generating). The watcher starts only once the request has run
-    `WATCH_AFTER_S`: most answers are done before, and a task per request is a good part of
-    a short request's cost; a client that leaves sooner is noticed then. A request waiting
-    at a swap costs no task of its own either (it was two, and a wait on both, per request:
-    a swap under load has hundreds waiting)."""
+    with it: the engine stops generating). The sidecar's server says so itself (the scope's
+    `DISCONNECT` extension: no task, no timer); under another server a watcher task waits
+    in `receive` from the request's `WATCH_AFTER_S` on (most answers are done before, and
+    a task per request is a good part of a short request's cost; a client that leaves
+    sooner is noticed then). A request waiting at a swap costs no task of its own either."""
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, scope: Scope, receive: Receive) -> None:
         self.task = asyncio.current_task()
         self.active = True
         self.disconnected = False
         self._receive = receive
         self._watcher: asyncio.Future[None] | None = None
-        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+        self._timer: asyncio.TimerHandle | None = None
+        notify = scope.get("extensions", {}).get(DISCONNECT)
+        if notify is not None:
+            notify(self._gone)
+        else:
+            self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
 
     def _start(self) -> None:
         self._watcher = asyncio.ensure_future(self._watch())
@@ -227,13 +234,17 @@ class _Watch:
     async def _watch(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
             pass
+        self._gone()
+
+    def _gone(self) -> None:
         if self.active and self.task is not None:
             self.disconnected = True
             self.task.cancel()
 
     def stop(self) -> None:
         self.active = False
-        self._timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
 
@@ -266,12 +277,10 @@ class Proxy:
         self.metrics = metrics
         self.routes = adapter.inference_routes
         self.pool = UpstreamPool(settings.engine_url)
-        self._outcome = {name: metrics.requests.labels(name) for name in ("proxied", "aborted", "stale")}
         self._asking: asyncio.Future[EngineStamp | str] | None = None  # the next stamp question
 
     def count(self, outcome: str) -> None:
-        counter = self._outcome.get(outcome)
-        (counter or self.metrics.requests.labels(outcome)).inc()
+        self.metrics.count(outcome)
 
     async def engine_stamp(self, headers: ResponseHeaders | None) -> EngineStamp | str:
         """What the engine reports it holds: from `headers` if it stamped them, else asked
@@ -345,7 +354,7 @@ class Proxy:
             return await _error(SidecarCode.BAD_WEIGHT_VERSION, str(exc))(scope, receive, send)
         if stripped is not body:
             raw = cut_field(raw) or json.dumps(stripped).encode()
-        watch = _Watch(receive)
+        watch = _Watch(scope, receive)
         try:
             await self._admit(scope, receive, send, constraint, forward, raw)
         except asyncio.CancelledError:
@@ -377,7 +386,7 @@ class Proxy:
         if isinstance(admission, Refused):
             self.count(OUTCOME[admission.code])
             return await _refusal(admission)(scope, receive, send)
-        self.metrics.wait_seconds.observe(admission.waited_s)
+        self.metrics.waited(admission.waited_s)
         target = scope["raw_path"]
         if scope["query_string"]:
             target += b"?" + scope["query_string"]
@@ -471,9 +480,14 @@ class Proxy:
         events = restamped_stream(
             upstream, admission, release, lambda: self.vouched(None, admission), lambda: self.count("stale")
         )
+        last = False
         async for part in events:
-            await send({"type": "http.response.body", "body": part, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
+            # the range given and the engine's answer read to its end: this part is the last,
+            # and the body's end goes out in the same write
+            last = release.done and upstream.ended
+            await send({"type": "http.response.body", "body": part, "more_body": not last})
+        if not last:
+            await send({"type": "http.response.body", "body": b""})
 
 
 def create_proxy_app(
@@ -514,7 +528,7 @@ def create_proxy_app(
     @app.api_route("/{path:path}", methods=METHODS)
     async def not_routed(path: str, request: Request) -> Response:
         """Whatever is not an inference route of the engine (those never get here)."""
-        metrics.requests.labels("not_found").inc()
+        metrics.count("not_found")
         return _not_routed(request.method, "/" + path, adapter.inference_routes)
 
     return InferenceRoutes(app, proxy)

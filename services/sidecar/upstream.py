@@ -82,6 +82,7 @@ class UpstreamResponse:
         self.status_code = status_code
         self.headers = headers
         self._keep = keep
+        self.ended = False  # the last piece of the body was handed out
         length = headers.get("content-length")
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         self._length = int(length) if length is not None and not self._chunked else None
@@ -100,6 +101,7 @@ class UpstreamResponse:
                 while not chunks.done:
                     payload = chunks.feed(await reader.read(READ_SIZE))
                     if payload:
+                        self.ended = chunks.done
                         yield payload
             elif self._length is not None:
                 left = self._length
@@ -108,6 +110,7 @@ class UpstreamResponse:
                     if not part:
                         raise UpstreamError(f"the engine closed the connection {left} bytes before the end")
                     left -= len(part)
+                    self.ended = not left
                     yield part
             else:  # delimited by the connection's end
                 self._keep = False
@@ -143,24 +146,36 @@ class _Chunks:
         self.done = False
 
     def feed(self, data: bytes) -> bytes:
-        """The payload of every chunk that `data` completes, joined (b"": none yet)."""
+        """The payload of every chunk that `data` completes, joined (b"": none yet). A fast
+        engine's read holds many chunks (a token each), so this loop is the sidecar's
+        per-token work: a find and a slice per chunk, no more."""
         if not data:
             raise UpstreamError("the engine closed the connection inside a chunked body")
         buf = self._buf + data if self._buf else data
+        size_of = _chunk_size
         parts = []
         pos = 0
+        stop = len(buf) - 2
         while (eol := buf.find(b"\r\n", pos)) >= 0:
-            size = int(buf[pos:eol].split(b";", 1)[0], 16)
+            size = size_of(buf[pos:eol])
             if size == 0:
                 self.done = buf.find(b"\r\n\r\n", eol) >= 0  # the end, past any trailers
                 break
             end = eol + 2 + size
-            if len(buf) < end + 2:
+            if end > stop:
                 break
             parts.append(buf[eol + 2 : end])
             pos = end + 2
         self._buf = buf[pos:]
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _chunk_size(line: bytes) -> int:
+    """A chunk's size from its size line (hex, maybe followed by `;` extensions)."""
+    try:
+        return int(line, 16)
+    except ValueError:
+        return int(line.split(b";", 1)[0], 16)
 
 
 class UpstreamPool:

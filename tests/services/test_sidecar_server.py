@@ -1,0 +1,285 @@
+"""The sidecar's HTTP/1.1 connection (`services.sidecar.server`): what it writes, write by
+write, for the answers of small ASGI apps, and through the real proxy in front of a real
+engine. The transport records the writes (the protocol's own socket is what the other
+sidecar tests use, through `BackgroundServer`); the apps and the proxy are real."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from deltaboard.clients.engines import make_adapter
+from deltaboard.services.sidecar.background import BackgroundServer
+from deltaboard.services.sidecar.gate import VersionGate
+from deltaboard.services.sidecar.metrics import WAIT_BUCKETS, SidecarMetrics
+from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
+from deltaboard.services.sidecar.server import DISCONNECT, SidecarProtocol
+from tests.services.fakes.echo import echo_engine
+
+App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+TIMEOUT_S = 60.0
+
+
+class Recording:
+    """A transport that keeps what is written, write by write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+        self.reading = True
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def get_extra_info(self, name: str) -> Any:
+        return ("127.0.0.1", 1234)
+
+
+class State:
+    def __init__(self) -> None:
+        self.connections: set[Any] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.default_headers = [(b"server", b"test")]
+        self.total_requests = 0
+
+
+class Config:
+    timeout_keep_alive = 5.0
+
+
+def connect(app: App) -> tuple[SidecarProtocol, Recording, State]:
+    state = State()
+    protocol = SidecarProtocol(Config(), state, {}, asyncio.get_running_loop(), app=app)
+    transport = Recording()
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    return protocol, transport, state
+
+
+async def answered(state: State, count: int) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
+        while state.total_requests < count:
+            await asyncio.sleep(0.001)
+
+
+def post(path: str, body: bytes, *headers: bytes) -> bytes:
+    head = b"".join(h + b"\r\n" for h in headers)
+    return b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        path.encode(),
+        len(body),
+        head,
+        body,
+    )
+
+
+async def json_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    message = await receive()
+    body = json.dumps({"path": scope["path"], "got": message["body"].decode()}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_an_answer_with_its_length_leaves_in_one_write_head_and_body() -> None:
+    async def main() -> None:
+        protocol, transport, state = connect(json_app)
+        protocol.data_received(post("/a", b"hi"))
+        await answered(state, 1)
+        body = b'{"path": "/a", "got": "hi"}'
+        assert transport.writes == [
+            b"HTTP/1.1 200 OK\r\nserver: test\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        ]
+        assert not transport.closed  # kept alive for the next request
+
+    asyncio.run(main())
+
+
+def test_pipelined_requests_are_answered_in_order_and_connection_close_closes() -> None:
+    async def main() -> None:
+        protocol, transport, state = connect(json_app)
+        protocol.data_received(post("/1", b"a") + post("/2", b"b", b"connection: close"))
+        await answered(state, 2)
+        assert [json.loads(w.split(b"\r\n\r\n", 1)[1])["path"] for w in transport.writes] == ["/1", "/2"]
+        assert b"connection: close\r\n" in transport.writes[1] and transport.closed
+
+    asyncio.run(main())
+
+
+def test_a_stream_writes_its_head_when_the_app_waits_then_a_chunk_per_part_and_its_end_with_the_last() -> (
+    None
+):
+    async def main() -> None:
+        later = asyncio.Event()
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            await receive()
+            headers = [(b"content-type", b"text/event-stream")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await later.wait()  # the first event is not there yet: the head goes alone
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+        protocol, transport, state = connect(app)
+        protocol.data_received(post("/s", b""))
+        async with asyncio.timeout(TIMEOUT_S):
+            while not transport.writes:
+                await asyncio.sleep(0.001)
+        assert transport.writes == [
+            b"HTTP/1.1 200 OK\r\nserver: test\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        ]
+        later.set()
+        await answered(state, 1)
+        assert transport.writes[1:] == [b"9\r\ndata: 1\n\n\r\n", b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"]
+
+    asyncio.run(main())
+
+
+def test_expect_100_continue_head_requests_and_failing_apps() -> None:
+    async def main() -> None:
+        protocol, transport, state = connect(json_app)
+        protocol.data_received(post("/c", b"x", b"expect: 100-continue"))
+        await answered(state, 1)
+        assert transport.writes[0] == b"HTTP/1.1 100 Continue\r\n\r\n"
+        assert transport.writes[1].endswith(b'{"path": "/c", "got": "x"}')
+
+        async def head_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]})
+            await send({"type": "http.response.body", "body": b""})
+
+        protocol, transport, state = connect(head_app)
+        protocol.data_received(b"HEAD /h HTTP/1.1\r\nhost: x\r\n\r\n")
+        await answered(state, 1)
+        assert transport.writes == [b"HTTP/1.1 200 OK\r\nserver: test\r\nx-a: 1\r\n\r\n"]
+
+        async def failing(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            raise ValueError("boom")
+
+        protocol, transport, state = connect(failing)
+        protocol.data_received(post("/f", b""))
+        await answered(state, 1)
+        assert transport.writes[0].startswith(b"HTTP/1.1 500 ") and transport.closed
+
+    asyncio.run(main())
+
+
+def test_a_client_that_goes_away_is_told_to_the_app_by_callback_and_by_receive() -> None:
+    async def main() -> None:
+        told, watching = asyncio.Event(), asyncio.Event()
+        seen: list[str] = []
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            scope["extensions"][DISCONNECT](told.set)
+            assert (await receive())["type"] == "http.request"
+            watching.set()
+            seen.append((await receive())["type"])  # waits until the client is gone
+
+        protocol, _, state = connect(app)
+        protocol.data_received(post("/d", b"x"))
+        async with asyncio.timeout(TIMEOUT_S):
+            await watching.wait()
+        protocol.connection_lost(None)
+        async with asyncio.timeout(TIMEOUT_S):
+            await told.wait()
+        await answered(state, 1)
+        assert seen == ["http.disconnect"] and not state.connections
+
+    asyncio.run(main())
+
+
+def test_a_stream_through_the_proxy_passes_byte_exact_and_ends_in_the_write_of_its_last_event() -> None:
+    """The echo engine's events, through the real proxy on this connection: the same bytes,
+    the range in its own event before [DONE], and the body's end in the same write."""
+    with BackgroundServer(echo_engine()) as engine:
+
+        async def main() -> None:
+            gate = VersionGate("quiesce")
+
+            @asynccontextmanager
+            async def no_lifespan(app: Any) -> Any:
+                yield
+
+            gate.bind(asyncio.get_running_loop())
+            adapter = make_adapter("reference", engine.url)
+            status = lambda: {"served": gate.served}  # noqa: E731
+            app = create_proxy_app(
+                gate, adapter, ProxySettings(engine.url), SidecarMetrics(), status, no_lifespan
+            )
+            loaded = await asyncio.to_thread(adapter.loaded)
+            await asyncio.to_thread(gate.end_swap, 3, 0.0, loaded)
+            protocol, transport, state = connect(app)
+            body = json.dumps({"stream": True, "n": 2, "weight_version": {"min": 3}}).encode()
+            protocol.data_received(post("/v1/completions", body, b"content-type: application/json"))
+            await answered(state, 1)
+            await app.proxy.pool.aclose()
+            adapter.close()
+            head, _, chunked = b"".join(transport.writes).partition(b"\r\n\r\n")
+            assert b"x-weight-version-start: 3" in head and b"transfer-encoding: chunked" in head
+            stamp = {"choices": [], "weight_version": {"start": 3, "end": 3, "spans": [[0, 3]]}}
+            expected = b': a comment\n\ndata: {"i": 0}\n\ndata: {"i": 1}\n\n' + (
+                b"data: " + json.dumps(stamp).encode() + b"\n\ndata: [DONE]\n\n"
+            )
+            assert _unchunk(chunked) == expected
+            assert transport.writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+
+        asyncio.run(main())
+
+
+def _unchunk(data: bytes) -> bytes:
+    out, pos = [], 0
+    while True:
+        eol = data.index(b"\r\n", pos)
+        size = int(data[pos:eol], 16)
+        if size == 0:
+            assert data[eol:] == b"\r\n\r\n"
+            return b"".join(out)
+        out.append(data[eol + 2 : eol + 2 + size])
+        assert data[eol + 2 + size : eol + 4 + size] == b"\r\n"
+        pos = eol + 4 + size
+
+
+@pytest.mark.parametrize("waits", [[], [0.0, 0.0005, 0.01, 0.3, 2.0, 200.0], [1.0, 1.0, 60.0, 120.0]])
+def test_the_per_request_series_read_as_prometheus_clients_own_would(waits: list[float]) -> None:
+    metrics = SidecarMetrics()
+    registry = CollectorRegistry()
+    reference = Histogram(
+        "deltaboard_sidecar_version_wait_seconds",
+        "Time requests waited for their weight version",
+        buckets=WAIT_BUCKETS,
+        registry=registry,
+    )
+    for seconds in waits:
+        metrics.waited(seconds)
+        reference.observe(seconds)
+    for outcome in ("proxied", "proxied", "gone"):
+        metrics.count(outcome)
+
+    def series(text: bytes, prefix: str) -> list[str]:
+        return [line for line in text.decode().splitlines() if line.startswith(prefix)]
+
+    wait = "deltaboard_sidecar_version_wait_seconds_"
+    assert series(metrics.render(), wait + "bucket") == series(generate_latest(registry), wait + "bucket")
+    for name in ("count", "sum"):
+        assert series(metrics.render(), wait + name) == series(generate_latest(registry), wait + name)
+    assert series(metrics.render(), "deltaboard_sidecar_requests_total") == [
+        'deltaboard_sidecar_requests_total{outcome="gone"} 1.0',
+        'deltaboard_sidecar_requests_total{outcome="proxied"} 2.0',
+    ]

@@ -146,8 +146,8 @@ def _check_base(header: PatchHeader, old: np.ndarray | None, old_digest: str | N
 
 
 def _whole(header: PatchHeader, payload: memoryview, out: np.ndarray | None = None) -> np.ndarray:
-    new = replace.decode(payload, header.numel, width(header.dtype), out)
-    if digest(new, header.dtype) != header.result_digest:
+    new, got = replace.decode(payload, header.numel, width(header.dtype), out)
+    if got != header.result_digest:
         raise PatchError("corrupted patch: result digest mismatch")
     return new
 

@@ -15,7 +15,9 @@ def encode(new: np.ndarray, width: int) -> bytes:
     return zstd.compress(zstd.shuffle(new, width))
 
 
-def decode(payload: memoryview, numel: int, width: int, out: np.ndarray | None = None) -> np.ndarray:
+def decode(
+    payload: memoryview, numel: int, width: int, out: np.ndarray | None = None
+) -> tuple[np.ndarray, str]:
     """The tensor's bytes (uint8), written into `out` when given (numel * width bytes,
-    contiguous: a new node's mapped shard, written once)."""
+    contiguous: a new node's mapped shard, written once), and their digest."""
     return zstd.decode_shuffled(payload, width, numel * width, out)

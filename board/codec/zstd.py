@@ -9,7 +9,8 @@ A whole tensor's decode (a keyframe: one per tensor of a new node's view) is bou
 host's cores, so it makes no copy it can avoid: zstd decompresses straight into a buffer
 (zstandard releases the GIL while it runs), and the byte planes are interleaved back by a
 compiled loop (GIL released too) straight into the destination, which may be the mapped
-shard itself; a 1-byte dtype has no planes and is decompressed into the destination.
+shard itself, taking the elements' digest in the same loop (the tensor is written and
+never read back); a 1-byte dtype has no planes and is decompressed into the destination.
 Threads decoding several tensors therefore run on every core.
 
 Parameters (`compress` without a level): on byte planes, what compresses is the order-0
@@ -28,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
+from deltaboard.board.codec.digest import digest_bits, digest_of_sums, join_sums
 from deltaboard.board.codec.errors import PatchError
 from deltaboard.board.codec.jit import kernel
 from deltaboard.board.codec.parallel import map_ranges
@@ -85,38 +87,6 @@ def decompress_exact(data: bytes | memoryview, size: int) -> np.ndarray:
 
 
 @kernel
-def _join(planes: np.ndarray, out: np.ndarray) -> None:
-    """The elements whose byte planes are the rows of `planes` (plane k: byte k of each
-    element), written into `out` (their bytes).
-
-    Each row is a 1-D array of its own and every loop runs from 0 over whole arrays: with
-    index arithmetic into one flat array (`planes[k * n + i]`) or a loop from a `start`,
-    numba cannot prove the indices non-negative, keeps its wraparound check per access and
-    does not vectorise. 2- and 4-byte elements (16-bit and 32-bit floats) are assembled in
-    registers; 1-byte elements have no planes and 8-byte ones are rare, one plane at a time.
-    """
-    width, n = planes.shape
-    if width == 2:
-        lo, hi, out2 = planes[0], planes[1], out.view(np.uint16)
-        for i in range(n):
-            out2[i] = np.uint16(lo[i]) | (np.uint16(hi[i]) << np.uint16(8))
-    elif width == 4:
-        p0, p1, p2, p3, out4 = planes[0], planes[1], planes[2], planes[3], out.view(np.uint32)
-        for i in range(n):
-            out4[i] = (
-                np.uint32(p0[i])
-                | (np.uint32(p1[i]) << np.uint32(8))
-                | (np.uint32(p2[i]) << np.uint32(16))
-                | (np.uint32(p3[i]) << np.uint32(24))
-            )
-    else:
-        for k in range(width):
-            plane = planes[k]
-            for i in range(n):
-                out[i * width + k] = plane[i]
-
-
-@kernel
 def _split(data: np.ndarray, planes: np.ndarray) -> None:
     """The byte planes of the elements in `data` into the rows of `planes` (`_join` undone)."""
     width, n = planes.shape
@@ -153,29 +123,28 @@ def shuffle(data: np.ndarray, width: int) -> memoryview:
     return planes.reshape(-1).data
 
 
-def unshuffle_into(planes: np.ndarray, width: int, out: np.ndarray) -> None:
-    """The elements whose byte planes are `planes`, written into `out` (both 1-D uint8,
-    contiguous, of one size); the elements are split over the codec's threads."""
-    rows = planes.reshape(width, -1)
-    map_ranges(
-        lambda start, stop: _join(rows[:, start:stop], out[start * width : stop * width]), out.size // width
-    )
-
-
 def decode_shuffled(
     data: bytes | memoryview, width: int, size: int, out: np.ndarray | None = None
-) -> np.ndarray:
+) -> tuple[np.ndarray, str]:
     """A frame of `size` bytes of shuffled byte planes (`shuffle`, then `compress`) decoded
-    into `out` (contiguous 1-D uint8 of `size` bytes) when given, else into a new array."""
+    into `out` (contiguous 1-D uint8 of `size` bytes) when given, else into a new array,
+    and the digest of its elements (unsigned ints of `width` bytes), taken as the planes
+    are interleaved back: one pass over the elements, split over the codec's threads."""
     if out is not None and out.size != size:  # the compiled loop does not check bounds
         raise PatchError(f"a destination of {out.size} bytes for a tensor of {size}")
-    if width == 1 and out is not None:
-        decompress_into(data, out)
-        return out
-    planes = decompress_exact(data, size)
     if width == 1:
-        return planes
+        if out is None:
+            out = decompress_exact(data, size)
+        else:
+            decompress_into(data, out)
+        return out, digest_bits(out)
+    planes = decompress_exact(data, size)
     if out is None:
         out = np.empty_like(planes)
-    unshuffle_into(planes, width, out)
-    return out
+    rows = planes.reshape(width, -1)
+    target = out
+    sums = map_ranges(
+        lambda start, stop: join_sums(rows[:, start:stop], target[start * width : stop * width], start),
+        size // width,
+    )
+    return out, digest_of_sums(sums)

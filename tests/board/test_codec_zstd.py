@@ -59,6 +59,12 @@ def test_whole_tensors_round_trip_at_any_address(dtype: str, n: int, seed: int, 
     out = np.full(data.size + offset, 0xA5, dtype=np.uint8)[offset:]
     codec.keyframe_into(patch, out)
     assert out.tobytes() == data.tobytes()
+    # the digest taken while the planes are interleaved is the tensor's digest
+    frame = unpack(patch)[1]
+    decoded, got = zstd.decode_shuffled(frame, width, data.size, np.empty_like(out))
+    assert decoded.tobytes() == data.tobytes() and got == codec.digest(data, dtype)
+    decoded, got = zstd.decode_shuffled(frame, width, data.size)
+    assert decoded.tobytes() == data.tobytes() and got == codec.digest(data, dtype)
 
 
 @pytest.mark.parametrize("dtype", sorted(codec.WIDTHS))

@@ -12,6 +12,7 @@ the documented rule gives.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -22,6 +23,9 @@ from deltaboard.clients.follower import Follower
 from deltaboard.publisher.assets import model_assets
 from deltaboard.publisher.publisher import Publisher
 from deltaboard.publisher.quantize import dequantize_fp8_block
+
+if TYPE_CHECKING:
+    from tests.conftest import BoardPool
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -47,7 +51,9 @@ def _tiny_llama() -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def fp8_directory(board_pool, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # type: ignore[no-untyped-def]
+def fp8_directory(
+    board_pool: BoardPool, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, torch.nn.Module]:
     """The follower's directory at version 1 (a delta's result) and the master model."""
     board = board_pool.take()
     master = _tiny_llama()
@@ -78,7 +84,7 @@ def _files(node: Path) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
 
 
-def _reference(node: Path, master: torch.nn.Module, device: str) -> torch.nn.Module:
+def _reference(node: Path, master: torch.nn.Module, device: str) -> Any:
     """The bf16 model of the directory's bytes, dequantized by the documented rule."""
     files = _files(node)
     plain = {
@@ -94,7 +100,7 @@ def _reference(node: Path, master: torch.nn.Module, device: str) -> torch.nn.Mod
     return model.to(device).eval()
 
 
-def _generates_like(model: torch.nn.Module, reference: torch.nn.Module, device: str) -> float:
+def _generates_like(model: Any, reference: Any, device: str) -> float:
     prompt = torch.tensor([PROMPT], device=device)
     with torch.no_grad():
         got = model(prompt).logits.float()

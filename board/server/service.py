@@ -67,6 +67,11 @@ def blob_url(run: str, sha256: str) -> str:
     return f"/v1/runs/{run}/blobs/{sha256}"
 
 
+def newer(head: Head, after: int | None) -> bool:
+    """Whether a long-poll that has seen version `after` (None: nothing) takes `head` now."""
+    return after is None or (head.version is not None and head.version > after)
+
+
 class BoardService:
     def __init__(
         self,
@@ -309,7 +314,7 @@ class BoardService:
                 # Take the future before reading the head: a commit in between still wakes us.
                 future = self.index.waiters.future(run)
                 current = await self.head(run)
-                if after is None or (current.version is not None and current.version > after):
+                if newer(current, after):
                     return current
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -317,10 +322,18 @@ class BoardService:
                 done, _ = await asyncio.wait({future}, timeout=remaining)
                 if done:
                     woken = future.result()
-                    if woken.version is not None and woken.version > after:
+                    if newer(woken, after):
                         return woken
         finally:
             self.metrics.waiting.dec()
+
+    def known_head(self, run: str) -> Head | None:
+        """The head without I/O or a task, where this process holds the index (`Index.known_head`)."""
+        return self.index.known_head(run)
+
+    def next_head(self, run: str) -> asyncio.Future[Head]:
+        """Resolves with the next head of `run` announced in this process."""
+        return self.index.waiters.future(run)
 
     async def heads(self, run: str) -> AsyncGenerator[Head | None, None]:
         """The current head, then each new one; heads that land faster than the consumer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import http.server
 import subprocess
 import sys
@@ -9,8 +10,10 @@ import threading
 
 import httpx
 import pytest
+import uvicorn
 
-from deltaboard.board.server.api.server import PortTaken, free_port, spawn
+from deltaboard.board.server.api.server import PortTaken, free_port, serve, spawn
+from deltaboard.board.server.settings import Settings
 from tests.support.servers import stop_process, wait_until
 
 
@@ -79,3 +82,15 @@ def test_spawn_does_not_mistake_another_server_on_its_port_for_the_board(tmp_pat
         with pytest.raises(PortTaken):
             spawn(env, tmp_path / "board.log", timeout_s=30)
         impostor.shutdown()
+
+
+def test_serve_hides_what_it_built_from_the_cycle_collector(tmp_path, monkeypatch):
+    """What serving starts with (modules, the app, its models) lives as long as the process;
+    a full collection that walked it paused the loop while commits waited (`serve`)."""
+    frozen: list[int] = []
+    monkeypatch.setattr(uvicorn, "run", lambda **options: frozen.append(gc.get_freeze_count()))
+    try:
+        serve(Settings(data_dir=tmp_path))
+    finally:
+        gc.unfreeze()
+    assert frozen and frozen[0] > 10_000

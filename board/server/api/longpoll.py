@@ -8,21 +8,40 @@ commits and downloads alike. This ASGI middleware answers the well-formed,
 authorised polls itself, through the same service call, answer bytes and error bodies as
 the route (`versions.head`); anything else (a bad name, parameter or token, another
 route) goes on to the app, which answers it as before.
+
+Where this process holds the index (the embedded one), a poll does not even become an ASGI
+request: `LongPollProtocol`, uvicorn's HTTP protocol, answers it from the head the index
+holds, or parks its connection (`ParkedPolls`: no task, no coroutine, a timer for its
+wait). A commit's head is encoded once and written to every parked connection from one
+callback, which the loop runs after the commit's own answer is written (the head's future
+schedules it), so the fan-out never delays the commit that caused it. A parked poll costs
+the loop a parse and a dictionary entry, where an ASGI request cost a task, a scope, the
+framework's response and several awaits, and it is the re-polls of a thousand pollers
+after every commit that kept the loop busy while the next commit waited to be read.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
 import re
+from collections.abc import Mapping
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn._types import ASGI3Application
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from deltaboard.board.contract.errors import AuthError, BoardError
-from deltaboard.board.contract.schemas import MAX_VERSION, RUN_NAME_RE
+from deltaboard.board.contract.schemas import MAX_VERSION, RUN_NAME_RE, Head
 from deltaboard.board.server.api.errors import error_response
+from deltaboard.board.server.api.server import JSONErrorsProtocol
 from deltaboard.board.server.api.state import BoardState
-from deltaboard.board.server.api.versions import MAX_WAIT_S, encoded
+from deltaboard.board.server.api.versions import MAX_WAIT_S, encoded, head_json
+from deltaboard.board.server.service import newer
 
 HEAD_PATH = re.compile(r"^/v1/runs/([^/]+)/head$")
 ROUTE = "/v1/runs/{run}/head"
@@ -30,7 +49,7 @@ INTEGER = re.compile(r"^-?[0-9]{1,19}$")
 DECIMAL = re.compile(r"^[0-9]{1,6}(\.[0-9]{1,9})?$")
 
 
-def poll_of(scope: Scope) -> tuple[str, int | None, float] | None:
+def poll_of(scope: Mapping[str, Any]) -> tuple[str, int | None, float] | None:
     """(run, after, wait) of a well-formed head request, None for anything the route
     itself must judge."""
     if scope["type"] != "http" or scope["method"] != "GET":
@@ -58,27 +77,175 @@ def poll_of(scope: Scope) -> tuple[str, int | None, float] | None:
     return matched.group(1), after, wait
 
 
+def authorised_poll(state: BoardState, scope: Mapping[str, Any]) -> tuple[str, int | None, float] | None:
+    """`poll_of`, for a request whose token may read the run; None for anything else (the
+    route answers a refused token, with its headers)."""
+    poll = poll_of(scope)
+    if poll is None:
+        return None
+    header = dict(scope["headers"]).get(b"authorization")
+    try:
+        state.auth.check(None if header is None else header.decode("latin-1"), "read", poll[0])
+    except AuthError:
+        return None
+    return poll
+
+
 class LongPollFastPath:
     def __init__(self, app: ASGIApp, *, state: BoardState) -> None:
         self.app = app
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        poll = poll_of(scope)
-        if poll is not None:
-            run, after, wait = poll
-            header = dict(scope["headers"]).get(b"authorization")
-            authorization = None if header is None else header.decode("latin-1")
-            try:
-                self.state.auth.check(authorization, "read", run)
-            except AuthError:
-                poll = None  # the route answers it, with its headers
+        poll = authorised_poll(self.state, scope)
         if poll is None:
             await self.app(scope, receive, send)
             return
+        run, after, wait = poll
         try:
             response = encoded(await self.state.service.wait_for_head(run, after, wait))
         except BoardError as exc:
             response = error_response(exc)
         await response(scope, receive, send)
         self.state.metrics.requests.labels(route=ROUTE, status=str(response.status_code)).inc()
+
+
+class LongPollProtocol(JSONErrorsProtocol):
+    """uvicorn's HTTP protocol, answering the well-formed, authorised long-polls of runs
+    whose head this process holds without starting the app (`ParkedPolls`); a request it
+    does not take starts the app as before (the hook is uvicorn's `_start_asgi_task`, which
+    every request, pipelined ones included, passes through). Pipelining, keep-alive and
+    `Connection: close` follow uvicorn's own cycle: a parked poll's cycle stays incomplete
+    until its answer is written, so a request pipelined behind it waits for it."""
+
+    polls: ClassVar[ParkedPolls]
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.parked: RequestResponseCycle | None = None
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        if app is not self.app or not self.polls.take(self, cycle):
+            super()._start_asgi_task(cycle, app)
+
+    def answer(self, body: bytes, cycle: RequestResponseCycle) -> None:
+        """Write a poll's answer and complete its cycle as uvicorn's `send` would: the
+        keep-alive timer, or the next pipelined request, follows."""
+        if self.transport.is_closing():
+            return
+        lines = [STATUS_LINE[200]]
+        lines += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+        lines.append(b"content-length: %d\r\ncontent-type: application/json\r\n" % len(body))
+        if not cycle.keep_alive:
+            lines.append(b"connection: close\r\n")
+        self.transport.write(b"".join(lines) + b"\r\n" + body)
+        if cycle.access_log:
+            scope = cycle.scope
+            self.access_logger.info(
+                '%s - "%s %s HTTP/%s" %d',
+                get_client_addr(scope),
+                scope["method"],
+                get_path_with_query_string(scope),
+                scope["http_version"],
+                200,
+            )
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        self.on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.polls.forget(self)
+        self.parked = None
+        super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        """The board stops: a parked poll gets the current head at once, and the
+        connection closes, as uvicorn closes idle ones."""
+        if self.parked is not None:
+            self.parked.keep_alive = False
+            self.polls.expire(self)
+        super().shutdown()
+
+
+class ParkedPolls:
+    """The long-polls `LongPollProtocol` holds, by run, each with the version it has seen
+    and a timer for its wait. One callback per run waits on the run's next head
+    (`BoardService.next_head`) and answers every poll the head is news to with one
+    encoded body; the rest wait on."""
+
+    def __init__(self, state: BoardState) -> None:
+        self.state = state
+        self._runs: dict[str, dict[LongPollProtocol, int | None]] = {}
+        self._timers: dict[LongPollProtocol, tuple[str, asyncio.TimerHandle]] = {}
+        self._answered = state.metrics.requests.labels(route=ROUTE, status="200")
+
+    def take(self, protocol: LongPollProtocol, cycle: RequestResponseCycle) -> bool:
+        """Answer or park the request if it is a poll this process can answer from its own
+        index; False: the app must answer it."""
+        poll = authorised_poll(self.state, cycle.scope)
+        head = None if poll is None else self.state.service.known_head(poll[0])
+        if poll is None or head is None:
+            return False
+        run, after, wait = poll
+        wait = min(wait, self.state.settings.max_wait_s)
+        if newer(head, after) or wait <= 0:
+            self._answer(protocol, cycle, head)
+            return True
+        parked = self._runs.get(run)
+        if parked is None:
+            parked = self._runs[run] = {}
+            self.state.service.next_head(run).add_done_callback(functools.partial(self._woken, run))
+        parked[protocol] = after
+        timer = asyncio.get_running_loop().call_later(wait, self.expire, protocol)
+        self._timers[protocol] = (run, timer)
+        protocol.parked = cycle
+        self.state.metrics.waiting.inc()
+        return True
+
+    def _answer(self, protocol: LongPollProtocol, cycle: RequestResponseCycle | None, head: Head) -> None:
+        protocol.parked = None
+        if cycle is not None:
+            protocol.answer(head_json(head), cycle)
+            self._answered.inc()
+
+    def forget(self, protocol: LongPollProtocol) -> str | None:
+        """Unpark (the connection is gone, or the poll is answered); returns its run."""
+        found = self._timers.pop(protocol, None)
+        if found is None:
+            return None
+        run, timer = found
+        timer.cancel()
+        self._runs.get(run, {}).pop(protocol, None)
+        self.state.metrics.waiting.dec()
+        return run
+
+    def expire(self, protocol: LongPollProtocol) -> None:
+        """The wait is over: the current head (the index keeps every run's head)."""
+        run = self.forget(protocol)
+        head = None if run is None else self.state.service.known_head(run)
+        if head is not None:
+            self._answer(protocol, protocol.parked, head)
+
+    def _woken(self, run: str, future: asyncio.Future[Head]) -> None:
+        parked = self._runs.pop(run, {})
+        head = future.result()
+        waiting = {}
+        for protocol, after in parked.items():
+            if newer(head, after):
+                self.forget(protocol)
+                self._answer(protocol, protocol.parked, head)
+            else:
+                waiting[protocol] = after
+        if waiting:  # an epoch's head at their version: wait for the next
+            if run in self._runs:  # parked meanwhile (a pipelined poll), already called back
+                self._runs[run].update(waiting)
+            else:
+                self._runs[run] = waiting
+                self.state.service.next_head(run).add_done_callback(functools.partial(self._woken, run))
+
+
+def long_poll_protocol(state: BoardState) -> type[LongPollProtocol]:
+    """The protocol class uvicorn builds connections of, with this board's parked polls."""
+    return type("BoardProtocol", (LongPollProtocol,), {"polls": ParkedPolls(state)})

@@ -31,14 +31,14 @@ MAX_WAIT_S = 60  # a long-poll's longest wait (the board's own cap is `Settings.
 
 
 @functools.lru_cache(maxsize=256)
-def _head_json(head: Head) -> bytes:
+def head_json(head: Head) -> bytes:
     return head.model_dump_json().encode()
 
 
 def encoded(head: Head) -> Response:
     """One serialisation per head, shared by every poller it wakes (a thousand pollers
     would otherwise each validate and encode the same model)."""
-    return Response(_head_json(head), media_type="application/json")
+    return Response(head_json(head), media_type="application/json")
 
 
 @router.get("/head", response_model=Head, responses=READ_ERRORS)

@@ -67,6 +67,12 @@ class Index(Protocol):
 
     async def get_head(self, run: str) -> Head | None: ...
 
+    def known_head(self, run: str) -> Head | None:
+        """The run's head where this process holds the index (read without I/O or a task:
+        the long-polls answered in the HTTP protocol, `api.longpoll`); None where the index
+        lives elsewhere, or misses the run (the routes then ask `get_head`)."""
+        ...
+
     async def advance_head(self, head: Head) -> bool:
         """Record `head` if it ranks above the cached one (`records.head_rank`) and wake the
         long-polls of every replica. Returns whether it advanced."""

@@ -41,6 +41,9 @@ class EmbeddedIndex:
     async def get_head(self, run: str) -> Head | None:
         return self._heads.get(run)
 
+    def known_head(self, run: str) -> Head | None:
+        return self._heads.get(run) if run in self._runs else None
+
     async def advance_head(self, head: Head) -> bool:
         if head_rank(head) <= head_rank(self._heads.get(head.run)):
             return False

@@ -156,6 +156,10 @@ class RedisIndex:
         data = await self.redis.hget(self._k("head", run), "json")
         return None if data is None else Head.model_validate_json(data)
 
+    def known_head(self, run: str) -> Head | None:
+        """None: the head lives in Redis, where another replica may have moved it."""
+        return None
+
     @reachable
     async def advance_head(self, head: Head) -> bool:
         version, epoch = head_rank(head)

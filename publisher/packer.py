@@ -16,8 +16,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from deltaboard.board.contract.schemas import BlobRef
-
 Upload = Callable[[str, bytes], None]
 
 
@@ -28,7 +26,9 @@ class TensorPart:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    blob: BlobRef
+    sha256: str  # the blob holding its patch, at `offset`, `length` bytes
+    offset: int
+    length: int
     digest: str
     changed: int
 
@@ -97,10 +97,10 @@ class BlobPacker:
     def _seal(self) -> None:
         data = b"".join(self._chunks)
         sha = hashlib.sha256(data).hexdigest()
-        for p in self._open:
-            # our own hash and offsets: no validation per part (a blob may hold thousands)
-            ref = BlobRef.model_construct(sha256=sha, offset=p.offset, length=p.length)
-            self._parts.append(TensorPart(p.name, p.dtype, p.shape, ref, p.digest, p.changed))
+        self._parts.extend(
+            TensorPart(p.name, p.dtype, p.shape, sha, p.offset, p.length, p.digest, p.changed)
+            for p in self._open
+        )
         self._chunks, self._open, self._open_bytes = [], [], 0
         with self._cond:
             while self._pending_bytes and self._pending_bytes + len(data) > self._max_pending:

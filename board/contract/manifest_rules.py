@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 
 from deltaboard.board.contract.errors import BadManifest
-from deltaboard.board.contract.schemas import Manifest, TensorEntry, TensorPart
+from deltaboard.board.contract.schemas import Manifest, TensorEntry, TensorPart, TensorTable
 from deltaboard.board.contract.view_spec import DTYPE_WIDTHS, nbytes, plan_layout
 
 # Far above any real tensor, far below what a follower's filesystem refuses.
@@ -40,23 +41,39 @@ def _shard_file(name: str) -> bool:
 def check_entries(manifest: Manifest) -> None:
     """Each tensor entry on its own: a known dtype, a shape of non-negative dimensions
     within `MAX_TENSOR_BYTES`, no more changed elements than it has, and a shard file
-    name of the view rules (so no separators and no `..`)."""
-    for i, entry in enumerate(manifest.tensors):
-        at = f"tensors[{i}]"
-        if entry.dtype not in DTYPE_WIDTHS:
-            raise _refuse(f"{at}.dtype", f"{entry.dtype!r} is not one of {', '.join(DTYPE_WIDTHS)}")
-        if any(d < 0 for d in entry.shape):
-            raise _refuse(f"{at}.shape", f"{list(entry.shape)} has a negative dimension")
-        if nbytes(entry.dtype, entry.shape) > MAX_TENSOR_BYTES:
-            raise _refuse(f"{at}.shape", f"{list(entry.shape)} exceeds {MAX_TENSOR_BYTES} bytes")
-        if entry.changed > math.prod(entry.shape):
-            elements = math.prod(entry.shape)
-            raise _refuse(f"{at}.changed", f"{entry.changed} exceeds the tensor's {elements} elements")
-        if not _shard_file(entry.file):
-            raise _refuse(f"{at}.file", f"{entry.file!r} is not a shard file name of the view rules")
-        if entry.part is not None:
-            _check_part(at, entry)
+    name of the view rules (so no separators and no `..`). Read from the entries' columns,
+    each distinct dtype and shape and each file name checked once: a model of thousands of
+    tensors has a few shapes and files."""
+    table = TensorTable.of(manifest.tensors)
+    c = table.columns
+    elements: dict[tuple[str, tuple[int, ...]], int] = {}
+    files: set[str] = set()
+    for i, (dtype, shape, changed, file) in enumerate(zip(c.dtype, c.shape, c.changed, c.file, strict=True)):
+        held = elements.get((dtype, shape))
+        if held is None:
+            held = elements[dtype, shape] = _elements(f"tensors[{i}]", dtype, shape)
+        if changed > held:
+            raise _refuse(f"tensors[{i}].changed", f"{changed} exceeds the tensor's {held} elements")
+        if file not in files:
+            if not _shard_file(file):
+                raise _refuse(f"tensors[{i}].file", f"{file!r} is not a shard file name of the view rules")
+            files.add(file)
+    if c.part is not None:
+        for i, part in enumerate(c.part):
+            if part is not None:
+                _check_part(f"tensors[{i}]", table[i])
     check_parts(manifest)
+
+
+def _elements(at: str, dtype: str, shape: tuple[int, ...]) -> int:
+    """A tensor's element count, once its dtype and shape are known to be sane."""
+    if dtype not in DTYPE_WIDTHS:
+        raise _refuse(f"{at}.dtype", f"{dtype!r} is not one of {', '.join(DTYPE_WIDTHS)}")
+    if any(d < 0 for d in shape):
+        raise _refuse(f"{at}.shape", f"{list(shape)} has a negative dimension")
+    if nbytes(dtype, shape) > MAX_TENSOR_BYTES:
+        raise _refuse(f"{at}.shape", f"{list(shape)} exceeds {MAX_TENSOR_BYTES} bytes")
+    return math.prod(shape)
 
 
 def _check_part(at: str, entry: TensorEntry) -> None:
@@ -83,11 +100,17 @@ def check_parts(manifest: Manifest) -> None:
     """A tensor appears once, or as parts that agree on the tensor (dtype, shape, file,
     digest) and do not overlap; a keyframe's parts cover their tensor exactly (disjoint,
     and their elements add up to the tensor's)."""
+    table = TensorTable.of(manifest.tensors)
+    parts = table.columns.part
+    if parts is None and len(set(table.columns.name)) == len(table):
+        return  # whole tensors, each once
     by_name: dict[str, list[int]] = {}
-    for i, entry in enumerate(manifest.tensors):
-        by_name.setdefault(entry.name, []).append(i)
+    for i, name in enumerate(table.columns.name):
+        by_name.setdefault(name, []).append(i)
     for name, indices in by_name.items():
-        entries = [manifest.tensors[i] for i in indices]
+        if len(indices) == 1 and (parts is None or parts[indices[0]] is None):
+            continue  # a whole tensor, once: nothing to agree with
+        entries = [table[i] for i in indices]
         first = entries[0]
         if len(entries) > 1 and any(e.part is None for e in entries):
             raise _refuse(f"tensors[{indices[1]}].name", f"{name!r} appears twice, not all as parts")
@@ -125,15 +148,19 @@ def check_stats(manifest: Manifest) -> None:
     """The stats add up over the entries; a keyframe lists every tensor, so its layout is
     the view rules' and its totals are exactly its entries'."""
     stats = manifest.stats
-    changed = sum(t.changed for t in manifest.tensors)
+    c = TensorTable.of(manifest.tensors).columns
+    changed = sum(c.changed)
     if stats.changed_elements != changed:
         raise _refuse("stats.changed_elements", f"{stats.changed_elements}, the entries change {changed}")
-    encoded = sum(t.blob.length for t in manifest.tensors)
-    tensors = list({t.name: t for t in manifest.tensors}.values())  # a tensor in parts counts once
+    encoded = sum(c.length)
     if stats.encoded_bytes != encoded:
         raise _refuse("stats.encoded_bytes", f"{stats.encoded_bytes}, the entries' blob ranges are {encoded}")
-    elements = sum(math.prod(t.shape) for t in tensors)
-    view_bytes = sum(nbytes(t.dtype, t.shape) for t in tensors)
+    # a tensor in parts counts once (its last entry, as every part agrees on the tensor)
+    rows = {name: i for i, name in enumerate(c.name)}
+    tensors = [(name, c.dtype[i], c.shape[i]) for name, i in rows.items()]
+    kinds = Counter((dtype, shape) for _, dtype, shape in tensors)  # a few distinct ones
+    elements = sum(math.prod(shape) * n for (_, shape), n in kinds.items())
+    view_bytes = sum(nbytes(dtype, shape) * n for (dtype, shape), n in kinds.items())
     full = manifest.kind == "full"
     for field, stated, held in (
         ("stats.total_elements", stats.total_elements, elements),
@@ -144,11 +171,11 @@ def check_stats(manifest: Manifest) -> None:
         if stated < held:
             raise _refuse(field, f"{stated}, less than the entries' {held}")
     if full:
-        layout = plan_layout([(t.name, t.dtype, t.shape) for t in tensors], manifest.view)
-        for i, entry in enumerate(manifest.tensors):
-            placed = layout.placement[entry.name]
-            if placed != entry.file:
-                raise _refuse(f"tensors[{i}].file", f"{entry.file!r}, the view rules place it in {placed!r}")
+        layout = plan_layout(tensors, manifest.view)
+        for i, (name, file) in enumerate(zip(c.name, c.file, strict=True)):
+            placed = layout.placement[name]
+            if placed != file:
+                raise _refuse(f"tensors[{i}].file", f"{file!r}, the view rules place it in {placed!r}")
 
 
 def check_manifest(manifest: Manifest) -> None:

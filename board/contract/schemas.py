@@ -15,11 +15,27 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Iterator, Sequence
+from typing import Annotated, Any, Literal, overload
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    StrictInt,
+    field_serializer,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import core_schema
 
-MANIFEST_FORMAT: Literal["deltaboard/manifest/v1"] = "deltaboard/manifest/v1"
+ManifestFormat = Literal["deltaboard/manifest/v1", "deltaboard/manifest/v2"]
+MANIFEST_V1: Literal["deltaboard/manifest/v1"] = "deltaboard/manifest/v1"
+MANIFEST_FORMAT: Literal["deltaboard/manifest/v2"] = "deltaboard/manifest/v2"
 
 # Names that end up in object-store keys and file paths: no traversal, no separators.
 # Check them with `fullmatch` (`$` alone also matches before a trailing newline); the
@@ -157,6 +173,175 @@ class TensorEntry(Strict):
     part: TensorPart | None = Field(default=None, exclude_if=lambda part: part is None)
 
 
+NonNegativeStrict = Annotated[StrictInt, Field(ge=0)]
+
+
+class TensorColumns(Strict):
+    """A format-v2 manifest's tensor entries on the wire, one column per `TensorEntry`
+    field: entry i is row i of every column. A blob's sha256 is stated once in `blobs`,
+    and `blob[i]` is its index there (the range `offset[i]`, `length[i]`); `part` is left
+    out when no entry has one. Each column is validated in pydantic's core as a whole, so
+    a manifest of 20,000 tensors costs no Python object per entry to validate (v1's list
+    of entries costs two models each: the commit of a many-tensor model was dominated by
+    them). Numbers are strict ints (a boolean is not a number, as everywhere)."""
+
+    blobs: tuple[Sha256, ...]
+    name: tuple[Annotated[str, Field(min_length=1, max_length=512)], ...]
+    dtype: tuple[Annotated[str, Field(max_length=32)], ...]
+    shape: tuple[tuple[StrictInt, ...], ...]
+    file: tuple[Annotated[str, Field(max_length=128)], ...]
+    blob: tuple[NonNegativeStrict, ...]
+    offset: tuple[NonNegativeStrict, ...]
+    length: tuple[NonNegativeStrict, ...]
+    digest: tuple[Digest, ...]
+    changed: tuple[NonNegativeStrict, ...]
+    part: tuple[TensorPart | None, ...] | None = Field(default=None, exclude_if=lambda part: part is None)
+
+    @model_validator(mode="after")
+    def _rows(self) -> TensorColumns:
+        """Columns of one length; every blob index names a blob, every blob is named once
+        and used (so `blobs` is exactly the manifest's blobs)."""
+        rows = len(self.name)
+        for field in ("dtype", "shape", "file", "blob", "offset", "length", "digest", "changed", "part"):
+            column = getattr(self, field)
+            if column is not None and len(column) != rows:
+                raise ValueError(f"tensors.{field} has {len(column)} rows, tensors.name {rows}")
+        if len(set(self.blobs)) != len(self.blobs):
+            raise ValueError("tensors.blobs names a blob twice")
+        if set(self.blob) != set(range(len(self.blobs))):
+            raise ValueError(f"tensors.blob must use each of the {len(self.blobs)} blobs, and only those")
+        return self
+
+    @classmethod
+    def of(cls, entries: Sequence[TensorEntry]) -> TensorColumns:
+        """The columns of entries that are already valid (no validation again)."""
+        index: dict[str, int] = {}
+        blob = [index.setdefault(e.blob.sha256, len(index)) for e in entries]
+        parts = tuple(e.part for e in entries)
+        return cls.model_construct(
+            blobs=tuple(index),
+            name=tuple(e.name for e in entries),
+            dtype=tuple(e.dtype for e in entries),
+            shape=tuple(e.shape for e in entries),
+            file=tuple(e.file for e in entries),
+            blob=tuple(blob),
+            offset=tuple(e.blob.offset for e in entries),
+            length=tuple(e.blob.length for e in entries),
+            digest=tuple(e.digest for e in entries),
+            changed=tuple(e.changed for e in entries),
+            part=parts if any(p is not None for p in parts) else None,
+        )
+
+
+class TensorTable(Sequence[TensorEntry]):
+    """A manifest's tensor entries: a sequence of `TensorEntry` held as `TensorColumns`.
+
+    It reads either form (v1's list of entries, v2's columns) and keeps the columns, which
+    is what the board's rules and the publisher use; the entries themselves are built on
+    first use (a follower applying the manifest), never to validate or store it. A model
+    copy that sets `tensors` to a plain tuple of entries (`model_copy(update=...)`) stays
+    valid: `TensorTable.of` takes either. (It is the schema of `Manifest.tensors`, typed as
+    the sequence of entries it is.)"""
+
+    __slots__ = ("_entries", "columns")
+
+    def __init__(self, columns: TensorColumns, entries: tuple[TensorEntry, ...] | None = None) -> None:
+        self.columns = columns
+        self._entries = entries
+
+    @classmethod
+    def of(cls, entries: Sequence[TensorEntry]) -> TensorTable:
+        if isinstance(entries, TensorTable):
+            return entries
+        rows = tuple(entries)
+        return cls(TensorColumns.of(rows), rows)
+
+    def entries(self) -> tuple[TensorEntry, ...]:
+        if self._entries is None:
+            c = self.columns
+            parts = c.part or (None,) * len(c.name)
+            self._entries = tuple(
+                TensorEntry.model_construct(
+                    name=name,
+                    dtype=dtype,
+                    shape=shape,
+                    file=file,
+                    blob=BlobRef.model_construct(sha256=c.blobs[blob], offset=offset, length=length),
+                    digest=digest,
+                    changed=changed,
+                    part=part,
+                )
+                for name, dtype, shape, file, blob, offset, length, digest, changed, part in zip(
+                    c.name,
+                    c.dtype,
+                    c.shape,
+                    c.file,
+                    c.blob,
+                    c.offset,
+                    c.length,
+                    c.digest,
+                    c.changed,
+                    parts,
+                    strict=True,
+                )
+            )
+        return self._entries
+
+    def blob_shas(self) -> set[str]:
+        return set(self.columns.blobs)
+
+    def __len__(self) -> int:
+        return len(self.columns.name)
+
+    @overload
+    def __getitem__(self, index: int) -> TensorEntry: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[TensorEntry, ...]: ...
+    def __getitem__(self, index: int | slice) -> TensorEntry | tuple[TensorEntry, ...]:
+        return self.entries()[index]
+
+    def __iter__(self) -> Iterator[TensorEntry]:
+        return iter(self.entries())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TensorTable):
+            return self.columns == other.columns
+        if isinstance(other, tuple):
+            return self.entries() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.columns)
+
+    def __repr__(self) -> str:
+        return f"TensorTable({len(self)} entries)"
+
+    @classmethod
+    def __get_pydantic_core_schema__(
+        cls, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        """Entries as v1's list (validated one model each, as before) or v2's columns;
+        serialized by the manifest, whose `format` says which form."""
+        rows = handler.generate_schema(tuple[TensorEntry, ...])
+
+        def validate(value: Any, entries: core_schema.ValidatorFunctionWrapHandler) -> TensorTable:
+            if isinstance(value, TensorTable):
+                return value
+            if isinstance(value, dict | TensorColumns):
+                return cls(TensorColumns.model_validate(value))
+            return cls.of(entries(value))
+
+        return core_schema.no_info_wrap_validator_function(validate, rows)
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        rows = handler(schema)
+        columns = handler(TensorColumns.__pydantic_core_schema__)
+        return {"anyOf": [rows, columns]}
+
+
 class ManifestStats(Strict):
     changed_elements: NonNegative
     total_elements: NonNegative
@@ -166,9 +351,14 @@ class ManifestStats(Strict):
 
 class Manifest(Strict):
     """An immutable version. A delta lists only the tensors that changed; the layout
-    (every tensor's file, dtype, shape, order) is the one of the nearest keyframe."""
+    (every tensor's file, dtype, shape, order) is the one of the nearest keyframe.
 
-    format: Literal["deltaboard/manifest/v1"] = MANIFEST_FORMAT
+    `format` says how `tensors` is written: v2 (what publishers write) as `TensorColumns`,
+    v1 (older publishers, and the manifests they stored) as a list of entries. Either form
+    is read whatever the format, and written as the format says, so a v1 manifest is
+    stored and served as v1."""
+
+    format: ManifestFormat = MANIFEST_FORMAT
     run: RunName
     version: Version
     parent: Version | None
@@ -177,12 +367,18 @@ class Manifest(Strict):
     epoch: NonNegative
     created_at: Float
     meta: Meta = Field(default_factory=dict)
-    tensors: tuple[TensorEntry, ...]
+    tensors: Annotated[Sequence[TensorEntry], TensorTable]
     state_digest: Sha256
     stats: ManifestStats
 
     def blob_shas(self) -> set[str]:
-        return {t.blob.sha256 for t in self.tensors}
+        return TensorTable.of(self.tensors).blob_shas()
+
+    @field_serializer("tensors")
+    def _tensors_form(self, tensors: Sequence[TensorEntry]) -> Any:
+        """Columns for v2, a list of entries for v1 (each serialized by its own model)."""
+        table = TensorTable.of(tensors)
+        return table.entries() if self.format == MANIFEST_V1 else table.columns
 
 
 # ---- HTTP bodies -------------------------------------------------------------------

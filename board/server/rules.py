@@ -9,11 +9,11 @@ stored blob.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from deltaboard.board.contract.errors import BadManifest, MissingBlobs, NoLease, NotHead, StaleEpoch
 from deltaboard.board.contract.manifest_rules import check_manifest
-from deltaboard.board.contract.schemas import Manifest
+from deltaboard.board.contract.schemas import Manifest, TensorTable
 from deltaboard.board.contract.spans import KeyframeManifest, SpanManifest
 from deltaboard.board.server.records import HeadRecord, LeaseRecord
 
@@ -77,14 +77,18 @@ def check_blob_ranges(
     missing = sorted(sha for sha in manifest.blob_shas() if sizes.get(sha) is None)
     if missing:
         raise MissingBlobs(f"{len(missing)} referenced blobs are not stored", missing=missing)
-    for entry in manifest.tensors:
-        size = sizes[entry.blob.sha256]
+    if isinstance(manifest, Manifest):  # a version's entries by column (no entry objects)
+        c = TensorTable.of(manifest.tensors).columns
+        ranges: Iterable[tuple[str, str, int, int]] = zip(
+            c.name, (c.blobs[b] for b in c.blob), c.offset, c.length, strict=True
+        )
+    else:
+        ranges = ((e.name, e.blob.sha256, e.blob.offset, e.blob.length) for e in manifest.tensors)
+    for name, sha, offset, length in ranges:
+        size = sizes[sha]
         assert size is not None
-        if entry.blob.offset + entry.blob.length > size:
-            raise BadManifest(
-                f"tensor {entry.name!r}: range {entry.blob.offset}+{entry.blob.length} exceeds "
-                f"blob size {size}",
-            )
+        if offset + length > size:
+            raise BadManifest(f"tensor {name!r}: range {offset}+{length} exceeds blob size {size}")
 
 
 def check_commit(

@@ -57,7 +57,7 @@ def test_shape_rules():
     bad_parent = manifest("r", 3, 1, {}).model_copy(update={"parent": 1})
     assert commit_code(bad_parent, HeadRecord(version=2, epoch=1), lease) == "BadManifest"
     m = manifest("r", 0, 1, {"w": b"a"})
-    twice = m.model_copy(update={"tensors": m.tensors * 2})
+    twice = m.model_copy(update={"tensors": (*m.tensors, *m.tensors)})
     assert commit_code(twice, head, lease) == "BadManifest"
     assert commit_code(manifest("r", 0, 1, {}), head, None) == "NoLease"
     # A lease may be newer than the head's epoch, never older: the head epoch fences too.

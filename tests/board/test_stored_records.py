@@ -15,12 +15,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deltaboard.board.contract.errors import InvalidResponse, UnknownVersion
+from deltaboard.board.contract.errors import BadManifest, InvalidResponse, UnknownVersion
+from deltaboard.board.contract.schemas import MANIFEST_FORMAT, MANIFEST_V1
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower import Follower, FollowerError
 from deltaboard.clients.follower.errors import UnusableManifest
+from tests.clients.support import assert_view, publish_states
 from tests.support.manifests import manifest, publish
 from tests.support.servers import BoardServer
+
+SIZES = {"embed.weight": (64, 32), "layers.0.weight": (32, 32), "layers.0.bias": (32,)}
 
 
 def stored_manifest(board: BoardServer, run: str, version: int) -> Path:
@@ -32,9 +36,33 @@ def rewrite(path: Path, **fields: object) -> None:
     data = json.loads(path.read_bytes())
     for name, value in fields.items():
         if name.startswith("tensor_"):
-            data["tensors"][0][name.removeprefix("tensor_")] = value
+            data["tensors"][name.removeprefix("tensor_")][0] = value  # format v2: by column
         else:
             data[name] = value
+    path.write_text(json.dumps(data))
+
+
+def as_v1(path: Path) -> None:
+    """Rewrite a stored manifest as boards stored them before format v2: a list of entries,
+    each with its blob's sha256 (written out here, not by the schema under test)."""
+    data = json.loads(path.read_bytes())
+    t = data["tensors"]
+    columns = (
+        t[k] for k in ("name", "dtype", "shape", "file", "blob", "offset", "length", "digest", "changed")
+    )
+    data["format"] = "deltaboard/manifest/v1"
+    data["tensors"] = [
+        {
+            "name": name,
+            "dtype": dtype,
+            "shape": shape,
+            "file": file,
+            "blob": {"sha256": t["blobs"][blob], "offset": offset, "length": length},
+            "digest": digest,
+            "changed": changed,
+        }
+        for name, dtype, shape, file, blob, offset, length, digest, changed in zip(*columns, strict=True)
+    ]
     path.write_text(json.dumps(data))
 
 
@@ -143,3 +171,45 @@ def test_the_client_fetches_manifests_gzipped(board):
         plan = reader.plan("r")
     assert transport.encodings == ["gzip", "gzip"]
     assert plan.manifest_bytes == stored_manifest(board, "r", 0).stat().st_size
+
+
+def test_manifests_stored_as_v1_stay_readable_by_the_board_and_followers(board, tmp_path):
+    """Format v2 (entries as columns) leaves what older boards stored readable: the board
+    rebuilds its index over v1 manifests and plans through them, a follower applies a
+    chain of v1 and v2 manifests, and the publisher commits on top of them."""
+    writer = board.client(board.publish_token)
+    views = publish_states(writer, "r", SIZES, 3)
+    for version in (0, 1):
+        as_v1(stored_manifest(board, "r", version))
+    board.restart()
+    reader = board.client(board.read_token)
+    assert [reader.manifest("r", v).format for v in range(3)] == [MANIFEST_V1, MANIFEST_V1, MANIFEST_FORMAT]
+    assert reader.manifest("r", 1).tensors[0].blob.sha256 in reader.manifest("r", 1).blob_shas()
+    assert [s.version for s in reader.plan("r").steps] == [0, 1, 2]
+    assert unreadable_count(board) == 0
+    with Follower(reader, "r", tmp_path / "model", node_id="n") as follower:
+        assert follower.sync(1) == 1
+        assert_view(tmp_path / "model", views[1])
+        assert follower.sync() == 2
+        assert_view(tmp_path / "model", views[2])
+
+
+def test_a_v1_commit_is_stored_and_served_as_v1(board):
+    """An older publisher's commit (format v1) is checked like a v2 one and kept in its
+    own format, byte for byte what it sent."""
+    c = board.client(board.publish_token)
+    c.create_run("r")
+    payloads = {f"w{i}": bytes([i]) * 10 for i in range(3)}
+    for data in payloads.values():
+        c.upload_blob("r", data)
+    old = manifest("r", 0, c.acquire_lease("r", "t").epoch, payloads).model_copy(
+        update={"format": MANIFEST_V1}
+    )
+    c.commit("r", old)
+    stored = json.loads(stored_manifest(board, "r", 0).read_bytes())
+    assert stored["format"] == MANIFEST_V1 and isinstance(stored["tensors"], list)
+    assert stored_manifest(board, "r", 0).read_bytes() == old.model_dump_json().encode()
+    assert board.client(board.read_token).manifest("r", 0) == old
+    bad = old.model_copy(update={"version": 1, "parent": 0, "kind": "delta", "tensors": old.tensors[:1]})
+    with pytest.raises(BadManifest, match=r"stats\.changed_elements"):
+        c.commit("r", bad)

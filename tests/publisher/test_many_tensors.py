@@ -62,7 +62,7 @@ def test_small_tensors_are_encoded_in_bundles_with_the_same_patches(monkeypatch)
     assert len(batches) == pool.submitted and sum(batches) == 3000
     for part, slot in zip(version.parts, layout.slots, strict=True):
         assert part.name == slot.name
-        blob = blobs[part.blob.sha256][part.blob.offset : part.blob.offset + part.blob.length]
+        blob = blobs[part.sha256][part.offset : part.offset + part.length]
         assert np.array_equal(codec.apply(base.host_bytes(slot), blob), buffer.host_bytes(slot))
         old_bytes, new_bytes = base.host_bytes(slot), buffer.host_bytes(slot)
         alone = codec.encode_changes(

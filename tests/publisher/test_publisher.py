@@ -311,10 +311,15 @@ class WireRecorder(httpx.HTTPTransport):
 
 
 def test_manifests_are_counted_and_travel_compressed(board):
-    state = make_state(10)
+    g = torch.Generator().manual_seed(10)
+    # enough changed tensors that even the delta's manifest is above the board's gzip threshold
+    extra = {f"layer.{i}.weight": torch.randn(8, 8, generator=g) * 0.02 for i in range(1, 9)}
+    state = {**make_state(10), **extra}
     with Publisher(board.client(board.publish_token), "run-w", assets={}) as pub:
         results = [pub.publish(state).result()]
         train_step(state, 1)
+        for t in extra.values():
+            t[0, 0] += 1
         results.append(pub.publish(state).result())
     recorder = WireRecorder()
     reader = board.client(board.read_token, transport=recorder)

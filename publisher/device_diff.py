@@ -239,7 +239,14 @@ def diff_slots(
     if group[0] == "cpu" and not want_hints and not use_fused:
         return _diff_on_host(old, new, slots)
     on_cuda = torch.device(group[0]).type == "cuda"
-    with torch.cuda.stream(_stream(torch.device(group[0]), "pass")) if on_cuda else contextlib.nullcontext():
+    if on_cuda:
+        # The pass stream reads the buffers only once their fills ran (on the stream that
+        # filled them): a device-side wait, the host blocks for nothing.
+        stream = _stream(torch.device(group[0]), "pass")
+        for buffer in (old, new):
+            if buffer.ready is not None:
+                stream.wait_event(buffer.ready)
+    with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
         local, counts, old_h, new_h, ranks = _find(old, new, slots, want_hints, use_fused)
     result = ViewDiff(host_bytes=local.nbytes + old_h.nbytes + new_h.nbytes + 8 * len(slots))
     bounds = np.concatenate(([0], np.cumsum(counts)))

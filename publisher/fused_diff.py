@@ -7,13 +7,12 @@ what changed, whatever the number of tensors:
 
 1. `count`: per tile of `TILE` elements (a tile never straddles two slots, so its slot is
    one table lookup), compare old and new, store the tile's changed count and its changed
-   lanes as a bitmask (1/16 of a bf16 tile's bytes); with hints, `sampled_histogram` adds
-   the tile's sampled old exponents to its slot's histogram (`codec.plan_thresholds` step 2);
+   lanes as a bitmask (1/16 of a bf16 tile's bytes); with hints, add the tile's sampled old
+   exponents to its slot's histogram (`codec.plan_thresholds` step 2);
 2. a scan of the tile counts (torch `cumsum`) gives each tile's place in the output;
 3. `scatter`: per tile with changes, the bitmask's exclusive prefix sum places each changed
    lane; its slot-local position and old and new bits are gathered and stored, compacted
-   and in ascending order; with hints, `changed_histogram` adds the old exponents of each
-   tile's compacted changes to the slot's changed histogram;
+   and in ascending order; with hints, its old exponent goes to the slot's changed histogram;
 4. with hints, once the host picked each slot's thresholds from the histograms
    (`codec.plan_thresholds`, called as the contract says), `class_counts` counts each
    tile's members of the two lower classes, a per-slot scan of those counts gives each
@@ -155,13 +154,13 @@ def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot], hints: 
     if hints:
         sampled = torch.zeros((len(slots), bins), dtype=torch.int32, device=device)
         changed = torch.zeros((len(slots), bins), dtype=torch.int32, device=device)
+    dummy = counts  # stands in for the histograms when there are none (never written)
     if n:
-        k.count[(n,)](old, new, table.start, table.stop, counts, masks, TILE=TILE)
-        if hints:
-            k.sampled_histogram[(n,)](
-                old, table.start, table.stop, table.slot, table.offset, stride, shift, keymask, sampled,
-                BINS=bins, TILE=TILE,
-            )  # fmt: skip
+        k.count[(n,)](
+            old, new, table.start, table.stop, table.slot, counts, masks,
+            table.offset, stride, shift, keymask, sampled if hints else dummy,
+            HIST=hints, BINS=bins, TILE=TILE,
+        )  # fmt: skip
     ends = torch.cumsum(counts, 0)
     offsets = ends - counts
     per_slot = torch.zeros(len(slots), dtype=torch.int64, device=device)
@@ -175,12 +174,9 @@ def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot], hints: 
     if total:
         k.scatter[(n,)](
             old, new, table.start, table.slot, counts, offsets, masks, table.offset,
-            positions, old_bits, new_bits, TILE=TILE,
+            positions, old_bits, new_bits, shift, keymask, stride, changed if hints else dummy,
+            HIST=hints, BINS=bins, TILE=TILE,
         )  # fmt: skip
-        if hints:
-            k.changed_histogram[(n,)](
-                old_bits, table.slot, counts, offsets, stride, shift, keymask, changed, BINS=bins, TILE=TILE
-            )
     return FusedChanges(
         positions, old_bits, new_bits, slot_counts, sampled, changed, counts, offsets, masks, TILE
     )

@@ -13,9 +13,14 @@ def bitwise_or(a, b):
 
 
 @triton.jit
-def count(old, new, t_start, t_stop, counts, masks, TILE: tl.constexpr):
+def count(
+    old, new, t_start, t_stop, t_slot, counts, masks,
+    s_offset, s_stride, s_shift, s_keymask, sampled,
+    HIST: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0)
-    idx = tl.load(t_start + t) + tl.arange(0, TILE)
+    start = tl.load(t_start + t)
+    idx = start + tl.arange(0, TILE)
     inside = idx < tl.load(t_stop + t)
     a = tl.load(old + idx, mask=inside, other=0)
     b = tl.load(new + idx, mask=inside, other=0)
@@ -24,32 +29,14 @@ def count(old, new, t_start, t_stop, counts, masks, TILE: tl.constexpr):
     lanes = tl.reshape(ne.to(tl.int32), (TILE // 32, 32)) << tl.arange(0, 32)[None, :]
     words = tl.reduce(lanes, 1, bitwise_or)
     tl.store(masks + t * (TILE // 32) + tl.arange(0, TILE // 32), words)
-
-
-@triton.jit
-def add_histogram(bits, take, slot, s_shift, s_keymask, hist_out, BINS: tl.constexpr):
-    """Add the exponent keys of `bits` where `take` to row `slot` of `hist_out`."""
-    keys = ((bits >> tl.load(s_shift + slot)) & tl.load(s_keymask + slot)).to(tl.int32)
-    hist = tl.histogram(keys, BINS, mask=take)
-    tl.atomic_add(hist_out + slot * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
-
-
-# The histograms have kernels of their own: compiled into `count` and `scatter` beside their
-# reduction and scan (Triton 3.6 on an H200), they made those kernels misplace changes.
-@triton.jit
-def sampled_histogram(
-    old, t_start, t_stop, t_slot, s_offset, s_stride, s_shift, s_keymask, sampled,
-    BINS: tl.constexpr, TILE: tl.constexpr,
-):  # fmt: skip
-    """Per tile of a floating slot: its sampled old exponents into the slot's histogram."""
-    t = tl.program_id(0)
-    slot = tl.load(t_slot + t)
-    stride = tl.load(s_stride + slot)
-    if stride > 0:
-        idx = tl.load(t_start + t) + tl.arange(0, TILE)
-        take = (idx < tl.load(t_stop + t)) & (((idx - tl.load(s_offset + slot)) & (stride - 1)) == 0)
-        a = tl.load(old + idx, mask=take, other=0)
-        add_histogram(a, take, slot, s_shift, s_keymask, sampled, BINS)
+    if HIST:
+        slot = tl.load(t_slot + t)
+        stride = tl.load(s_stride + slot)
+        if stride > 0:  # a floating slot: the sampled old exponents
+            keys = ((a >> tl.load(s_shift + slot)) & tl.load(s_keymask + slot)).to(tl.int32)
+            take = inside & (((idx - tl.load(s_offset + slot)) & (stride - 1)) == 0)  # a power of 2
+            hist = tl.histogram(keys, BINS, mask=take)
+            tl.atomic_add(sampled + slot * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
 
 
 @triton.jit
@@ -61,8 +48,9 @@ def changed_lanes(masks, t, TILE: tl.constexpr):
 
 @triton.jit
 def scatter(
-    old, new, t_start, t_slot, counts, offsets, masks, s_offset, pos_out, old_out, new_out,
-    TILE: tl.constexpr,
+    old, new, t_start, t_slot, counts, offsets, masks, s_offset,
+    pos_out, old_out, new_out, s_shift, s_keymask, s_stride, changed_hist,
+    HIST: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     if tl.load(counts + t) > 0:
@@ -75,22 +63,11 @@ def scatter(
         tl.store(pos_out + dst, idx - tl.load(s_offset + slot), mask=hit)
         tl.store(old_out + dst, a, mask=hit)
         tl.store(new_out + dst, tl.load(new + idx, mask=hit, other=0), mask=hit)
-
-
-@triton.jit
-def changed_histogram(
-    old_out, t_slot, counts, offsets, s_stride, s_shift, s_keymask, changed,
-    BINS: tl.constexpr, TILE: tl.constexpr,
-):  # fmt: skip
-    """Per tile with changes in a floating slot: the old exponents of its changes (compacted
-    by `scatter`, in one run of `old_out`) into the slot's histogram."""
-    t = tl.program_id(0)
-    n = tl.load(counts + t)
-    slot = tl.load(t_slot + t)
-    if (n > 0) & (tl.load(s_stride + slot) > 0):
-        lane = tl.arange(0, TILE)
-        a = tl.load(old_out + tl.load(offsets + t) + lane, mask=lane < n, other=0)
-        add_histogram(a, lane < n, slot, s_shift, s_keymask, changed, BINS)
+        if HIST:  # noqa: SIM102 - a constexpr test, then a runtime one
+            if tl.load(s_stride + slot) > 0:
+                keys = ((a >> tl.load(s_shift + slot)) & tl.load(s_keymask + slot)).to(tl.int32)
+                hist = tl.histogram(keys, BINS, mask=hit)
+                tl.atomic_add(changed_hist + slot * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
 
 
 @triton.jit

@@ -73,7 +73,6 @@ class BlobPacker:
     def add(
         self, name: str, dtype: str, shape: tuple[int, ...], patch: bytes, digest: str, changed: int
     ) -> None:
-        self._raise_if_failed()
         if self._open and self._open_bytes + len(patch) > self._blob_max:
             self._seal()
         self._open.append(_Pending(name, dtype, shape, digest, changed, self._open_bytes, len(patch)))
@@ -95,6 +94,9 @@ class BlobPacker:
                 raise self._error
 
     def _seal(self) -> None:
+        # a failed upload stops the version here, at the next blob (not at every patch: a
+        # blob may hold thousands)
+        self._raise_if_failed()
         data = b"".join(self._chunks)
         sha = hashlib.sha256(data).hexdigest()
         self._parts.extend(

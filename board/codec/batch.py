@@ -159,7 +159,9 @@ def encode_batch(
     np.cumsum([c.positions.size for c in changes], out=bounds[1:])
     lanes = np.array([parse_digest(d) for d in old_digests], dtype=np.uint64).reshape(-1, 2)
     modes, thresholds, ranks = _hints(changes, old is not None, hints, bounds)
-    dtypes = {c.dtype: (*EXPONENT_FIELDS.get(c.dtype, (0, 0)), layout(c.dtype)[2]) for c in changes}
+    dtypes = {
+        dtype: (*EXPONENT_FIELDS.get(dtype, (0, 0)), layout(dtype)[2]) for dtype in {c.dtype for c in changes}
+    }
     fields = np.array([dtypes[c.dtype] for c in changes], np.uint64)
     codes = {dtype: dtype_code(dtype) for dtype in dtypes}
     payloads, ends, encodings, status = _encode_all(
@@ -181,18 +183,20 @@ def encode_batch(
         raise PatchError(_FAILURES[int(status[failed[0]])])
     view = payloads.data
     out = []
-    starts_of = np.concatenate(([0], ends[:-1])).tolist()
+    # Python values once, not a numpy scalar per read (this loop runs once per tensor)
+    starts_of, ends_of = np.concatenate(([0], ends[:-1])).tolist(), ends.tolist()
+    chosen, result_lanes = encodings.tolist(), lanes.tolist()
     for i, c in enumerate(changes):
-        if encodings[i] == _GENERAL:
+        if chosen[i] == _GENERAL:
             tensor_old = None if old is None else old_bits[starts[i] : starts[i] + c.numel].view(np.uint8)
             hint = None if hints is None else hints[i]
             patch = api.encode_changes(c, tensor_old, c.dtype, old_digest=old_digests[i], hint=hint)
             out.append((patch, api.read_header(patch).result_digest))
             continue
-        result = format_digest(int(lanes[i, 0]), int(lanes[i, 1]))
-        payload = view[starts_of[i] : ends[i]]
+        result = format_digest(*result_lanes[i])
+        payload = view[starts_of[i] : ends_of[i]]
         base, after = bytes.fromhex(old_digests[i]), bytes.fromhex(result)
-        patch = pack_fields(codes[c.dtype], int(encodings[i]), c.numel, c.count, base, after, payload)
+        patch = pack_fields(codes[c.dtype], chosen[i], c.numel, c.count, base, after, payload)
         out.append((patch, result))
     return out
 

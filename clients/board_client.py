@@ -174,6 +174,8 @@ class BoardClient:
         )
         # Presigned URLs carry their own credentials: our bearer token must not travel there.
         self._bare = httpx.Client(timeout=timeout, transport=transport, limits=limits)
+        plain = transport is None and self.url.startswith("http://")
+        self._plain = (self.url, headers, timeout) if plain else None
 
     def close(self) -> None:
         self._http.close()
@@ -302,14 +304,25 @@ class BoardClient:
             return None
         return int(response.headers["content-length"])
 
+    def plain_http(self) -> tuple[str, dict[str, str], float] | None:
+        """(url, headers, timeout) for a reader that speaks HTTP/1.1 itself on hot paths
+        (`deltaboard.clients.follower.ranges`), or None: only a client of a plain HTTP
+        board through its default transport offers it (TLS and injected transports stay
+        with httpx)."""
+        return self._plain
+
+    @staticmethod
+    def blob_path(run: str, sha256: str) -> str:
+        """The path of a blob under the board's URL."""
+        return f"/v1/runs/{run}/blobs/{sha256}"
+
     def get_blob(self, run: str, sha256: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes [start, end) of a blob (the whole blob by default), in memory."""
         headers = {}
         if start is not None or end is not None:
             headers["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
-        return self._request(
-            "GET", f"/v1/runs/{run}/blobs/{sha256}", headers=headers, follow_redirects=True
-        ).content
+        path = self.blob_path(run, sha256)
+        return self._request("GET", path, headers=headers, follow_redirects=True).content
 
     def download_blob(
         self, run: str, sha256: str, dest: Path, *, progress: Callable[[int], None] | None = None

@@ -160,10 +160,31 @@ def put_fixed(buf: np.ndarray, at: int, values: np.ndarray, k: int) -> tuple[np.
 
 
 @kernel
+def _word_at(data: np.ndarray, i: int) -> np.uint64:
+    """The 8 bytes of `data` from `i` as one big-endian word (one load and a byte swap)."""
+    x = np.uint64(0)
+    for b in range(8):
+        x = (x << np.uint64(8)) | np.uint64(data[i + b])
+    return x
+
+
+@kernel
 def _unpack_fixed(data: np.ndarray, high: np.ndarray, k: int) -> np.ndarray:
     """`high[j] << k` joined with the j-th k-bit field; the caller has checked that `data`
-    holds high.size * k bits."""
+    holds high.size * k bits.
+
+    Fields of up to 56 bits are read each from the big-endian word at its first byte (a
+    field then fits in the word whatever its bit offset), from a copy of `data` padded by
+    a word: no bit buffer to refill byte by byte; wider fields go through one."""
     out = np.empty(high.size, dtype=np.uint64)
+    if k <= 56:
+        padded = np.zeros(data.size + 8, dtype=np.uint8)
+        padded[: data.size] = data
+        for j in range(high.size):
+            bit = j * k
+            field = _low_bits(_word_at(padded, bit >> 3) >> np.uint64(64 - k - (bit & 7)), k)
+            out[j] = (high[j] << np.uint64(k)) | field
+        return out
     acc = np.uint64(0)
     held = 0
     i = 0
@@ -196,26 +217,32 @@ def unpack_fixed(data: memoryview | bytes, high: np.ndarray, k: int) -> np.ndarr
 
 @kernel
 def _unpack_unary(data: np.ndarray, count: int) -> tuple[np.ndarray, int]:
-    """(quotients, how many were found): the zeros before each of the first `count` ones."""
+    """(quotients, how many were found): the zeros before each of the first `count` ones.
+
+    A big-endian word at a time (a word of zeros is one step, each one found by a count of
+    leading zeros), from a copy of `data` padded with zeros to whole words: the padding
+    holds no one, so it adds no quotient."""
     out = np.empty(count, dtype=np.uint64)
+    padded = np.zeros(-(-data.size // 8) * 8, dtype=np.uint8)
+    padded[: data.size] = data
     found = 0
     zeros = 0
-    for byte in data:
+    for w in range(padded.size // 8):
         if found == count:
             break
-        if byte == 0:
-            zeros += 8
+        x = _word_at(padded, 8 * w)
+        if x == 0:
+            zeros += 64
             continue
-        x = np.uint64(byte) << np.uint64(56)
         used = 0
         while x != 0 and found < count:
             lead = int(leading_zeros(x))
             out[found] = zeros + lead
             found += 1
             zeros = 0
-            x <<= np.uint64(lead + 1)
+            x = (x << np.uint64(lead)) << np.uint64(1)  # lead + 1 may be 64: two shifts
             used += lead + 1
-        zeros = 8 - used
+        zeros = 64 - used
     return out, found
 
 

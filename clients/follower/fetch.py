@@ -37,6 +37,7 @@ from deltaboard.board.contract.schemas import BlobRef, BlobSize
 from deltaboard.board.contract.spans import KeyframeManifest
 from deltaboard.clients.board_client import BlobIntegrityError, BoardClient
 from deltaboard.clients.follower.errors import FollowerError, IntegrityError
+from deltaboard.clients.follower.ranges import PlainRanges
 
 ByteProgress = Callable[[int], None]
 
@@ -171,27 +172,41 @@ class RangedReader:
         self._run = keyframe.run
         self._ranges = {(t.blob.sha256, t.blob.offset, t.blob.length) for t in keyframe.tensors}
         self._progress = progress
+        plain = board.plain_http()
+        self._plain = None if plain is None else PlainRanges(*plain)
 
     def read(self, ref: BlobRef) -> memoryview:
+        """The range's bytes, checked by the patch's checksum. Read on a plain connection
+        they lie in this thread's buffer: valid until the thread's next read."""
         if (ref.sha256, ref.offset, ref.length) not in self._ranges:
             raise FollowerError(
                 f"blob {ref.sha256[:12]} range {ref.offset}+{ref.length} is not the keyframe's"
             )
+        start, end = ref.offset, ref.offset + ref.length
         for _ in range(2):
-            try:
-                data = self._board.get_blob(self._run, ref.sha256, ref.offset, ref.offset + ref.length)
-            except BoardError as exc:
-                raise FollowerError(f"cannot fetch blob {ref.sha256[:12]}: {exc}") from exc
+            data = None
+            if self._plain is not None:
+                data = self._plain.read(self._board.blob_path(self._run, ref.sha256), start, end)
+            if data is None:
+                try:
+                    data = memoryview(self._board.get_blob(self._run, ref.sha256, start, end))
+                except BoardError as exc:
+                    raise FollowerError(f"cannot fetch blob {ref.sha256[:12]}: {exc}") from exc
             if self._progress is not None:
                 self._progress(len(data))
             if len(data) == ref.length and _intact(data):
-                return memoryview(data)
+                return data
         raise IntegrityError(
             f"blob {ref.sha256[:12]} range {ref.offset}+{ref.length} failed its checksum twice"
         )
 
+    def close(self) -> None:
+        """Close the plain connections (the apply's threads are done with them)."""
+        if self._plain is not None:
+            self._plain.close()
 
-def _intact(patch: bytes) -> bool:
+
+def _intact(patch: memoryview) -> bool:
     """Whether a patch's checksum covers its bytes (a truncated or flipped range fails)."""
     try:
         codec.read_header(patch)

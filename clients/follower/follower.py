@@ -458,17 +458,23 @@ class Follower:
                     digests = {}
                 reader: PatchSource = cached
                 pool: Executor = self._pool
+                ranges = None
                 if i == 0 and ranged is not None:
-                    reader, pool = RangedReader(self.board, ranged, self._bytes_progress()), wide
-                apply_step(
-                    self._mapped(slot),
-                    manifest,
-                    reader,
-                    digests,
-                    pool,
-                    progress=lambda n: self._advance("apply", n),
-                    written=written,
-                )
+                    ranges = RangedReader(self.board, ranged, self._bytes_progress())
+                    reader, pool = ranges, wide
+                try:
+                    apply_step(
+                        self._mapped(slot),
+                        manifest,
+                        reader,
+                        digests,
+                        pool,
+                        progress=lambda n: self._advance("apply", n),
+                        written=written,
+                    )
+                finally:
+                    if ranges is not None:
+                        ranges.close()
         return digests
 
     # ---- commit and mirror -----------------------------------------------------------

@@ -50,6 +50,14 @@ class TensorPatch:
     def from_changes(cls, name: str, changes: codec.Changes) -> TensorPatch:
         return cls(name, changes.dtype, changes.numel, changes.positions, changes.old_bits, changes.new_bits)
 
+    def fill(self, positions: np.ndarray, old_bits: np.ndarray, new_bits: np.ndarray) -> None:
+        """Write a tensor's changes into this slot (views into a patch's group arrays)."""
+        if positions.size != self.positions.size:
+            raise ValueError(f"{self.name}: {positions.size} changes for a slot of {self.positions.size}")
+        self.positions[:] = positions
+        self.old_bits[:] = old_bits
+        self.new_bits[:] = new_bits
+
 
 @dataclass(frozen=True)
 class WidthGroup:
@@ -96,26 +104,49 @@ class HotPatch:
 
     @classmethod
     def from_tensors(cls, base_version: int, version: int, tensors: Iterable[TensorPatch]) -> HotPatch:
-        by_width: dict[int, list[TensorPatch]] = {}
-        for t in tensors:
+        given = list(tensors)
+        shapes = [(t.name, t.dtype, t.numel, t.positions.size) for t in given]
+        patch = cls.allocate(base_version, version, shapes)
+        slots = dict(patch.slots())
+        for t in given:
             if t.positions.size:
-                by_width.setdefault(codec.width(t.dtype), []).append(t)
+                slots[t.name].fill(t.positions, t.old_bits, t.new_bits)
+        return patch
+
+    @classmethod
+    def allocate(
+        cls, base_version: int, version: int, shapes: Iterable[tuple[str, str, int, int]]
+    ) -> HotPatch:
+        """A patch of uninitialised arrays for tensors (name, dtype, numel, changed), in that
+        order within each width, to be filled through `slots`: a decoder that knows each
+        tensor's changed count up front (a patch header says it) writes each tensor's
+        changes straight into its place, from its own thread, instead of a concatenation
+        of every tensor's arrays afterwards."""
+        by_width: dict[int, list[tuple[str, str, int, int]]] = {}
+        for shape in shapes:
+            if shape[3]:
+                by_width.setdefault(codec.width(shape[1]), []).append(shape)
         groups = []
         for w, ts in sorted(by_width.items()):
-            bits = codec.uint_dtype(ts[0].dtype)
+            n = sum(t[3] for t in ts)
             groups.append(
                 WidthGroup(
                     width=w,
-                    names=tuple(t.name for t in ts),
-                    dtypes=tuple(t.dtype for t in ts),
-                    numels=np.array([t.numel for t in ts], dtype=np.int64),
-                    counts=np.array([t.positions.size for t in ts], dtype=np.int64),
-                    positions=np.concatenate([t.positions for t in ts]).astype(np.int64, copy=False),
-                    old_bits=np.concatenate([t.old_bits for t in ts]).astype(bits, copy=False),
-                    new_bits=np.concatenate([t.new_bits for t in ts]).astype(bits, copy=False),
+                    names=tuple(t[0] for t in ts),
+                    dtypes=tuple(t[1] for t in ts),
+                    numels=np.array([t[2] for t in ts], dtype=np.int64),
+                    counts=np.array([t[3] for t in ts], dtype=np.int64),
+                    positions=np.empty(n, dtype=np.int64),
+                    old_bits=np.empty(n, dtype=codec.uint_dtype(ts[0][1])),
+                    new_bits=np.empty(n, dtype=codec.uint_dtype(ts[0][1])),
                 )
             )
         return cls(base_version, version, tuple(groups))
+
+    def slots(self) -> Iterator[tuple[str, TensorPatch]]:
+        """(name, its changes as views into the group arrays) for every changed tensor."""
+        for t in self.tensors():
+            yield t.name, t
 
     @property
     def changed(self) -> int:

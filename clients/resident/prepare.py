@@ -21,7 +21,7 @@ import numpy as np
 from deltaboard.board import codec
 from deltaboard.board.contract.schemas import BlobRef, Manifest, TensorEntry
 from deltaboard.clients.resident.errors import ResidentError
-from deltaboard.clients.resident.patch import HotPatch, TensorPatch
+from deltaboard.clients.resident.patch import HotPatch
 
 ReadBlob = Callable[[BlobRef], memoryview | bytes]
 BaseBytes = Callable[[str], np.ndarray]
@@ -46,7 +46,9 @@ def prepare_patch(
         # a part's patch covers a slice of its tensor; resident tensors are patched whole
         raise ResidentError(f"version {manifest.version} is published in parts: it is loaded, not patched")
 
-    def one(entry: TensorEntry) -> TensorPatch:
+    patches: list[tuple[TensorEntry, memoryview | bytes, str]] = []
+    shapes: list[tuple[str, str, int, int]] = []
+    for entry in manifest.tensors:
         held = held_digests.get(entry.name)
         if held is None:
             raise ResidentError(f"no digest held for tensor {entry.name!r}: the view is not at the parent")
@@ -54,8 +56,21 @@ def prepare_patch(
         header = codec.read_header(patch)
         if header.result_digest != entry.digest:
             raise codec.PatchError(f"{entry.name}: patch result {header.result_digest} is not the manifest's")
-        return TensorPatch.from_changes(entry.name, codec.decode(patch, base(entry.name), held))
+        patches.append((entry, patch, held))
+        shapes.append((entry.name, header.dtype, header.numel, header.changed))
+    # each header says its changed count: the tensors decode straight into their places
+    hot = HotPatch.allocate(manifest.parent, manifest.version, shapes)
+    slots = dict(hot.slots())
 
-    entries = list(manifest.tensors)
-    tensors = list(pool.map(one, entries)) if pool is not None else [one(e) for e in entries]
-    return HotPatch.from_tensors(manifest.parent, manifest.version, tensors)
+    def one(item: tuple[TensorEntry, memoryview | bytes, str]) -> None:
+        entry, patch, held = item
+        changes = codec.decode(patch, base(entry.name), held)
+        if changes.count:
+            slots[entry.name].fill(changes.positions, changes.old_bits, changes.new_bits)
+
+    if pool is not None:
+        list(pool.map(one, patches))
+    else:
+        for item in patches:
+            one(item)
+    return hot

@@ -4,6 +4,7 @@ a corrupted patch leaves them bit-identical to before."""
 
 from __future__ import annotations
 
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -105,7 +106,7 @@ class Chain:
             stats=ManifestStats(changed_elements=0, total_elements=0, encoded_bytes=0, view_bytes=0),
         )
 
-    def prepare(self, manifest: Manifest) -> HotPatch:
+    def prepare(self, manifest: Manifest, pool: Executor | None = None) -> HotPatch:
         """As the sidecar does: decode against bytes equal to the served view (here: the
         chain's own copy of the parent, standing in for the follower's served slot)."""
         base = self.views[manifest.version - 1]
@@ -114,6 +115,7 @@ class Chain:
             lambda ref: self.blobs[ref.sha256],
             lambda n: base[n],
             self.digests(manifest.version - 1),
+            pool,
         )
 
 
@@ -147,7 +149,16 @@ def test_a_resident_view_patched_along_a_chain_is_the_publishers_view(drawn) -> 
     view = ResidentView(engine, 0)
     for new in versions:
         manifest = chain.publish(new)
-        report = view.commit(view.stage(chain.prepare(manifest)))
+        patch = chain.prepare(manifest)
+        with ThreadPoolExecutor(3) as pool:  # tensors decoded on threads into their places
+            threaded = chain.prepare(manifest, pool)
+        assert [t.name for t in threaded.tensors()] == [t.name for t in patch.tensors()]
+        for a, b in zip(threaded.groups, patch.groups, strict=True):
+            assert a.width == b.width and np.array_equal(a.counts, b.counts)
+            assert a.old_bits.dtype == b.old_bits.dtype == b.new_bits.dtype == codec.uint_dtype(b.dtypes[0])
+            for x, y in ((a.positions, b.positions), (a.old_bits, b.old_bits), (a.new_bits, b.new_bits)):
+                assert np.array_equal(x, y)
+        report = view.commit(view.stage(patch))
         assert report.version == view.version == manifest.version
         for name, t in engine.items():
             assert np.array_equal(raw(t), chain.views[-1][name]), name

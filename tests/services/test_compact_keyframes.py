@@ -26,11 +26,17 @@ SIZES = {"embed.weight": (128, 32), "layers.0.weight": (32, 32), "layers.0.bias"
 
 
 class RangeCountingClient(BoardClient):
-    """Records every blob read it makes: (sha, start, end); whole downloads as (sha, None, None)."""
+    """Records every blob read it makes through httpx: (sha, start, end); whole downloads as
+    (sha, None, None). With `plain`, a follower reads a keyframe's ranges on plain
+    connections of its own (`clients.follower.ranges`), which are not recorded."""
 
-    def __init__(self, url: str, token: str) -> None:
+    def __init__(self, url: str, token: str, *, plain: bool = False) -> None:
         super().__init__(url, token)
         self.reads: list[tuple[str, int | None, int | None]] = []
+        self.plain = plain
+
+    def plain_http(self) -> tuple[str, dict[str, str], float] | None:
+        return super().plain_http() if self.plain else None
 
     def get_blob(self, run: str, sha256: str, start: int | None = None, end: int | None = None) -> bytes:
         self.reads.append((sha256, start, end))
@@ -58,7 +64,9 @@ def run(board, tmp_path):
     return views, keyframe_at(board, tmp_path, 9)
 
 
-def test_a_new_node_starts_at_the_worker_keyframe_fetched_by_ranges(run, board, tmp_path):
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_new_node_starts_at_the_worker_keyframe_fetched_by_ranges(run, board, tmp_path, plain):
+    """Each range read once, through httpx or (`plain`) on the follower's own connections."""
     views, (keyframe, blob) = run
     compactor = board.client(board.compact_token)
     reader = board.client(board.read_token)
@@ -70,12 +78,12 @@ def test_a_new_node_starts_at_the_worker_keyframe_fetched_by_ranges(run, board, 
     plan = reader.plan("r", None, 9)
     assert [(s.kind, s.version) for s in plan.steps] == [("keyframe", 9)]
     assert plan.total_bytes < before.total_bytes
-    counting = RangeCountingClient(board.url, board.read_token)
+    counting = RangeCountingClient(board.url, board.read_token, plain=plain)
     with counting, Follower(counting, "r", tmp_path / "node", node_id="n1") as node:
         assert node.sync(9) == 9
         assert_view(tmp_path / "node", views[9])
     ranges = sorted((t.blob.sha256, t.blob.offset, t.blob.offset + t.blob.length) for t in keyframe.tensors)
-    assert sorted(r for r in counting.reads if r[0] in keyframe.blob_shas()) == ranges
+    assert sorted(r for r in counting.reads if r[0] in keyframe.blob_shas()) == ([] if plain else ranges)
 
 
 def test_a_node_past_it_takes_the_keyframe_then_the_deltas(board, tmp_path):
@@ -121,10 +129,11 @@ def test_wrong_keyframes_are_refused_and_nothing_is_stored(run, board):
     assert not (board.data_dir / "store" / "runs" / "r" / "keyframes").exists()
 
 
-def test_a_range_that_fails_its_checksum_is_refetched_once_then_refused(run, board, tmp_path):
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_range_that_fails_its_checksum_is_refetched_once_then_refused(run, board, tmp_path, plain):
     """A keyframe whose first range rotted in the store after the board took it: the new
     node fetches that range twice (the patch's checksum fails both times), then stops with
-    `IntegrityError` and serves nothing."""
+    `IntegrityError` and serves nothing; through httpx or on its own connections."""
     _, (keyframe, blob) = run
     compactor = board.client(board.compact_token)
     compactor.upload_blob("r", blob)
@@ -134,12 +143,12 @@ def test_a_range_that_fails_its_checksum_is_refetched_once_then_refused(run, boa
     rotted = bytearray(stored.read_bytes())
     rotted[ref.offset + ref.length // 2] ^= 0x10
     stored.write_bytes(bytes(rotted))
-    counting = RangeCountingClient(board.url, board.read_token)
+    counting = RangeCountingClient(board.url, board.read_token, plain=plain)
     with counting, Follower(counting, "r", tmp_path / "node", node_id="n1") as node:
         with pytest.raises(IntegrityError, match="checksum twice"):
             node.sync(9)
         assert node.version is None
-    assert counting.reads.count((ref.sha256, ref.offset, ref.offset + ref.length)) == 2
+    assert counting.reads.count((ref.sha256, ref.offset, ref.offset + ref.length)) == (0 if plain else 2)
 
 
 def test_the_follower_proves_a_keyframe_by_its_digests_not_its_range_hashes(run, board, tmp_path):

@@ -39,6 +39,7 @@ from deltaboard.board import codec
 from deltaboard.publisher.snapshot import Slot
 
 TILE = 4096  # elements per program; a multiple of 32 (one bitmask word per 32 lanes)
+WARPS = 4  # warps per program (Triton's default)
 
 
 @functools.cache
@@ -159,7 +160,7 @@ def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot], hints: 
         k.count[(n,)](
             old, new, table.start, table.stop, table.slot, counts, masks,
             table.offset, stride, shift, keymask, sampled if hints else dummy,
-            HIST=hints, BINS=bins, TILE=TILE,
+            HIST=hints, BINS=bins, TILE=TILE, num_warps=WARPS,
         )  # fmt: skip
     ends = torch.cumsum(counts, 0)
     offsets = ends - counts
@@ -175,7 +176,7 @@ def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot], hints: 
         k.scatter[(n,)](
             old, new, table.start, table.slot, counts, offsets, masks, table.offset,
             positions, old_bits, new_bits, shift, keymask, stride, changed if hints else dummy,
-            HIST=hints, BINS=bins, TILE=TILE,
+            HIST=hints, BINS=bins, TILE=TILE, num_warps=WARPS,
         )  # fmt: skip
     return FusedChanges(
         positions, old_bits, new_bits, slot_counts, sampled, changed, counts, offsets, masks, TILE
@@ -209,7 +210,16 @@ def class_ranks(
     top = (1 << (8 * old.element_size() - 1)) - 1
     members = torch.empty((picked.size, 2), dtype=torch.int64, device=device)
     k.class_counts[(picked.size,)](
-        old, chosen, table.start, table.stop, table.slot, limits, members, TOP=top, TILE=found.tile
+        old,
+        chosen,
+        table.start,
+        table.stop,
+        table.slot,
+        limits,
+        members,
+        TOP=top,
+        TILE=found.tile,
+        num_warps=WARPS,
     )
     # members of each tile's slot in the tiles before it: a scan restarted at every slot
     ends = torch.cumsum(members, 0)
@@ -220,6 +230,6 @@ def class_ranks(
     before = ends - members - (ends - members)[restart]
     k.class_ranks[(picked.size,)](
         old, chosen, table.start, table.stop, table.slot, found.tile_counts, found.tile_offsets, found.masks,
-        table.offset, limits, before.contiguous(), ranks, TOP=top, TILE=found.tile,
+        table.offset, limits, before.contiguous(), ranks, TOP=top, TILE=found.tile, num_warps=WARPS,
     )  # fmt: skip
     return ranks

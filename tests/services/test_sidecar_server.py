@@ -244,7 +244,8 @@ def test_a_stream_through_the_proxy_passes_byte_exact_and_ends_in_the_write_of_i
 
 
 def _unchunk(data: bytes) -> bytes:
-    out, pos = [], 0
+    out: list[bytes] = []
+    pos = 0
     while True:
         eol = data.index(b"\r\n", pos)
         size = int(data[pos:eol], 16)

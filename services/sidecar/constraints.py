@@ -48,6 +48,8 @@ class SidecarCode(StrEnum):
     BODY_TOO_LARGE = "BodyTooLarge"
     NOT_FOUND = "NotFound"  # not an inference route of the engine
     METHOD_NOT_ALLOWED = "MethodNotAllowed"
+    BAD_REQUEST = "BadRequest"  # not HTTP the sidecar's server can parse (`sidecar.server`)
+    INTERNAL = "Internal"  # the sidecar failed before answering: a bug, not the caller's
 
 
 class ConstraintError(ValueError):

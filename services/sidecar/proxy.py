@@ -123,6 +123,8 @@ HTTP_STATUS: dict[SidecarCode, int] = {
     SidecarCode.BODY_TOO_LARGE: 413,
     SidecarCode.ENGINE_UNAVAILABLE: 503,
     SidecarCode.ENGINE_CHANGED: 503,
+    SidecarCode.BAD_REQUEST: 400,  # answered by the server (`sidecar.server`), not the proxy
+    SidecarCode.INTERNAL: 500,  # likewise
 }
 OUTCOME: dict[SidecarCode, str] = {
     SidecarCode.WEIGHT_VERSION_NOT_READY: "not_ready",

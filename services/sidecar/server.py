@@ -28,13 +28,17 @@ What a connection does:
 - keep-alive connections idle for the server's `timeout_keep_alive` are closed, and a
   graceful shutdown closes idle connections at once and the others after their answer.
 
-An app that fails before its answer starts gets a 500, after, the connection is closed.
+What this layer answers itself is JSON as every error of the sidecar is: a request its parser
+refuses gets 400 `BadRequest`, an app that fails before its answer starts 500 `Internal`
+(after, the connection is closed), each with `connection: close`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import http
+import json
 import logging
 import urllib.parse
 from collections import deque
@@ -42,6 +46,8 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import httptools
+
+from deltaboard.services.sidecar.constraints import SidecarCode
 
 logger = logging.getLogger("uvicorn.error")
 DISCONNECT = "deltaboard.disconnect"
@@ -51,14 +57,21 @@ STATUS_LINE = {
     status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in http.HTTPStatus
 }
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
-_ERROR_500 = (
-    b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain; charset=utf-8\r\n"
-    b"content-length: 21\r\nconnection: close\r\n\r\nInternal Server Error"
-)
-_ERROR_400 = (
-    b"HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n"
-    b"content-length: 29\r\nconnection: close\r\n\r\nInvalid HTTP request received"
-)
+
+
+@functools.cache
+def _canned(code: SidecarCode, message: str) -> bytes:
+    """A whole answer, as the sidecar's errors are: `{"error": {"code", "message"}}`, with
+    the status of the sidecar's one table, and the connection closes after it."""
+    from deltaboard.services.sidecar.proxy import HTTP_STATUS  # it imports this module
+
+    body = json.dumps({"error": {"code": str(code), "message": message}}).encode()
+    head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+    return STATUS_LINE[HTTP_STATUS[code]] + head % len(body) + body
+
+
+BAD_REQUEST = (SidecarCode.BAD_REQUEST, "not an HTTP/1.1 request the sidecar can parse")
+INTERNAL = (SidecarCode.INTERNAL, "the sidecar failed to answer this request")
 
 
 class SidecarProtocol(asyncio.Protocol):
@@ -120,7 +133,7 @@ class SidecarProtocol(asyncio.Protocol):
             pass  # no upgrade is served: the request is answered as HTTP/1.1
         except httptools.HttpParserError:
             assert self.transport is not None
-            self.transport.write(_ERROR_400)
+            self.transport.write(_canned(*BAD_REQUEST))
             self.transport.close()
 
     def pause_writing(self) -> None:
@@ -294,7 +307,7 @@ class _Cycle:
         if transport is None:
             return
         if not self.started:
-            transport.write(_ERROR_500)
+            transport.write(_canned(*INTERNAL))
         transport.close()
 
     async def receive(self) -> dict[str, Any]:

@@ -153,7 +153,7 @@ def test_a_stream_writes_its_head_when_the_app_waits_then_a_chunk_per_part_and_i
     asyncio.run(main())
 
 
-def test_expect_100_continue_head_requests_and_failing_apps() -> None:
+def test_expect_100_continue_head_requests_and_errors_as_json() -> None:
     async def main() -> None:
         protocol, transport, state = connect(json_app)
         protocol.data_received(post("/c", b"x", b"expect: 100-continue"))
@@ -177,8 +177,21 @@ def test_expect_100_continue_head_requests_and_failing_apps() -> None:
         protocol.data_received(post("/f", b""))
         await answered(state, 1)
         assert transport.writes[0].startswith(b"HTTP/1.1 500 ") and transport.closed
+        assert error_of(transport.writes[0]) == "Internal"
+
+        protocol, transport, state = connect(json_app)
+        protocol.data_received(b"GET /x HTTP/1.1\r\nbad header line\r\n\r\n")
+        assert transport.writes[0].startswith(b"HTTP/1.1 400 ") and transport.closed
+        assert error_of(transport.writes[0]) == "BadRequest"
 
     asyncio.run(main())
+
+
+def error_of(answer: bytes) -> str:
+    """The `code` of an error answer (asserting it is the sidecar's JSON error shape)."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head and b"connection: close" in head
+    return str(json.loads(body)["error"]["code"])
 
 
 def test_a_client_that_goes_away_is_told_to_the_app_by_callback_and_by_receive() -> None:

@@ -124,9 +124,7 @@ def test_parked_polls_hold_no_task_and_a_commit_is_answered_before_its_wakes(tmp
     if soft < 3 * POLLERS:  # a socket on each side of each poller, in this one process
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4 * POLLERS), hard))
     with in_process_board(tmp_path) as board, BoardClient(board.url, ADMIN) as client:
-        client.create_run("r")
-        epoch = client.acquire_lease("r", "t").epoch
-        publish(client, "r", 0, epoch, {"w": b"zero"})
+        epoch = at_version_zero(client)
         pollers = [connect(board.port) for _ in range(POLLERS)]
         try:
             for sock in pollers:
@@ -147,6 +145,20 @@ def test_parked_polls_hold_no_task_and_a_commit_is_answered_before_its_wakes(tmp
         assert len(woken) == POLLERS
         assert commit < min(woken)  # the commit's answer went out before the first wake
         wait_until(lambda: board.waiting() == 0, "the pollers gone", None, None)
+
+
+def at_version_zero(client: BoardClient) -> int:
+    """Run `r` with version 0 committed; returns its writer's epoch."""
+    client.create_run("r")
+    epoch = client.acquire_lease("r", "t").epoch
+    publish(client, "r", 0, epoch, {"w": b"zero"})
+    return epoch
+
+
+def park(client: BoardClient, sock: socket.socket, request: bytes) -> None:
+    """Send a poll (and what is pipelined behind it) and wait until the board parked it."""
+    sock.sendall(request)
+    wait_until(lambda: parked(client) == 1, "the poll parked", None, None)
 
 
 def parked(client: BoardClient) -> float:
@@ -172,12 +184,9 @@ def written_yet(sock: socket.socket) -> bytes:
 
 def test_a_pipelined_request_waits_for_the_parked_poll(board: BoardServer):
     c = board.client()
-    c.create_run("r")
-    epoch = c.acquire_lease("r", "t").epoch
-    publish(c, "r", 0, epoch, {"w": b"zero"})
+    epoch = at_version_zero(c)
     with connect(board.port) as sock, sock.makefile("rb") as reader:
-        sock.sendall(poll(0, board.read_token) + get("/v1/runs/r/manifests/0", board.read_token))
-        wait_until(lambda: parked(c) == 1, "the poll parked", None, None)
+        park(c, sock, poll(0, board.read_token) + get("/v1/runs/r/manifests/0", board.read_token))
         early = written_yet(sock)
         assert early == b"", early  # the manifest waits behind the poll
         publish(c, "r", 1, epoch, {"w": b"one"})
@@ -187,12 +196,9 @@ def test_a_pipelined_request_waits_for_the_parked_poll(board: BoardServer):
 
 def test_a_new_epochs_head_at_the_polled_version_does_not_answer_the_poll(board: BoardServer):
     c = board.client()
-    c.create_run("r")
-    epoch = c.acquire_lease("r", "t").epoch
-    publish(c, "r", 0, epoch, {"w": b"zero"})
+    epoch = at_version_zero(c)
     with connect(board.port) as sock, sock.makefile("rb") as reader:
-        sock.sendall(poll(0, board.read_token))
-        wait_until(lambda: parked(c) == 1, "the poll parked", None, None)
+        park(c, sock, poll(0, board.read_token))
         stolen = c.acquire_lease("r", "t2", steal=True).epoch
         assert stolen > epoch and c.head("r").epoch == stolen  # the head moved, its version did not
         c.metrics()  # a round trip after the head's wake-up ran
@@ -205,12 +211,9 @@ def test_a_new_epochs_head_at_the_polled_version_does_not_answer_the_poll(board:
 @pytest.mark.parametrize(("extra", "version"), [("Connection: close\r\n", "1.1"), ("", "1.0")])
 def test_a_poll_that_asks_to_close_is_answered_then_closed(board: BoardServer, extra: str, version: str):
     c = board.client()
-    c.create_run("r")
-    epoch = c.acquire_lease("r", "t").epoch
-    publish(c, "r", 0, epoch, {"w": b"zero"})
+    epoch = at_version_zero(c)
     with connect(board.port) as sock, sock.makefile("rb") as reader:
-        sock.sendall(poll(0, board.read_token, extra=extra, version=version))
-        wait_until(lambda: parked(c) == 1, "the poll parked", None, None)
+        park(c, sock, poll(0, board.read_token, extra=extra, version=version))
         publish(c, "r", 1, epoch, {"w": b"one"})
         head, answer = read_answer(reader)
         assert answer["version"] == 1 and b"connection: close" in head
@@ -218,10 +221,7 @@ def test_a_poll_that_asks_to_close_is_answered_then_closed(board: BoardServer, e
 
 
 def test_a_poll_whose_wait_ends_gets_the_current_head_and_the_connection_stays(board: BoardServer):
-    c = board.client()
-    c.create_run("r")
-    epoch = c.acquire_lease("r", "t").epoch
-    publish(c, "r", 0, epoch, {"w": b"zero"})
+    at_version_zero(board.client())
     with connect(board.port) as sock, sock.makefile("rb") as reader:
         sock.sendall(poll(0, board.read_token, wait=0.2))
         head, answer = read_answer(reader)
@@ -232,12 +232,9 @@ def test_a_poll_whose_wait_ends_gets_the_current_head_and_the_connection_stays(b
 
 def test_a_poller_that_leaves_is_forgotten(board: BoardServer):
     c = board.client()
-    c.create_run("r")
-    epoch = c.acquire_lease("r", "t").epoch
-    publish(c, "r", 0, epoch, {"w": b"zero"})
+    epoch = at_version_zero(c)
     sock = connect(board.port)
-    sock.sendall(poll(0, board.read_token))
-    wait_until(lambda: parked(c) == 1, "the poll parked", None, None)
+    park(c, sock, poll(0, board.read_token))
     sock.close()
     wait_until(lambda: parked(c) == 0, "the poll forgotten", None, None)
     publish(c, "r", 1, epoch, {"w": b"one"})  # wakes nobody, writes to no closed connection
@@ -246,12 +243,9 @@ def test_a_poller_that_leaves_is_forgotten(board: BoardServer):
 
 def test_a_stopping_board_answers_its_parked_polls(board: BoardServer):
     c = board.client()
-    c.create_run("r")
-    epoch = c.acquire_lease("r", "t").epoch
-    publish(c, "r", 0, epoch, {"w": b"zero"})
+    at_version_zero(c)
     with connect(board.port) as sock, sock.makefile("rb") as reader:
-        sock.sendall(poll(0, board.read_token))
-        wait_until(lambda: parked(c) == 1, "the poll parked", None, None)
+        park(c, sock, poll(0, board.read_token))
         assert board.process is not None
         board.process.send_signal(signal.SIGTERM)
         head, answer = read_answer(reader)

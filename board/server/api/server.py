@@ -72,9 +72,9 @@ def serve(settings: Settings) -> None:
     )
     options = uvicorn_options(settings)
     # Everything imported and built so far lives as long as the process: out of the cycle
-    # collector's sight, a full collection walks only what serving creates (one walked
-    # the framework's objects too, a pause of 100-160 ms of CPU under `bench board
-    # --mixed`, in which a commit waited).
+    # collector's sight, a full collection walks only what serving creates (one that
+    # walked the framework's objects too paused the loop while commits waited:
+    # docs/design.md, "Load").
     gc.collect()
     gc.freeze()
     uvicorn.run(**options)

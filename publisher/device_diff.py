@@ -226,16 +226,19 @@ def diff_slots(
     """Changes of consecutive slots of one group (see `batches`).
 
     Found on the device for the whole batch at once: by the fused Triton pass
-    (`fused_diff`; `fused` None: wherever it can run) or by the torch reference (one
+    (`fused_diff`; `fused` None: with hints, wherever it can run) or by the torch reference (one
     comparison over the batch's range, one gather of the changed words, a `searchsorted`
     over the slots' offsets to cut the result per tensor); then one small transfer to the
     host (`HostCopy`). `hints` adds the changed tensors' context hints, whose rank pass runs
-    while the changes are copied to the host; by default where they cost little: off the
-    host with the fused pass (the CPU path hands the codec the old bytes instead).
+    while the changes are copied to the host (off by default: the CPU path hands the codec
+    the old bytes instead, and on a GPU they cost the pass most of its throughput).
     """
     group = slots[0].group
-    use_fused = fused_diff.available(group[0]) if fused is None else fused
-    want_hints = hints if hints is not None else group[0] != "cpu" and use_fused
+    # Measured on an H200 (design.md, "Publishing a version"): without hints torch's pass is
+    # the faster (236 vs 185 GB/s of view), with hints the two are alike (64-85 GB/s) and
+    # far slower, so hints are asked for, never the default, and bring the fused pass along.
+    want_hints = bool(hints)
+    use_fused = want_hints and fused_diff.available(group[0]) if fused is None else fused
     if group[0] == "cpu" and not want_hints and not use_fused:
         return _diff_on_host(old, new, slots)
     on_cuda = torch.device(group[0]).type == "cuda"

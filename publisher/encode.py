@@ -127,8 +127,7 @@ def encode_rank(
     thread timing and a keyframe holds at most `window` bundles' host bytes and patches
     while the packer waits for the link.
     `context` asks for the codec's context encoding: True everywhere, None (auto) where
-    it costs little (the old bytes on the host, or the fused pass on CUDA), False nowhere
-    (see `Publisher`).
+    it costs little (the old bytes on the host), False nowhere (see `Publisher`).
     `slices` (sharded state): where each local tensor sits in its whole tensor; each
     slice's digest at global positions is kept up to date from `base_slice_digests`.
     """

@@ -30,10 +30,10 @@ measured figures): every follower downloads, and the board stores, that much les
 reads the old exponent class of every element. On the CPU the publisher hands the codec
 the old bytes in place; the pass costs background time only, none of it on the trainer
 thread, so the default (`None`, auto) uses it there. On CUDA it needs a hint computed on
-the device: the fused Triton pass (`fused_diff`) computes it beside the diff at little
-cost, so auto uses it there too; without Triton the torch path's hint costs the pass much
-of its throughput, and auto leaves it off. `context=True` asks for it everywhere,
-`context=False` nowhere.
+the device, which on an H200 costs the snapshot + diff pass about two thirds of its
+throughput whether the fused Triton pass (`fused_diff`) or torch computes it (design.md),
+so auto leaves it off there. `context=True` asks for it everywhere (on CUDA through the
+fused pass where Triton is installed), `context=False` nowhere.
 
 Threads: the caller's (snapshot only), one worker (orders the stages, commits), a diff
 helper, an encoder pool (`encode_workers`, default min(4, cores)), an upload pool, and

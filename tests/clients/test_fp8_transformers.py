@@ -23,6 +23,7 @@ from deltaboard.clients.follower import Follower
 from deltaboard.publisher.assets import model_assets
 from deltaboard.publisher.publisher import Publisher
 from deltaboard.publisher.quantize import dequantize_fp8_block
+from tests.services.fakes.tiny_model import tiny_config
 
 if TYPE_CHECKING:
     from tests.conftest import BoardPool
@@ -35,16 +36,8 @@ PROMPT = list(range(3, 19))
 
 
 def _tiny_llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    # whole 128x128 blocks (ragged ones are test_fp8_view's): the GPU path of transformers wants them
+    config = tiny_config(vocab_size=1024, hidden_size=256, intermediate_size=512, tie_word_embeddings=False)
     torch.manual_seed(0)
     model: torch.nn.Module = transformers.LlamaForCausalLM(config).float().eval()
     return model

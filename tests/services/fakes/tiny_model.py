@@ -6,21 +6,23 @@ from pathlib import Path
 from typing import Any
 
 
-def tiny_config() -> Any:
+def tiny_config(**overrides: Any) -> Any:
+    """A two-layer Llama config; `overrides` set any of its fields."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
+    fields: dict[str, Any] = {
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    }
+    return LlamaConfig(**(fields | overrides))
 
 
 def save_tiny_model(directory: Path, seed: int = 0) -> Path:

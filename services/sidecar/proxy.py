@@ -80,7 +80,7 @@ from deltaboard.services.sidecar.constraints import (
 )
 from deltaboard.services.sidecar.gate import Admitted, Refused, Stale, VersionGate, unless_stale
 from deltaboard.services.sidecar.metrics import SidecarMetrics
-from deltaboard.services.sidecar.server import DISCONNECT
+from deltaboard.services.sidecar.server import DISCONNECT, SINK
 from deltaboard.services.sidecar.stamping import Release, cut_field, range_headers, restamped_stream, stamp
 from deltaboard.services.sidecar.upstream import (
     ResponseHeaders,
@@ -479,8 +479,14 @@ class Proxy:
         out = _response_headers(upstream.headers, range_headers(start, start if held else None))
         self.count("proxied")
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": out})
+        sink = scope.get("extensions", {}).get(SINK) if upstream.chunked else None
         events = restamped_stream(
-            upstream, admission, release, lambda: self.vouched(None, admission), lambda: self.count("stale")
+            upstream,
+            admission,
+            release,
+            lambda: self.vouched(None, admission),
+            lambda: self.count("stale"),
+            sink,
         )
         last = False
         async for part in events:

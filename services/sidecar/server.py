@@ -52,6 +52,8 @@ from deltaboard.services.sidecar.constraints import SidecarCode
 logger = logging.getLogger("uvicorn.error")
 DISCONNECT = "deltaboard.disconnect"
 """The scope extension that takes a callback for the client's going away (`_Cycle.watch`)."""
+SINK = "deltaboard.sink"
+"""The scope extension that writes body parts from a callback (`_Cycle.write`, `behind`)."""
 READ_PAUSE_BYTES = 2**16
 STATUS_LINE = {
     status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in http.HTTPStatus
@@ -280,6 +282,7 @@ class _Cycle:
         self.left = 0  # bytes of a content-length body still to send
         self.on_disconnect: Callable[[], None] | None = None
         scope["extensions"][DISCONNECT] = self.watch
+        scope["extensions"][SINK] = self
 
     def watch(self, callback: Callable[[], None]) -> None:
         """Call `callback` if the client goes away before the answer is complete."""
@@ -349,8 +352,22 @@ class _Cycle:
             return
         if self.complete or kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
-        body = message.get("body", b"")
-        more = message.get("more_body", False)
+        self._body(transport, message.get("body", b""), message.get("more_body", False))
+
+    def write(self, body: bytes) -> None:
+        """A part of the answer's body (not its last), written now: what `send` does with
+        it, from a callback (the `SINK` extension: the proxy passes an engine's stream so,
+        from the upstream connection's reads). Nothing is written once the client is gone."""
+        transport = self.conn.transport
+        if self.started and not (self.complete or self.disconnected or transport is None):
+            self._body(transport, body, True)
+
+    def behind(self) -> asyncio.Future[None] | None:
+        """While the client reads slower than it is written to: a future done once it has
+        caught up (a `write`r stops writing until then)."""
+        return self.conn.drained
+
+    def _body(self, transport: asyncio.Transport, body: bytes, more: bool) -> None:
         out = self.head or []
         self.head = None
         if self.head_only:
@@ -374,7 +391,7 @@ class _Cycle:
             self.event.set()
             if not self.keep_alive:
                 transport.close()
-            conn.answered(self)
+            self.conn.answered(self)
 
     def _start(self, message: dict[str, Any]) -> None:
         self.started = True

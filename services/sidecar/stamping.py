@@ -42,10 +42,11 @@ proxy releases every admission once its upstream is closed, whatever happened.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from itertools import pairwise
-from typing import Any
+from typing import Any, Protocol
 
 from deltaboard.services.sidecar.constraints import SidecarCode
 from deltaboard.services.sidecar.gate import Admitted, Stale, VersionGate, unless_stale
@@ -196,23 +197,71 @@ class Release:
         return self._end
 
 
+class Sink(Protocol):
+    """Where a stream's parts can be written from a callback (the sidecar's server's
+    `_Cycle`): `write` a part now; `behind` gives a future while the client lags."""
+
+    def write(self, body: bytes) -> None: ...
+
+    def behind(self) -> asyncio.Future[None] | None: ...
+
+
+def _events(pending: bytes, chunk: bytes) -> tuple[bytes, bytes]:
+    """(the complete events of `pending` + `chunk`, maybe b"", the start of the next one)."""
+    data = pending + chunk if pending else chunk
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n")
+    cut = data.rfind(b"\n\n") + 2
+    if cut < 2:
+        return b"", data
+    return (data, b"") if cut == len(data) else (data[:cut], data[cut:])
+
+
+def _ends(complete: bytes) -> bool:
+    """Whether `complete` holds `[DONE]` or the engine's versions (once or twice a stream)."""
+    return b"[DONE]" in complete or _FIELD in complete
+
+
 async def restamped_stream(
     upstream: Any,
     admitted: Admitted,
     release: Release,
     verify: Callable[[], Awaitable[str | None]],
     aborted: Callable[[], None],
+    sink: Sink | None = None,
 ) -> AsyncIterator[bytes]:
     """Pass SSE events through as each read of `upstream.aiter_raw()` brings them (its
     complete events in one piece), then the range in an event of its own, before `[DONE]`
     or at the end (`verify()`, asked then, returns why the range must not be given, or
     None). A swap that aborts the request ends the stream with its error (and calls
-    `aborted()`); the caller closes the upstream and releases the admission after it."""
+    `aborted()`); the caller closes the upstream and releases the admission after it.
+
+    With a `sink` (and `upstream.forward`, for a request no swap can abort), the events up
+    to the stream's end go to `sink.write` straight from the upstream connection's reads,
+    without a step of this generator per read; what is yielded is the end."""
     start = admitted.start
     abortable = admitted.high is not None  # only a request with a highest version goes stale
-    chunks = upstream.aiter_raw()
     pending = b""  # the start of an event not complete yet
     reported: list[Any] = [None]  # the engine's own `weight_version`, the last it wrote
+    if sink is not None and not abortable:
+        last = b""  # the events a forward stopped at
+
+        def forward(chunk: bytes) -> bool:
+            nonlocal pending, last
+            complete, pending = _events(pending, chunk)
+            if _ends(complete):
+                last = complete
+                return False
+            if complete:
+                sink.write(complete)
+            return True
+
+        await upstream.forward(forward, sink.behind)
+        if last:
+            last = await _ending(last, start, release, verify, reported)
+            if last:
+                yield last
+    chunks = upstream.aiter_raw()
     while True:
         if abortable:
             try:
@@ -225,15 +274,8 @@ async def restamped_stream(
             chunk = await anext(chunks, None)
         if chunk is None:
             break
-        data = pending + chunk if pending else chunk
-        if b"\r" in data:
-            data = data.replace(b"\r\n", b"\n")
-        cut = data.rfind(b"\n\n") + 2
-        if cut < 2:
-            pending = data
-            continue
-        complete, pending = (data, b"") if cut == len(data) else (data[:cut], data[cut:])
-        if b"[DONE]" in complete or _FIELD in complete:  # once or twice a stream
+        complete, pending = _events(pending, chunk)
+        if _ends(complete):
             complete = await _ending(complete, start, release, verify, reported)
         if complete:
             yield complete

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -84,8 +84,9 @@ class UpstreamResponse:
         self._keep = keep
         self.ended = False  # the last piece of the body was handed out
         length = headers.get("content-length")
-        self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        self._length = int(length) if length is not None and not self._chunked else None
+        self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        self._chunks = _Chunks()  # a chunked body's decoder, shared by `forward` and `aiter_raw`
+        self._length = int(length) if length is not None and not self.chunked else None
         if bodyless or status_code in (204, 304) or 100 <= status_code < 200:
             self._length = 0
 
@@ -96,8 +97,8 @@ class UpstreamResponse:
             return
         reader = conn.reader
         try:
-            if self._chunked:
-                chunks = _Chunks()
+            if self.chunked:
+                chunks = self._chunks
                 while not chunks.done:
                     payload = chunks.feed(await reader.read(READ_SIZE))
                     if payload:
@@ -131,11 +132,110 @@ class UpstreamResponse:
     async def aread(self) -> bytes:
         return b"".join([part async for part in self.aiter_raw()])
 
+    async def forward(
+        self, on_data: Callable[[bytes], bool], backpressure: Callable[[], asyncio.Future[None] | None]
+    ) -> None:
+        """Hand each read of a chunked body, decoded, to `on_data` from the connection's
+        own `data_received`, as it arrives: no coroutine step, future or generator per
+        read. Returns once `on_data` returns False or the body has ended; the rest (if any)
+        is read by `aiter_raw`. While `backpressure()` gives a future (the reader of what
+        `on_data` writes is behind), the connection is not read until it is done."""
+        conn = self._conn
+        if conn is None or not self.chunked or self._chunks.done:
+            return
+        try:
+            if not self._forward_one(on_data, await conn.reader.read(1 << 30)):  # all it holds
+                return
+        except UpstreamError:
+            await self.aclose()
+            raise
+        transport = conn.writer.transport
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        reader = transport.get_protocol()
+        transport.set_protocol(_Forward(self, reader, on_data, backpressure, transport, done))
+        try:
+            await done
+        except UpstreamError:
+            await self.aclose()
+            raise
+        finally:
+            if not transport.is_closing():
+                transport.set_protocol(reader)
+
+    def _forward_one(self, on_data: Callable[[bytes], bool], data: bytes) -> bool:
+        """Whether to go on after handing `data`'s payload to `on_data`."""
+        chunks = self._chunks
+        payload = chunks.feed(data)
+        self.ended = chunks.done
+        if payload and not on_data(payload):
+            return False
+        return not chunks.done
+
     async def aclose(self) -> None:
         """Give up the rest of the body: the connection is closed (not pooled)."""
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+class _Forward(asyncio.Protocol):
+    """The connection's protocol while `UpstreamResponse.forward` runs: reads go to the
+    forwarder, and back to the connection's reader (`reader`) once it is done."""
+
+    def __init__(
+        self,
+        response: UpstreamResponse,
+        reader: Any,
+        on_data: Callable[[bytes], bool],
+        backpressure: Callable[[], asyncio.Future[None] | None],
+        transport: Any,
+        done: asyncio.Future[None],
+    ) -> None:
+        self.response = response
+        self.reader = reader
+        self.on_data = on_data
+        self.backpressure = backpressure
+        self.transport = transport
+        self.done = done
+
+    def data_received(self, data: bytes) -> None:
+        if self.done.done():  # between the end and the reader's return: the reader's
+            self.reader.data_received(data)
+            return
+        try:
+            go_on = self.response._forward_one(self.on_data, data)
+        except (UpstreamError, ValueError) as exc:
+            self.done.set_exception(UpstreamError(f"reading the engine's answer: {exc!r}"))
+            return
+        if not go_on:
+            self.done.set_result(None)
+            return
+        behind = self.backpressure()
+        if behind is not None:
+            self.transport.pause_reading()
+            behind.add_done_callback(self._resume)
+
+    def _resume(self, _: object) -> None:
+        if not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def eof_received(self) -> bool | None:
+        self._lost()
+        return self.reader.eof_received()  # type: ignore[no-any-return]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost()
+        self.reader.connection_lost(exc)
+
+    def _lost(self) -> None:
+        if not self.done.done():
+            self.done.set_exception(UpstreamError("the engine closed the connection inside a chunked body"))
+
+    def pause_writing(self) -> None:
+        self.reader.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.reader.resume_writing()
 
 
 class _Chunks:

@@ -47,7 +47,8 @@ when it names `weight_version` (a request whose headers carry its constraint is 
 parsed at all), a request whose constraint holds is admitted without waiting on the
 gate's lock (`VersionGate.admit_now`), the upstream is the sidecar's own connection pool
 (`services.sidecar.upstream`), a stream's bytes go out as each read of the engine brings
-them, nothing held back (`restamped_stream`), bodies are stamped by splicing bytes, the
+them, nothing held back, written from the upstream connection's callback up to the
+stream's end (`restamped_stream` with the server's sink), bodies are stamped by splicing bytes, the
 engine's stamp is asked once for all the requests that need it in a turn of the loop
 (`Proxy.engine_stamp`), and a client's disconnect cancels its request's work (`_Watch`:
 told by the sidecar's server, `services.sidecar.server`, which also answers in one write

@@ -34,7 +34,9 @@ Bodies are stamped by splicing bytes, not by decoding and encoding them: the fie
 appended before an object's closing brace, and an engine's own `weight_version`, when it
 is the object's last member (as the reference engine writes it), is read alone and cut
 out; only a body where it sits elsewhere is decoded whole. A stream's reads are scanned
-for event boundaries, `[DONE]` and the field's name, and passed on in one piece.
+for event boundaries, `[DONE]` and the field's name, and passed on in one piece; under the
+sidecar's server, from the upstream connection's callback until the first read that names
+either (`restamped_stream`'s `sink`), and only that end through the coroutine.
 
 `Release` ends a request's admission exactly once (its result is the range's end); the
 proxy releases every admission once its upstream is closed, whatever happened.

@@ -17,6 +17,10 @@ time; this client does none of that:
 - a chunked body is decoded from whatever one socket read brings: every complete chunk in
   it is passed on as one piece, so a stream the sidecar reads behind the engine costs one
   pass per read, not per token.
+- `UpstreamResponse.forward` hands a chunked body's reads to a callback from the
+  connection's own `data_received` (the connection's protocol is swapped for the time),
+  so a stream passed to the client costs no coroutine step per read; reading pauses while
+  the client lags behind what the callback wrote.
 
 A response's connection goes back to the pool only once its body was read to the end;
 `aclose` before that closes the connection, which is how the engine learns that nobody

@@ -20,6 +20,7 @@ from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import WAIT_BUCKETS, SidecarMetrics
 from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
 from deltaboard.services.sidecar.server import DISCONNECT, SidecarProtocol
+from deltaboard.services.sidecar.upstream import UpstreamPool
 from tests.services.fakes.echo import echo_engine
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
@@ -254,6 +255,58 @@ def test_a_stream_through_the_proxy_passes_byte_exact_and_ends_in_the_write_of_i
             assert transport.writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
 
         asyncio.run(main())
+
+
+def test_a_forwarded_stream_goes_to_the_callback_then_to_the_reader_every_byte_once_in_order() -> None:
+    """`UpstreamResponse.forward` hands the reads to a callback from the connection's own
+    protocol until the callback says stop; the rest is read by `aiter_raw` from the same
+    connection, nothing lost or repeated. The engine here sends its events in three bursts,
+    each when the test says, so that the stop falls in a read the forwarding protocol gets."""
+
+    def chunk(payload: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+    def events(first: int, stop: int) -> bytes:
+        return b"".join(chunk(b'data: {"i": %d}\n\n' % i) for i in range(first, stop))
+
+    async def main() -> tuple[bytes, bytes]:
+        bursts = [asyncio.Event(), asyncio.Event()]
+
+        async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            writer.write(head + events(0, 10))
+            await bursts[0].wait()
+            writer.write(events(10, 30))
+            await bursts[1].wait()
+            writer.write(events(30, 50) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+
+        server = await asyncio.start_server(engine, "127.0.0.1", 0)
+        pool = UpstreamPool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        async with asyncio.timeout(TIMEOUT_S):
+            response = await pool.request("GET", "/stream")
+            seen: list[bytes] = []
+
+            def on_data(payload: bytes) -> bool:
+                seen.append(payload)
+                return b'"i": 20}' not in payload
+
+            forwarding = asyncio.ensure_future(response.forward(on_data, lambda: None))
+            while b'"i": 9}' not in b"".join(seen):
+                await asyncio.sleep(0.001)
+            bursts[0].set()  # what comes now reaches the forwarding protocol, and stops it
+            await forwarding
+            bursts[1].set()  # what comes now is the reader's again
+            rest = [part async for part in response.aiter_raw()]
+        await pool.aclose()
+        server.close()
+        return b"".join(seen), b"".join(rest)
+
+    forwarded, rest = asyncio.run(main())
+    expected = b"".join(b'data: {"i": %d}\n\n' % i for i in range(50)) + b"data: [DONE]\n\n"
+    assert forwarded + rest == expected
+    assert b'"i": 20}' in forwarded and b'"i": 49}' in rest  # the stop in a forwarded read
 
 
 def _unchunk(data: bytes) -> bytes:

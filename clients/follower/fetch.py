@@ -11,7 +11,9 @@ and fetched once more; a second mismatch is an `IntegrityError`.
 A worker keyframe is not cached: `RangedReader` fetches each tensor's range when the apply
 asks for it, on the apply's threads, so ranges download in parallel and each is decoded and
 written as soon as it arrives (a new node writes its shards once, with no copy of the blob
-on disk). Each range is one patch, checked by the patch's own checksum (the header's xxh3
+on disk); on a plain HTTP board each thread reads its ranges on a connection of its own into
+a buffer it reuses (`ranges.PlainRanges`), the client's httpx path taking any other answer.
+Each range is one patch, checked by the patch's own checksum (the header's xxh3
 over every byte of the range), fetched once more on a mismatch, and a second mismatch is
 an `IntegrityError`. The entry's `range_sha256` is not checked: it would prove the same
 bytes a second time, for several times the CPU of the checksum, on the path that bounds a

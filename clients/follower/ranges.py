@@ -50,8 +50,18 @@ class PlainRanges:
 
     def read(self, path: str, start: int, end: int) -> memoryview | None:
         """Bytes [start, end) of the resource at `path`, or None when the answer is not a
-        plain one (the caller then asks through its client)."""
+        plain one (the caller then asks through its client). A kept connection that fails
+        is tried once more on a new one: the board closes connections left idle (a thread
+        that spent a while decoding a large tensor finds its connection gone)."""
         local = self._local
+        for _ in range(2):
+            kept = local.sock is not None
+            body = self._ask(local, path, start, end)
+            if body is not None or not kept:
+                return body
+        return None
+
+    def _ask(self, local: _Thread, path: str, start: int, end: int) -> memoryview | None:
         try:
             if local.sock is None:
                 local.sock = socket.create_connection(self._address, timeout=self._timeout)

@@ -30,8 +30,9 @@ class FakeBoard:
     """Answers each request with `answers[i](start, end)` (the last one repeats), records
     the requests' heads and counts connections; an answer may end the connection."""
 
-    def __init__(self, answers: list[Answer]) -> None:
+    def __init__(self, answers: list[Answer], close_after: frozenset[int] = frozenset()) -> None:
         self.answers = answers
+        self.close_after = close_after  # requests (from 0) after whose answer the connection ends
         self.requests: list[str] = []
         self.connections = 0
         self.server = socket.create_server(("127.0.0.1", 0))
@@ -65,7 +66,7 @@ class FakeBoard:
                 answer = self.answers[min(len(self.requests) - 1, len(self.answers) - 1)]
                 response = answer(start, end + 1)
                 conn.sendall(response)
-                if response.endswith(b"CLOSE"):
+                if response.endswith(b"CLOSE") or len(self.requests) - 1 in self.close_after:
                     return
 
     def close(self) -> None:
@@ -73,11 +74,11 @@ class FakeBoard:
 
 
 @pytest.fixture
-def fake() -> Iterator[Callable[[list[Answer]], FakeBoard]]:
+def fake() -> Iterator[Callable[..., FakeBoard]]:
     made: list[FakeBoard] = []
 
-    def make(answers: list[Answer]) -> FakeBoard:
-        made.append(FakeBoard(answers))
+    def make(answers: list[Answer], close_after: frozenset[int] = frozenset()) -> FakeBoard:
+        made.append(FakeBoard(answers, close_after))
         return made[-1]
 
     yield make
@@ -138,6 +139,21 @@ def test_any_other_answer_is_none_and_the_next_read_starts_over(fake, answer: An
         assert ranges.read("/b", 10, 200_010) is None
         got = ranges.read("/b", 10, 200_010)
         assert got is not None and bytes(got) == BLOB[10:200_010]
+    finally:
+        ranges.close()
+    assert board.connections == 2
+
+
+def test_a_connection_the_board_closed_while_idle_is_replaced(fake) -> None:
+    """The board ends a kept connection (idle timeout) between two reads: the second read
+    is asked again on a new connection, not handed back to the client."""
+    board = fake([plain], close_after=frozenset({0}))
+    ranges = PlainRanges(board.url, {}, timeout=30)
+    try:
+        first = ranges.read("/b", 0, 100)
+        assert first is not None and bytes(first) == BLOB[:100]
+        second = ranges.read("/b", 100, 300_100)
+        assert second is not None and bytes(second) == BLOB[100:300_100]
     finally:
         ranges.close()
     assert board.connections == 2

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from tests.support.servers import BoardServer, S3Server, board_server, seaweedfs, valkey
 
@@ -58,6 +59,11 @@ def pytest_runtest_makereport(
     item.stash.setdefault(PHASE_REPORTS, {})[report.when] = report
     return report
 
+
+# No per-example deadline: it measures the machine, not the property, and a busy CI machine
+# tripped hypothesis' default 200 ms on a pure function.
+settings.register_profile("deltaboard", deadline=None)
+settings.load_profile("deltaboard")
 
 PHASE_REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
 

@@ -149,7 +149,7 @@ def test_a_manifest_no_follower_can_use_is_one_red_line(board, tmp_path):
     for run, field, value in (("neg", "shape", [-128, -64]), ("dtype", "dtype", "Q7")):
         path = board.data_dir / "store" / "runs" / run / "manifests" / f"{0:012d}.json"
         manifest = json.loads(path.read_text())
-        manifest["tensors"][0][field] = value
+        manifest["tensors"][field][0] = value  # format 2: one column per field
         path.write_text(json.dumps(manifest))
     board.start()
     reader = environment(board.url, board.read_token)

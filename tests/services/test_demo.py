@@ -53,7 +53,7 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
         f"--workdir={tmp_path / 'work'}",
         f"--json={summary}",
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         lines = output_until(process, "Ctrl-C stops them", timeout_s=240)
@@ -73,7 +73,12 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
         assert status_page.status_code == 200 and "<title>deltaboard sidecar</title>" in status_page.text
         assert process.poll() is None  # kept up
         process.send_signal(signal.SIGINT)
-        rest, _ = process.communicate(timeout=60)
+        try:
+            rest, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            dump, _ = process.communicate(timeout=30)
+            raise AssertionError(dump[-15000:]) from None
     finally:
         if process.poll() is None:
             process.kill()

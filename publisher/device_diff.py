@@ -23,8 +23,10 @@ that many bytes, whatever the view's size.
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +40,7 @@ CHUNK_ELEMENTS = 1 << 27
 RANK_CHUNK_ELEMENTS = 1 << 26  # class counts: int32 cumulative sums of at most this many
 CPU_BATCH_BYTES = 1 << 25
 CUDA_BATCH_BYTES = 1 << 30
+CUDA_LANES = 2  # batches in flight on CUDA (`iter_diffs`)
 
 
 @dataclass
@@ -123,15 +126,18 @@ class HostCopy:
 
 
 _streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()  # the diff's helper threads ask for streams concurrently
 
 
 def _stream(device: torch.device, role: str) -> torch.cuda.Stream:
-    """A stream of the publisher's own per device and role: "pass", where the diff's kernels
-    run, so that the trainer's stream waits for nothing but its snapshot copies; "copy",
-    where the device->host copies run while the next kernels do."""
-    if (device, role) not in _streams:
-        _streams[(device, role)] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    return _streams[(device, role)]
+    """A stream of the publisher's own per device and role: "pass0", "pass1", ... (one per
+    batch in flight, `iter_diffs`), where the diff's kernels run, so that the trainer's
+    stream waits for nothing but its snapshot copies; "copy", where the device->host
+    copies run while the next kernels do."""
+    with _streams_lock:
+        if (device, role) not in _streams:
+            _streams[(device, role)] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return _streams[(device, role)]
 
 
 def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
@@ -222,8 +228,10 @@ def diff_slots(
     slots: Sequence[Slot],
     hints: bool | None = None,
     fused: bool | None = None,
+    lane: int = 0,
 ) -> ViewDiff:
-    """Changes of consecutive slots of one group (see `batches`).
+    """Changes of consecutive slots of one group (see `batches`); on CUDA its kernels run on
+    the pass stream of `lane` (`iter_diffs`).
 
     Found on the device for the whole batch at once: by the fused Triton pass
     (`fused_diff`; `fused` None: with hints, wherever it can run) or by the torch reference (one
@@ -245,7 +253,7 @@ def diff_slots(
     if on_cuda:
         # The pass stream reads the buffers only once their fills ran (on the stream that
         # filled them): a device-side wait, the host blocks for nothing.
-        stream = _stream(torch.device(group[0]), "pass")
+        stream = _stream(torch.device(group[0]), f"pass{lane}")
         for buffer in (old, new):
             if buffer.ready is not None:
                 stream.wait_event(buffer.ready)
@@ -430,16 +438,24 @@ def batch_bytes_for(layout: ViewLayout) -> int:
 def iter_diffs(
     old: ViewBuffer, new: ViewBuffer, hints: bool | None = None, fused: bool | None = None
 ) -> Iterator[ViewDiff]:
-    """The diff batch by batch (`diff_slots`), the next batch computed in a helper thread
-    while the caller encodes the current one (torch releases the GIL in its kernels)."""
+    """The diff batch by batch (`diff_slots`), the next batches computed in helper threads
+    while the caller encodes the current one (torch releases the GIL in its kernels).
+
+    On CUDA two batches are in flight, each on a pass stream of its own (`lane`), so that
+    one batch's copy to the host runs while the next one's kernels do; one helper is
+    enough on the CPU, where the encoding is what the diff overlaps.
+    """
     todo = batches(new.layout, batch_bytes_for(new.layout))
-    with ThreadPoolExecutor(1, thread_name_prefix="deltaboard-diff") as pool:
-        pending = [pool.submit(diff_slots, old, new, b, hints, fused) for b in todo[:1]]
-        for nxt in todo[1:]:
-            pending.append(pool.submit(diff_slots, old, new, nxt, hints, fused))
-            yield pending.pop(0).result()
-        for fut in pending:
-            yield fut.result()
+    on_cuda = any(device.startswith("cuda") for device, _ in new.layout.group_numel)
+    lanes = CUDA_LANES if on_cuda else 1
+    with ThreadPoolExecutor(lanes, thread_name_prefix="deltaboard-diff") as pool:
+        pending: deque[Future[ViewDiff]] = deque()
+        for i, batch in enumerate(todo):
+            pending.append(pool.submit(diff_slots, old, new, batch, hints, fused, i % lanes))
+            if len(pending) > lanes:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def diff_views(

@@ -5,15 +5,18 @@ chain per chunk, and the context hint's exponent counts and class ranks as furth
 passes); here the same result comes from kernels that read each buffer once and write only
 what changed, whatever the number of tensors:
 
-1. `count`: per tile of `TILE` elements (a tile never straddles two slots, so its slot is
-   one table lookup), compare old and new, store the tile's changed count and its changed
-   lanes as a bitmask (1/16 of a bf16 tile's bytes); with hints, add the tile's sampled old
-   exponents to its slot's histogram (`codec.plan_thresholds` step 2);
-2. a scan of the tile counts (torch `cumsum`) gives each tile's place in the output;
-3. `scatter`: per tile with changes, the bitmask's exclusive prefix sum places each changed
-   lane; its slot-local position and old and new bits are gathered and stored, compacted
-   and in ascending order; with hints, its old exponent goes to the slot's changed histogram;
-4. with hints, once the host picked each slot's thresholds from the histograms
+1. `compact`, one read of both buffers: per tile of `TILE` elements (a tile never
+   straddles two slots, so its slot is one table lookup), compare old and new, claim the
+   tile's range of the output with one atomic add on a cursor (tiles claim in whatever
+   order they run), and store its changed lanes there in ascending order (an exclusive
+   prefix sum of the changed flags): slot-local position, old bits, new bits. With hints
+   the same pass stores the tile's changed lanes as a bitmask (1/16 of a bf16 tile's
+   bytes) and adds the tile's sampled old exponents and its changed elements' old
+   exponents to its slot's two histograms (`codec.plan_thresholds` step 2). The output is
+   sized before the count is known (`_capacity`); a pass that finds more runs once more;
+2. a scan of the tile counts (torch `cumsum`) gives each tile's place in slot order, and
+   `reorder` moves every tile's run there: only the changes are read and written again;
+3. with hints, once the host picked each slot's thresholds from the histograms
    (`codec.plan_thresholds`, called as the contract says), `class_counts` counts each
    tile's members of the two lower classes, a per-slot scan of those counts gives each
    tile's members before it, and `class_ranks` ranks the changed lanes of each tile.
@@ -40,6 +43,7 @@ from deltaboard.publisher.snapshot import Slot
 
 TILE = 4096  # elements per program; a multiple of 32 (one bitmask word per 32 lanes)
 WARPS = 8  # warps per program: 8 beat 4 on the H200 at TILE 4096 (design.md)
+REORDER_STEP = 128  # entries a `reorder` program moves per step (a tile holds ~TILE/100)
 
 
 @functools.cache
@@ -141,45 +145,65 @@ def hint_bins(slots: Sequence[Slot]) -> int:
     )
 
 
+_expected: dict[tuple[Slot, ...], int] = {}  # per batch: the changed count its last diff found
+
+
+def _capacity(slots: tuple[Slot, ...]) -> int:
+    """Output entries to provide before the pass knows the count: a quarter more than the
+    batch's last diff found (the changed fraction drifts slowly between versions), or 1/64
+    of its elements the first time; a pass that finds more runs once again, sized exactly."""
+    last = _expected.get(slots)
+    numel = sum(s.numel for s in slots)
+    return max(1024, last + last // 4 if last is not None else numel // 64)
+
+
 def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot], hints: bool) -> FusedChanges:
-    """Steps 1-3 of the module docstring over the group buffers `old` and `new`."""
+    """Steps 1 and 2 of the module docstring over the group buffers `old` and `new`."""
     k = _kernels()
     device = old.device
-    table = tiles(tuple(slots), str(device), TILE)
+    key = tuple(slots)
+    table = tiles(key, str(device), TILE)
     n = table.count
     counts = torch.empty(n, dtype=torch.int32, device=device)
-    masks = torch.empty(max(n, 1) * (TILE // 32), dtype=torch.int32, device=device)
+    bases = torch.empty(n, dtype=torch.int64, device=device)
+    masks = torch.empty(max(n, 1) * (TILE // 32) if hints else 1, dtype=torch.int32, device=device)
     stride, shift, keymask = _key_tables(slots, device)
     bins = hint_bins(slots)
-    sampled = changed = None
-    if hints:
-        sampled = torch.zeros((len(slots), bins), dtype=torch.int32, device=device)
-        changed = torch.zeros((len(slots), bins), dtype=torch.int32, device=device)
-    dummy = counts  # stands in for the histograms when there are none (never written)
-    if n:
-        k.count[(n,)](
-            old, new, table.start, table.stop, table.slot, counts, masks,
-            table.offset, stride, shift, keymask, sampled if hints else dummy,
-            HIST=hints, BINS=bins, TILE=TILE, num_warps=WARPS,
-        )  # fmt: skip
-    ends = torch.cumsum(counts, 0)
-    offsets = ends - counts
+    capacity = _capacity(key)
+    while True:
+        cursor = torch.zeros(1, dtype=torch.int64, device=device)
+        sampled = torch.zeros((len(slots), bins) if hints else 1, dtype=torch.int32, device=device)
+        changed = torch.zeros_like(sampled)
+        scratch = [torch.empty(capacity, dtype=d, device=device) for d in (torch.int64, old.dtype, old.dtype)]
+        if n:
+            k.compact[(n,)](
+                old, new, table.start, table.stop, table.slot, table.offset, counts, bases, cursor,
+                capacity, *scratch, masks, stride, shift, keymask, sampled, changed,
+                HIST=hints, BINS=bins, TILE=TILE, num_warps=WARPS,
+            )  # fmt: skip
+        total = int(cursor.item())  # the one synchronisation: sizes the output
+        _expected[key] = total
+        if total <= capacity:
+            break
+        capacity = total
+    offsets = torch.cumsum(counts, 0) - counts
     per_slot = torch.zeros(len(slots), dtype=torch.int64, device=device)
     if n:
         per_slot.index_add_(0, table.slot.to(torch.int64), counts.to(torch.int64))
-    slot_counts = per_slot.cpu().numpy()  # the one synchronisation: sizes the output
-    total = int(slot_counts.sum())
-    positions = torch.empty(total, dtype=torch.int64, device=device)
-    old_bits = torch.empty(total, dtype=old.dtype, device=device)
-    new_bits = torch.empty(total, dtype=old.dtype, device=device)
+    positions, old_bits, new_bits = (torch.empty(total, dtype=t.dtype, device=device) for t in scratch)
     if total:
-        k.scatter[(n,)](
-            old, new, table.start, table.slot, counts, offsets, masks, table.offset,
-            positions, old_bits, new_bits, shift, keymask, stride, changed if hints else dummy,
-            HIST=hints, BINS=bins, TILE=TILE, num_warps=WARPS,
-        )  # fmt: skip
+        k.reorder[(n,)](counts, bases, offsets, *scratch, positions, old_bits, new_bits, STEP=REORDER_STEP)
     return FusedChanges(
-        positions, old_bits, new_bits, slot_counts, sampled, changed, counts, offsets, masks, TILE
+        positions,
+        old_bits,
+        new_bits,
+        per_slot.cpu().numpy(),
+        sampled if hints else None,
+        changed if hints else None,
+        counts,
+        offsets,
+        masks,
+        TILE,
     )
 
 
@@ -190,7 +214,7 @@ def class_ranks(
     plans: dict[int, tuple[int, int]],
     rank_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Step 4 of the module docstring: the rank of every changed element of the slots in
+    """Step 3 of the module docstring: the rank of every changed element of the slots in
     `plans` (slot index: class limits, each `min(limit - 1, largest sign-less pattern)`),
     aligned with `found.positions` (other slots' entries are left unset)."""
     k = _kernels()

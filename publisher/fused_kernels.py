@@ -13,9 +13,9 @@ def bitwise_or(a, b):
 
 
 @triton.jit
-def count(
-    old, new, t_start, t_stop, t_slot, counts, masks,
-    s_offset, s_stride, s_shift, s_keymask, sampled,
+def compact(
+    old, new, t_start, t_stop, t_slot, s_offset, counts, bases, cursor, capacity,
+    pos_out, old_out, new_out, masks, s_stride, s_shift, s_keymask, sampled, changed_hist,
     HIST: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
@@ -24,19 +24,45 @@ def count(
     inside = idx < tl.load(t_stop + t)
     a = tl.load(old + idx, mask=inside, other=0)
     b = tl.load(new + idx, mask=inside, other=0)
-    ne = (a != b) & inside
-    tl.store(counts + t, tl.sum(ne.to(tl.int32), axis=0))
-    lanes = tl.reshape(ne.to(tl.int32), (TILE // 32, 32)) << tl.arange(0, 32)[None, :]
-    words = tl.reduce(lanes, 1, bitwise_or)
-    tl.store(masks + t * (TILE // 32) + tl.arange(0, TILE // 32), words)
+    ne = ((a != b) & inside).to(tl.int32)
+    n = tl.sum(ne, axis=0)
+    tl.store(counts + t, n)
+    base = tl.atomic_add(cursor, n.to(tl.int64), sem="relaxed")  # tiles claim their range in any order
+    tl.store(bases + t, base)
+    slot = tl.load(t_slot + t)
+    if n > 0:
+        dst = base + tl.cumsum(ne, 0) - ne
+        hit = (ne != 0) & (dst < capacity)  # past the capacity: counted, not written
+        tl.store(pos_out + dst, idx - tl.load(s_offset + slot), mask=hit)
+        tl.store(old_out + dst, a, mask=hit)
+        tl.store(new_out + dst, b, mask=hit)
     if HIST:
-        slot = tl.load(t_slot + t)
+        lanes = tl.reshape(ne, (TILE // 32, 32)) << tl.arange(0, 32)[None, :]
+        tl.store(masks + t * (TILE // 32) + tl.arange(0, TILE // 32), tl.reduce(lanes, 1, bitwise_or))
         stride = tl.load(s_stride + slot)
-        if stride > 0:  # a floating slot: the sampled old exponents
+        if stride > 0:  # a floating slot: the sampled old exponents, and the changed ones
             keys = ((a >> tl.load(s_shift + slot)) & tl.load(s_keymask + slot)).to(tl.int32)
             take = inside & (((idx - tl.load(s_offset + slot)) & (stride - 1)) == 0)  # a power of 2
             hist = tl.histogram(keys, BINS, mask=take)
             tl.atomic_add(sampled + slot * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
+            hist = tl.histogram(keys, BINS, mask=ne != 0)
+            tl.atomic_add(changed_hist + slot * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
+
+
+@triton.jit
+def reorder(
+    counts, bases, offsets, pos_in, old_in, new_in, pos_out, old_out, new_out, STEP: tl.constexpr
+):  # fmt: skip
+    t = tl.program_id(0)
+    n = tl.load(counts + t)
+    src = tl.load(bases + t)
+    dst = tl.load(offsets + t)
+    for i in range(0, n, STEP):
+        lane = i + tl.arange(0, STEP)
+        take = lane < n
+        tl.store(pos_out + dst + lane, tl.load(pos_in + src + lane, mask=take), mask=take)
+        tl.store(old_out + dst + lane, tl.load(old_in + src + lane, mask=take), mask=take)
+        tl.store(new_out + dst + lane, tl.load(new_in + src + lane, mask=take), mask=take)
 
 
 @triton.jit
@@ -44,30 +70,6 @@ def changed_lanes(masks, t, TILE: tl.constexpr):
     words = tl.load(masks + t * (TILE // 32) + tl.arange(0, TILE // 32))
     bits = (words[:, None] >> tl.arange(0, 32)[None, :]) & 1
     return tl.reshape(bits, (TILE,))
-
-
-@triton.jit
-def scatter(
-    old, new, t_start, t_slot, counts, offsets, masks, s_offset,
-    pos_out, old_out, new_out, s_shift, s_keymask, s_stride, changed_hist,
-    HIST: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0)
-    if tl.load(counts + t) > 0:
-        bits = changed_lanes(masks, t, TILE)
-        hit = bits != 0
-        dst = tl.load(offsets + t) + tl.cumsum(bits, 0) - bits
-        idx = tl.load(t_start + t) + tl.arange(0, TILE)
-        slot = tl.load(t_slot + t)
-        a = tl.load(old + idx, mask=hit, other=0)
-        tl.store(pos_out + dst, idx - tl.load(s_offset + slot), mask=hit)
-        tl.store(old_out + dst, a, mask=hit)
-        tl.store(new_out + dst, tl.load(new + idx, mask=hit, other=0), mask=hit)
-        if HIST:  # noqa: SIM102 - a constexpr test, then a runtime one
-            if tl.load(s_stride + slot) > 0:
-                keys = ((a >> tl.load(s_shift + slot)) & tl.load(s_keymask + slot)).to(tl.int32)
-                hist = tl.histogram(keys, BINS, mask=hit)
-                tl.atomic_add(changed_hist + slot * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
 
 
 @triton.jit

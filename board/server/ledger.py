@@ -237,12 +237,15 @@ class Ledger:
         rules.check_blob_ranges(manifest, sizes)
         new_head = HeadRecord(version=manifest.version, kind=manifest.kind, epoch=manifest.epoch)
         data = encode(manifest)
+        key = manifest_key(run, manifest.version)
         head_write = (head_key(run), encode(new_head), head_tag)
         # The manifest create-if-absent, then the head CAS, durable together.
-        written = self.store.write_records([(manifest_key(run, manifest.version), data, None), head_write])
+        written = self.store.write_records([(key, data, None), head_write])
         if written == 0:
-            self._take_manifest_slot(run, manifest, data, head)
-            written = 1 + self.store.write_records([head_write])
+            # Rewritten even when the slot holds our own bytes: a crashed attempt may have
+            # set them without making them durable.
+            slot = self._take_manifest_slot(run, manifest, data, head)
+            written = self.store.write_records([(key, data, slot), head_write])
         if written < 2:
             now, _ = self.head(run)
             if now.epoch > manifest.epoch:
@@ -251,27 +254,23 @@ class Ledger:
         stored = {k: v for k, v in sizes.items() if v is not None}
         return new_head, VersionRecord.of(manifest, stored, len(data))
 
-    def _take_manifest_slot(self, run: str, manifest: Manifest, data: bytes, head: HeadRecord) -> None:
+    def _take_manifest_slot(self, run: str, manifest: Manifest, data: bytes, head: HeadRecord) -> str:
         """The manifest's create-if-absent lost. What is there above head is either our own
-        retry (same bytes: fine), a fenced writer's leftover (lower epoch: replace it by CAS),
-        or a concurrent commit of the same epoch (refused)."""
-        key = manifest_key(run, manifest.version)
-        found = self.store.read_record(key)
+        retry (same bytes), a fenced writer's leftover (lower epoch), both to be replaced
+        by compare-and-set on the tag returned, or a concurrent commit of the same epoch
+        (refused)."""
+        found = self.store.read_record(manifest_key(run, manifest.version))
         if found is None:
             raise NotHead("manifest slot changed concurrently; retry")
         existing, tag = found
         if existing == data:
-            return
+            return tag
         try:
             other = Manifest.model_validate_json(existing)
         except ValidationError:
             other = None
         if other is None or other.epoch < manifest.epoch:
-            try:
-                self.store.write_record(key, data, tag)
-                return
-            except PreconditionFailed:
-                pass
+            return tag
         raise NotHead(f"version {manifest.version} is being committed by another writer", head=head.version)
 
     # ---- derived data: spans and worker keyframes --------------------------------------

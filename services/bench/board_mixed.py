@@ -19,9 +19,9 @@ connection, or a download of the wrong size.
 
 Each process reports its CPU seconds over the measured phase (the board's, the pollers',
 the committer's, the downloaders'), with the machine's load average at both ends, so that
-a run on a shared machine says who had the cores; and the board's own mean time per commit
-(its `deltaboard_commit_seconds`), the part of a commit's latency spent inside
-`BoardService.commit` rather than queued on the way in and out.
+a run on a shared machine says who had the cores; and the board's own time per commit
+(mean, p50 and p99 of its version records' `commit_s`), the part of a commit's latency
+spent in the store rather than queued on the way in and out.
 """
 
 from __future__ import annotations
@@ -237,22 +237,41 @@ def cpu_seconds(pid: int) -> float:
     return float(times.user + times.system)
 
 
-async def commit_seconds(http: httpx.AsyncClient) -> tuple[float, int]:
-    """The board's `deltaboard_commit_seconds` sum and count."""
-    found = {"sum": 0.0, "count": 0.0}
-    for line in (await http.get("/metrics")).text.splitlines():
-        for key in found:
-            if line.startswith(f"deltaboard_commit_seconds_{key} "):
-                found[key] = float(line.split()[1])
-    return found["sum"], int(found["count"])
+async def commit_seconds(http: httpx.AsyncClient, versions: set[int]) -> list[float]:
+    """The board's own time for each of `versions`' commits (the `commit_s` of its version
+    records: from the commit's entry into `BoardService.commit` until the store took it)."""
+    answer = await http.get(f"/v1/runs/{RUN}/versions", params={"limit": len(versions) + 1})
+    answer.raise_for_status()
+    return [v["commit_s"] for v in answer.json() if v["version"] in versions and v["commit_s"] is not None]
 
 
-async def commits(
-    url: str, version: int, epoch: int, seconds: float
-) -> tuple[list[tuple[int, float, float]], int]:
-    """A commit per second for `seconds`: (version, latency, answer time) of each, and errors."""
-    done: list[tuple[int, float, float]] = []
-    errors = 0
+def disk_sync_seconds(directory: Path) -> float:
+    """One fsync of a small new file in `directory` (the board's filesystem): what one round
+    of a commit's syncs costs on this disk now, a floor the commit cannot go below."""
+    fd, name = tempfile.mkstemp(dir=directory)
+    try:
+        os.write(fd, b"x" * 512)
+        began = time.monotonic()
+        os.fsync(fd)
+        return time.monotonic() - began
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
+@dataclass
+class Committed:
+    """What the committer saw: (version, latency, answer time) of each commit, errors, and
+    a disk sync timed after each commit (`disk_sync_seconds`)."""
+
+    done: list[tuple[int, float, float]]
+    errors: int
+    syncs: list[float]
+
+
+async def commits(url: str, version: int, epoch: int, seconds: float, directory: Path) -> Committed:
+    """A commit per second for `seconds`, each followed by a disk sync in `directory`."""
+    committed = Committed(done=[], errors=0, syncs=[])
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as http:
         publisher = Publisher(http)
         publisher.version, publisher.epoch = version, epoch
@@ -262,17 +281,18 @@ async def commits(
             try:
                 latency = await publisher.commit()
             except httpx.HTTPError:
-                errors += 1
+                committed.errors += 1
                 continue
-            done.append((publisher.version, latency, time.monotonic()))
-    return done, errors
+            committed.done.append((publisher.version, latency, time.monotonic()))
+            committed.syncs.append(disk_sync_seconds(directory))
+    return committed
 
 
-def commit_loop(url: str, version: int, epoch: int, seconds: float, out: Any) -> None:
+def commit_loop(url: str, version: int, epoch: int, seconds: float, directory: Path, out: Any) -> None:
     """The committer's process: puts (`commits`' answer, CPU seconds) on the queue `out`."""
     cpu = time.process_time()
-    done, errors = asyncio.run(commits(url, version, epoch, seconds))
-    out.put((done, errors, time.process_time() - cpu))
+    committed = asyncio.run(commits(url, version, epoch, seconds, directory))
+    out.put((committed, time.process_time() - cpu))
 
 
 async def connect_pollers(port: int, count: int, after: int, tally: Tally) -> list[asyncio.Transport]:
@@ -306,7 +326,6 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
         )
         board = board_pid()
         board_cpu, own_cpu, load_start = cpu_seconds(board), time.process_time(), os.getloadavg()[0]
-        in_board = await commit_seconds(http)
         context = multiprocessing.get_context("spawn")
         down_queue, commit_queue = context.Queue(), context.Queue()
         processes = [
@@ -315,22 +334,21 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
             ),
             context.Process(
                 target=commit_loop,
-                args=(url, publisher.version, publisher.epoch, config.seconds, commit_queue),
+                args=(url, publisher.version, publisher.epoch, config.seconds, tmp, commit_queue),
             ),
         ]
         began = time.monotonic()
         for process in processes:
             process.start()
         down_bytes, down_count, down_errors, down_cpu = await asyncio.to_thread(down_queue.get)
-        done, commit_errors, commit_cpu = await asyncio.to_thread(commit_queue.get)
+        committed, commit_cpu = await asyncio.to_thread(commit_queue.get)
+        done = committed.done
         for process in processes:
             await asyncio.to_thread(process.join)
         await asyncio.sleep(1.0)  # the last commit's wakes
         tally.stopping = True
         board_cpu, own_cpu = cpu_seconds(board) - board_cpu, time.process_time() - own_cpu
-        in_board_sum, in_board_count = (
-            a - b for a, b in zip(await commit_seconds(http), in_board, strict=True)
-        )
+        in_board = await commit_seconds(http, {version for version, _, _ in done}) or [float("nan")]
         for transport in transports:
             transport.close()
     elapsed = time.monotonic() - began
@@ -339,6 +357,7 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
         float("nan")
     ]
     latencies = [latency for _, latency, _ in done] or [float("nan")]
+    syncs = committed.syncs or [float("nan")]
     return {
         "mixed_pollers": config.pollers,
         "mixed_downloaders": config.downloaders,
@@ -351,8 +370,12 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
         "mixed_commit_p99_ms": round(percentile(latencies, 99) * 1e3, 2),
         "mixed_download_gbps": round(down_bytes / elapsed / 1e9, 3),
         "mixed_downloads": down_count,
-        "mixed_errors": tally.errors + commit_errors + down_errors,
-        "mixed_commit_in_board_mean_ms": round(in_board_sum / max(1, in_board_count) * 1e3, 2),
+        "mixed_errors": tally.errors + committed.errors + down_errors,
+        "mixed_commit_in_board_mean_ms": round(sum(in_board) / len(in_board) * 1e3, 2),
+        "mixed_commit_in_board_p50_ms": round(percentile(in_board, 50) * 1e3, 2),
+        "mixed_commit_in_board_p99_ms": round(percentile(in_board, 99) * 1e3, 2),
+        "mixed_disk_sync_p50_ms": round(percentile(syncs, 50) * 1e3, 2),
+        "mixed_disk_sync_p99_ms": round(percentile(syncs, 99) * 1e3, 2),
         "mixed_cpu_board_s": round(board_cpu, 2),
         "mixed_cpu_pollers_s": round(own_cpu, 2),
         "mixed_cpu_committer_s": round(commit_cpu, 2),

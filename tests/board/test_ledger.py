@@ -73,11 +73,11 @@ class LeaseDuringCommit(LocalStore):
 
     hook: Callable[[], object] | None = None
 
-    def _set_record(self, key, tmp, expected):
+    def _set_record(self, key, tmp, expected, **kw):
         if key == head_key("r") and expected is not None and self.hook is not None:
             hook, self.hook = self.hook, None
             hook()
-        return super()._set_record(key, tmp, expected)
+        return super()._set_record(key, tmp, expected, **kw)
 
 
 def test_fencing_in_the_middle_of_a_commit(tmp_path):

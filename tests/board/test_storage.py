@@ -203,3 +203,39 @@ def test_local_store_syncs_the_directory_after_each_rename(tmp_path, monkeypatch
     run = tmp_path / "store" / "runs" / "r"
     assert synced.count(run / "blobs") == 2  # the create-if-absent link and the moved upload
     assert run / "assets" in synced and run in synced  # a plain put and a record
+
+
+def test_local_store_makes_a_commit_durable_in_two_rounds_of_syncs(tmp_path, monkeypatch):
+    """A commit's manifest (its file and name) and the head's new bytes are synced at once,
+    before the head's rename; then only the head's directory. Each sync of the first round
+    waits for the other two, so syncs made one after another (three rounds, as before)
+    break the barrier instead of passing."""
+    store = LocalStore(tmp_path / "store")
+    tag = store.write_record("runs/r/head.json", b"h0", None)
+    run = tmp_path / "store" / "runs" / "r"
+    first_round = threading.Barrier(3, timeout=60)
+    committing = threading.Event()
+    synced: list[tuple[Path, bytes]] = []
+    real = LocalStore._sync_file
+
+    def recording(path: Path) -> None:
+        head = (run / "head.json").read_bytes()
+        synced.append((Path(path), head))
+        if committing.is_set() and head == b"h0":
+            first_round.wait()
+        real(path)
+
+    monkeypatch.setattr(LocalStore, "_sync_file", staticmethod(recording))
+    loose = tmp_path / "upload"
+    loose.write_bytes(b"blob")
+    store.put_file("runs/r/blobs/b", loose)
+    # A blob's bytes are durable from its upload on (a commit does not sync them).
+    assert synced == [(loose, b"h0"), (run / "blobs", b"h0")]
+    synced.clear()
+    committing.set()
+    writes = [("runs/r/manifests/1.json", b"m1", None), ("runs/r/head.json", b"h1", tag)]
+    assert store.write_records(writes) == 2
+    manifest = {run / "manifests" / "1.json", run / "manifests"}
+    before = {path for path, head in synced if head == b"h0"}
+    assert manifest < before and {p.parent for p in before - manifest} == {tmp_path / "store" / ".tmp"}
+    assert [path for path, head in synced if head == b"h1"] == [run]

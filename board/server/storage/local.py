@@ -2,13 +2,14 @@
 
 Writes go to a temporary file and are renamed into place, so a reader never sees a torn
 object; with `fsync` (the default) the file is synced before and its directory after the
-rename, so a crash keeps both the bytes and the name. Create-if-absent uses `link(2)`
-(atomic, fails if the name exists). A record's version tag is a generation number kept
-in its lock file; compare-and-set holds that file's `flock`, so that processes sharing the
-directory agree, and the number only grows, so a tag never comes back even when the same
-bytes are written again. The number is
-rewritten in place at a fixed width: truncating the file first would make ext4 flush it
-(its `auto_da_alloc` heuristic), a millisecond on every commit.
+rename, so a crash keeps both the bytes and the name (records written together,
+`write_records`, sync all but the last just after their renames, at once).
+Create-if-absent uses `link(2)` (atomic, fails if the name exists). A record's version tag
+is a generation number kept in its lock file; compare-and-set holds that file's `flock`,
+so that processes sharing the directory agree, and the number only grows, so a tag never
+comes back even when the same bytes are written again. The number is rewritten in place
+at a fixed width: truncating the file first would make ext4 flush it (its `auto_da_alloc`
+heuristic), a millisecond on every commit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import BinaryIO
 from deltaboard.board.server.storage import ObjectInfo, ObjectNotFound, PreconditionFailed
 
 GENERATION_WIDTH = 20  # digits: a generation number never outgrows it
+# Beside the caller's own: a commit's first round syncs three paths at once.
+SYNC_THREADS = 2
 # A temporary file untouched for this long belongs to a write that died with its process
 # (a live write touches it every few milliseconds; a stalled upload is cut off in seconds).
 STALE_TEMP_S = 3600.0
@@ -86,10 +89,10 @@ class LocalStore:
             self._sync_file(directory)
 
     def _sync_all(self, paths: list[Path]) -> None:
-        """fsync the files concurrently: their flushes share journal commits instead of
-        queueing one behind the other (the tail of a commit is two fsyncs otherwise)."""
+        """fsync the files and directories concurrently: their flushes share journal
+        commits instead of queueing one behind the other."""
         if self._syncers is None:
-            self._syncers = ThreadPoolExecutor(2, thread_name_prefix="deltaboard-fsync")
+            self._syncers = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="deltaboard-fsync")
         pending = [self._syncers.submit(self._sync_file, p) for p in paths[1:]]
         self._sync_file(paths[0])
         for future in pending:
@@ -150,26 +153,41 @@ class LocalStore:
             tmp.unlink(missing_ok=True)
 
     def write_records(self, writes: Sequence[tuple[str, bytes, str | None]]) -> int:
-        """Every record's bytes are made durable first (concurrently), then the records are
-        set in order: a later one (the head) never points at bytes that could be lost."""
-        temps: list[Path] = []
+        """Every record but the last is set, then made durable (its bytes and its name)
+        together with the last one's bytes, and only then is the last set: a later record
+        (the head) never points at bytes that could be lost, and a commit waits for two
+        rounds of fsyncs (its manifest's file, directory and the head's bytes at once;
+        then the head's directory) where syncing each before its rename took three. A
+        record set but not yet synced when the machine loses power is one above the head,
+        which the next commit of that version replaces."""
+        if not writes:
+            return 0
+        *earlier, (last_key, last_data, last_expected) = writes
+        last = self._write_temp(last_data, sync=False)
         try:
-            for _, data, _ in writes:
-                temps.append(self._write_temp(data, sync=False))
-            if self.fsync and temps:
-                self._sync_all(temps)
-            for written, ((key, _, expected), tmp) in enumerate(zip(writes, temps, strict=True)):
+            durable = [last]
+            for written, (key, data, expected) in enumerate(earlier):
+                tmp = self._write_temp(data, sync=False)
                 try:
-                    self._set_record(key, tmp, expected)
+                    self._set_record(key, tmp, expected, sync=False)
                 except PreconditionFailed:
                     return written
+                finally:
+                    tmp.unlink(missing_ok=True)
+                durable += [self._path(key), self._path(key).parent]
+            if self.fsync:
+                self._sync_all(list(dict.fromkeys(durable)))
+            try:
+                self._set_record(last_key, last, last_expected)
+            except PreconditionFailed:
+                return len(earlier)
             return len(writes)
         finally:
-            for tmp in temps:
-                tmp.unlink(missing_ok=True)
+            last.unlink(missing_ok=True)
 
-    def _set_record(self, key: str, tmp: Path, expected: str | None) -> str:
-        """Compare-and-set: rename the finished temporary file onto the record."""
+    def _set_record(self, key: str, tmp: Path, expected: str | None, *, sync: bool = True) -> str:
+        """Compare-and-set: rename the finished temporary file onto the record (and, with
+        `sync`, make the new name durable)."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._record(key, exclusive=True) as lock:
@@ -180,7 +198,8 @@ class LocalStore:
             ):
                 raise PreconditionFailed(key)
             os.replace(tmp, path)
-            self._sync_dir(path.parent)
+            if sync:
+                self._sync_dir(path.parent)
             # A new number even for the same bytes: a tag never comes back (no ABA).
             os.pwrite(lock.fileno(), str(generation + 1).zfill(GENERATION_WIDTH).encode(), 0)
         return str(generation + 1)
@@ -190,8 +209,13 @@ class LocalStore:
             self.delete(key)
 
     def put_file(self, key: str, path: Path) -> None:
+        """The file's bytes are synced before its rename, as `put`'s are: a commit syncs
+        only its manifest and the head, so the blobs a manifest names must be durable
+        from their upload on."""
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
+        if self.fsync:
+            self._sync_file(path)
         os.replace(path, target)
         self._sync_dir(target.parent)
 

@@ -13,15 +13,23 @@ after the summary until Ctrl-C.
 
 With `--board URL --token T --nodes 0` it is only the trainer, publishing to an existing
 board (what the compose file's demo trainer runs).
+
+The processes it starts (the board, the engines) go with it however it ends: each leads a
+process group of its own (so a Ctrl-C at the terminal reaches the demo alone, which stops
+them in order, then kills what is left of each group), and each has the kernel send it
+SIGTERM when the demo dies, SIGKILL included (`as_child`). SIGTERM stops the demo as Ctrl-C
+does, and once it has cleaned up it exits at once (`leave`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +39,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import httpx
 import typer
@@ -42,6 +50,10 @@ if TYPE_CHECKING:  # FastAPI and uvicorn load only when nodes run
 
 RUN = "demo"
 PROMPT = [11, 7, 42, 99, 5, 1]
+PARENT_ENV = "DELTABOARD_DEMO_PARENT"
+"""The demo's pid, in the environment of each process it starts (`as_child`)."""
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STOP_TIMEOUT_S = 10.0
 
 
 def free_port() -> int:
@@ -52,8 +64,30 @@ def free_port() -> int:
 
 
 def deltaboard_command(*args: str) -> list[str]:
-    """This installation's CLI, run by this interpreter (no reliance on PATH)."""
-    return [sys.executable, "-c", "from deltaboard.services.cli import main; main()", *args]
+    """This installation's CLI, run by this interpreter (no reliance on PATH), in a process
+    that goes when the demo goes (`as_child`)."""
+    code = (
+        "from deltaboard.services.demo import as_child; as_child(); "
+        "from deltaboard.services.cli import main; main()"
+    )
+    return [sys.executable, "-c", code, *args]
+
+
+def as_child() -> None:
+    """In a process the demo started: have the kernel send it SIGTERM when the demo dies,
+    whatever kills it (a SIGKILL leaves the demo no chance to stop anything), and exit at
+    once if the demo died before that was set. Set here, in the child's own first line,
+    rather than in a `preexec_fn`, which is unsafe in a process with threads, as the demo
+    is. The signal follows the thread that started the child: the demo starts its
+    children from its main thread, which lasts as long as it does."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != int(parent):
+        sys.exit("the demo that started this process has gone")
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], what: str, timeout_s: float = 120.0) -> None:
@@ -69,7 +103,11 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], what: str, timeout_
 
 
 class Processes:
-    """Child processes, stopped (TERM, then KILL) in reverse order of start."""
+    """Child processes, each the leader of a process group of its own, with nothing of the
+    demo's but its environment: no stdin, its output in its log file, no other descriptor
+    (a child that held the demo's stdout would keep whoever reads it waiting after the
+    demo is gone). `stop` sends each group TERM, in reverse order of start, and KILL to
+    whatever of it is left after `STOP_TIMEOUT_S` (or is left by a leader that exited)."""
 
     def __init__(self, logs: Path) -> None:
         self.logs = logs
@@ -80,21 +118,42 @@ class Processes:
     ) -> subprocess.Popen[bytes]:
         with open(self.logs / f"{name}.log", "wb") as log:
             child = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())},
+                process_group=0,
             )
         self.children.append(child)
         return child
 
     def stop(self) -> None:
-        for child in reversed(self.children):
-            if child.poll() is None:
-                child.terminate()
-        for child in reversed(self.children):
-            try:
-                child.wait(10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        # A leader not reaped yet keeps its group's id from being given to another process,
+        # so only those are signalled, and each is reaped only after its group's KILL.
+        children = [child for child in reversed(self.children) if child.returncode is None]
+        for child in children:
+            _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in children:
+            while not _exited(child) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _signal_group(child, signal.SIGKILL)
+            child.wait()
+
+
+def _exited(child: subprocess.Popen[bytes]) -> bool:
+    """Whether `child` has exited, leaving it unreaped."""
+    try:
+        return os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
+
+
+def _signal_group(child: subprocess.Popen[bytes], sig: int) -> None:
+    """`sig` to the process group `child` leads (empty once it and its own children are gone)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, sig)
 
 
 @dataclass
@@ -386,6 +445,21 @@ def addresses(board_url: str, read_token: str | None, nodes: list[Node]) -> list
     return lines
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def leave(code: int) -> NoReturn:
+    """Exit with `code` now that the demo has stopped what it started: without the
+    interpreter's own teardown (the modules of torch and numba, the joins of thread pools
+    at exit), which takes seconds on a quiet machine and much longer on a busy one, while
+    Ctrl-C should give the prompt back at once."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 def keep_up(console: Any, lines: list[str]) -> None:
     """`--keep`: the board and the nodes stay up for a look at the pages, until Ctrl-C."""
     for line in [*lines, "keeping the board and the nodes up; Ctrl-C stops them"]:
@@ -439,47 +513,55 @@ def demo(
         raise typer.BadParameter("--mode must be quiesce or in_place")
     console = Console()
     started = time.monotonic()
-    with contextlib.ExitStack() as stack:
-        root = workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="deltaboard-demo-")))
-        (root / "logs").mkdir(parents=True, exist_ok=True)
-        # Said before anything slow (starting processes, loading torch), so that the
-        # person who typed the command sees at once what it does and where its logs go.
-        where = "a board" if board is None else f"the board at {board}"
-        console.print(
-            f"deltaboard demo: {where}, {nodes} rollout node(s) and a trainer of {steps} steps; "
-            f"logs in {root / 'logs'}",
-            highlight=False,
-        )
-        stack.enter_context(logs_to_file(root / "logs" / "nodes.log"))
-        processes = Processes(root / "logs")
-        stack.callback(processes.stop)
-        shown_token: str | None = None  # a token the demo made; one passed in is not printed
-        if board is None:
-            board, token, read_token = start_board(processes, root)
-            shown_token = read_token
-            console.print(f"board on {board}", highlight=False)
-        else:
-            read_token = token or ""
-        if nodes:
-            console.print(f"starting {nodes} engine(s) and sidecar(s) (each engine loads torch)")
-        fleet = start_nodes(processes, root, nodes, board, read_token, mode)
-        for line in addresses(board, shown_token, fleet):
-            console.print(line, highlight=False, soft_wrap=True)
-        console.print("training; each step is published as a new version")
-        for node in fleet:
-            stack.callback(node.server.stop)
-        state = DemoState(steps)
-        with Live(get_renderable=lambda: render(state, fleet), console=console, refresh_per_second=4):
-            settings = TrainerSettings(lr, warmup, max_tokens, step_delay)
-            train_and_publish(state, board, token or "", fleet, settings)
-            converged = await_convergence(fleet, state.head, timeout_s=60)
-        report = summary(state, fleet, converged, time.monotonic() - started)
-        console.print()
-        console.print(summary_table(report))
-        if json_path is not None:
-            json_path.write_text(json.dumps(report, indent=2))
-        if keep:
-            keep_up(console, addresses(board, shown_token, fleet))
+    signal.signal(signal.SIGTERM, _interrupt)  # stopped as Ctrl-C stops it
+    try:
+        with contextlib.ExitStack() as stack:
+            root = workdir or Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="deltaboard-demo-"))
+            )
+            (root / "logs").mkdir(parents=True, exist_ok=True)
+            # Said before anything slow (starting processes, loading torch), so that the
+            # person who typed the command sees at once what it does and where its logs go.
+            where = "a board" if board is None else f"the board at {board}"
+            console.print(
+                f"deltaboard demo: {where}, {nodes} rollout node(s) and a trainer of {steps} steps; "
+                f"logs in {root / 'logs'}",
+                highlight=False,
+            )
+            stack.enter_context(logs_to_file(root / "logs" / "nodes.log"))
+            processes = Processes(root / "logs")
+            stack.callback(processes.stop)
+            shown_token: str | None = None  # a token the demo made; one passed in is not printed
+            if board is None:
+                board, token, read_token = start_board(processes, root)
+                shown_token = read_token
+                console.print(f"board on {board}", highlight=False)
+            else:
+                read_token = token or ""
+            if nodes:
+                console.print(f"starting {nodes} engine(s) and sidecar(s) (each engine loads torch)")
+            fleet = start_nodes(processes, root, nodes, board, read_token, mode)
+            for line in addresses(board, shown_token, fleet):
+                console.print(line, highlight=False, soft_wrap=True)
+            console.print("training; each step is published as a new version")
+            for node in fleet:
+                stack.callback(node.server.stop)
+            state = DemoState(steps)
+            with Live(get_renderable=lambda: render(state, fleet), console=console, refresh_per_second=4):
+                settings = TrainerSettings(lr, warmup, max_tokens, step_delay)
+                train_and_publish(state, board, token or "", fleet, settings)
+                converged = await_convergence(fleet, state.head, timeout_s=60)
+            report = summary(state, fleet, converged, time.monotonic() - started)
+            console.print()
+            console.print(summary_table(report))
+            if json_path is not None:
+                json_path.write_text(json.dumps(report, indent=2))
+            if keep:
+                keep_up(console, addresses(board, shown_token, fleet))
+    except KeyboardInterrupt:  # the children are stopped: what is left is the exit
+        console.print("interrupted", highlight=False)
+        leave(130)
     if not succeeded(report):
         console.print("[red]FAILED[/red]: a node did not converge or a pinned request got another version")
-        raise typer.Exit(1)
+        leave(1)
+    leave(0)

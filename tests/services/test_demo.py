@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -13,51 +14,100 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
 
-def output_until(process: subprocess.Popen[str], last: str, timeout_s: float) -> list[str]:
-    """The lines `process` prints up to one containing `last` (a reader thread, so that a
-    demo that hangs fails the test at `timeout_s` instead of blocking it)."""
-    lines: queue.Queue[str | None] = queue.Queue()
+class Output:
+    """Everything `process` prints, read by one thread, the only reader of its stdout: what
+    it prints last (a faulthandler dump included) is never taken by another reader, and a
+    demo that hangs fails the test at a timeout instead of blocking it."""
 
-    def read() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+        self.seen: list[str] = []
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
 
-    threading.Thread(target=read, daemon=True).start()
-    seen: list[str] = []
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def until(self, last: str, timeout_s: float) -> str:
+        """What it printed up to a line containing `last`."""
+        deadline = time.monotonic() + timeout_s
+        while not self.seen or last not in self.seen[-1]:
+            line = self._lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            assert line is not None, "\n".join(self.seen[-60:])
+            self.seen.append(line)
+        return "\n".join(self.seen)
+
+    def rest(self, timeout_s: float) -> str:
+        """What it printed after the last `until`, up to the end of its stdout, which comes
+        once every process holding the pipe has gone (the test fails naming any left)."""
+        lines, deadline = [], time.monotonic() + timeout_s
+        try:
+            while (line := self._lines.get(timeout=max(deadline - time.monotonic(), 0.01))) is not None:
+                lines.append(line)
+        except queue.Empty:
+            raise AssertionError(f"the demo's stdout is held open by {self.holders()}") from None
+        return "\n".join(lines)
+
+    def holders(self) -> list[str]:
+        """The command lines of the processes holding the demo's stdout pipe."""
+        assert self.process.stdout is not None
+        pipe = f"pipe:[{os.fstat(self.process.stdout.fileno()).st_ino}]"
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error, OSError):
+                fds = os.listdir(f"/proc/{process.pid}/fd")
+                if any(os.readlink(f"/proc/{process.pid}/fd/{fd}") == pipe for fd in fds):
+                    found.append(" ".join(process.info["cmdline"] or []))
+        return found
+
+
+def start_demo(*args: str) -> subprocess.Popen[str]:
+    command = [sys.executable, "-c", "from deltaboard.services.cli import main; main()", "demo", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def alive(processes: list[psutil.Process]) -> list[str]:
+    """The command lines of those of `processes` still running (a zombie has stopped)."""
+    running = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(" ".join(process.cmdline()))
+    return running
+
+
+def gone(processes: list[psutil.Process], timeout_s: float) -> list[str]:
+    """Wait for `processes` to stop: those still running after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    while not seen or last not in seen[-1]:
-        line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-        assert line is not None, "\n".join(seen[-60:])
-        seen.append(line)
-    return seen
+    while (left := alive(processes)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def test_demo_converges_and_serves_every_pinned_version(tmp_path):
     """The demo as the README runs it (`--keep`): it converges, and the dashboard it prints
-    serves the page while the board is kept up, until Ctrl-C."""
+    serves the page while the board is kept up, until Ctrl-C, which stops every process
+    the demo started."""
     summary = tmp_path / "summary.json"
-    command = [
-        sys.executable,
-        "-c",
-        "from deltaboard.services.cli import main; main()",
-        "demo",
+    process = start_demo(
         "--steps=2",
         "--warmup=0",
         "--nodes=1",
         "--keep",
         f"--workdir={tmp_path / 'work'}",
         f"--json={summary}",
-    ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    )
+    output = Output(process)
     try:
-        lines = output_until(process, "Ctrl-C stops them", timeout_s=240)
-        printed = "\n".join(lines)
+        printed = output.until("Ctrl-C stops them", timeout_s=240)
         dashboard = re.findall(r"^dashboard: (http://127\.0\.0\.1:\d+/ui)$", printed, re.M)
         token = re.findall(r"^read token to enter there: (\S+)$", printed, re.M)
         node_page = re.findall(r"^node-0 status page: (http://127\.0\.0\.1:\d+/ui)$", printed, re.M)
@@ -72,18 +122,21 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
         status_page = httpx.get(node_page[-1], follow_redirects=True)
         assert status_page.status_code == 200 and "<title>deltaboard sidecar</title>" in status_page.text
         assert process.poll() is None  # kept up
+        children = psutil.Process(process.pid).children(recursive=True)
         process.send_signal(signal.SIGINT)
         try:
-            rest, _ = process.communicate(timeout=60)
+            process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.send_signal(signal.SIGABRT)
-            dump, _ = process.communicate(timeout=30)
-            raise AssertionError(dump[-15000:]) from None
+            process.wait(timeout=30)
+            raise AssertionError(output.rest(timeout_s=30)[-15000:]) from None
+        rest = output.rest(timeout_s=30)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
     assert process.returncode == 0, printed[-3000:] + rest[-3000:]
+    assert not alive(children)  # each was waited for before the demo exited
     with pytest.raises(httpx.ConnectError):  # the board stopped with the demo
         httpx.get(dashboard[-1])
     report = json.loads(summary.read_text())
@@ -104,6 +157,27 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
     assert 0 < report["mean_patch_bytes"] < report["full_bytes"] / 10
     assert 0 < report["mean_changed_fraction"] < 0.2
     assert "summary" in printed
+
+
+def test_a_demo_killed_outright_leaves_no_process_behind(tmp_path):
+    """SIGKILL leaves the demo no chance to stop what it started: its board and engine
+    (serving, past their start) still go, told by the kernel that their parent died, and
+    none of them holds the demo's stdout."""
+    process = start_demo("--steps=1", "--warmup=0", "--nodes=1", f"--workdir={tmp_path / 'work'}")
+    output = Output(process)
+    try:
+        output.until("training; each step is published", timeout_s=240)  # board and engine serve
+        children = psutil.Process(process.pid).children(recursive=True)
+        commands = [" ".join(child.cmdline()) for child in children]
+        assert any("board serve" in c for c in commands) and any(" engine " in c for c in commands), commands
+        process.kill()
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert not gone(children, timeout_s=120)
+    output.rest(timeout_s=60)
 
 
 def test_demo_refuses_an_unknown_commit_mode(tmp_path):

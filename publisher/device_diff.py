@@ -23,9 +23,10 @@ that many bytes, whatever the view's size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -67,23 +68,33 @@ def _nonzero_ne(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if len(parts) != 1 else parts[0]
 
 
-def _changed(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+WordFinder = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+"""(old, new) int64 views of one range -> the indices of the words that differ, ascending,
+with their old and new contents: `_torch_words`, or the fused pass' `changed_words`."""
+
+
+def _torch_words(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    words = _nonzero_ne(old, new)
+    return words, old[words], new[words]
+
+
+def _changed(
+    old: torch.Tensor, new: torch.Tensor, find_words: WordFinder
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group-global positions whose bits differ (ascending), with their old and new bits.
 
-    Narrow elements are compared as whole 64-bit words first (the buffers are padded to
-    words): the full pass then reads memory at close to its bandwidth and the scan for
-    changes runs over 8/width times fewer entries. Only the changed words are gathered,
-    and viewed back as their elements (little-endian lanes) to find which changed.
+    Elements are compared as whole 64-bit words first (the buffers are padded to words):
+    the full pass then reads memory at close to its bandwidth and the scan for changes
+    runs over 8/width times fewer entries. Only the changed words are kept, and viewed
+    back as their elements (little-endian lanes) to find which changed.
     """
+    words, old_words, new_words = find_words(old.view(torch.int64), new.view(torch.int64))
     width = old.element_size()
     if width == 8:
-        pos = _nonzero_ne(old, new)
-        return pos, old[pos], new[pos]
+        return words, old_words.view(old.dtype), new_words.view(old.dtype)
     per = 8 // width
-    old_w, new_w = old.view(torch.int64), new.view(torch.int64)
-    words = _nonzero_ne(old_w, new_w)
-    old_lanes = old_w[words].view(old.dtype).view(-1, per)
-    new_lanes = new_w[words].view(old.dtype).view(-1, per)
+    old_lanes = old_words.view(old.dtype).view(-1, per)
+    new_lanes = new_words.view(old.dtype).view(-1, per)
     rows, lane = torch.ne(old_lanes, new_lanes).nonzero(as_tuple=True)
     return words[rows] * per + lane, old_lanes[rows, lane], new_lanes[rows, lane]
 
@@ -284,16 +295,19 @@ def _find(
     the hints' parts), on the host."""
     group = slots[0].group
     old_g, new_g = old.groups[group], new.groups[group]
-    if use_fused:
-        found = fused_diff.changes(old_g, new_g, slots, want_hints)
+    if use_fused and want_hints:
+        found = fused_diff.changes(old_g, new_g, slots)
         copy = HostCopy((found.positions, found.old_bits, found.new_bits))
         counts = found.slot_counts
-        ranks = _fused_hints(old_g, slots, found, counts) if want_hints else None
+        ranks: Hints | None = _fused_hints(old_g, slots, found, counts)
         local, old_h, new_h = copy.wait()
     else:
         start = slots[0].offset
         stop = word_aligned(slots[-1].offset + slots[-1].numel, group[1])
-        pos, old_changed, new_changed = _changed(old_g[start:stop], new_g[start:stop])
+        find_words = (
+            functools.partial(fused_diff.changed_words, key=tuple(slots)) if use_fused else _torch_words
+        )
+        pos, old_changed, new_changed = _changed(old_g[start:stop], new_g[start:stop], find_words)
         starts = torch.tensor([s.offset - start for s in slots], dtype=torch.int64, device=pos.device)
         owner = torch.searchsorted(starts, pos, right=True) - 1
         device_local = pos - starts[owner]
@@ -340,7 +354,6 @@ def _fused_hints(
     old: torch.Tensor, slots: Sequence[Slot], found: fused_diff.FusedChanges, counts: np.ndarray
 ) -> Hints:
     """The fused pass' histograms to the host, the thresholds, then the ranks on the device."""
-    assert found.sampled is not None and found.changed is not None
     rows = np.flatnonzero(counts)
     picked = torch.from_numpy(rows).to(old.device)
     sampled_rows, changed_rows = to_host(found.sampled[picked], found.changed[picked])

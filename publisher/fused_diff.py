@@ -5,16 +5,19 @@ chain per chunk, and the context hint's exponent counts and class ranks as furth
 passes); here the same result comes from kernels that read each buffer once and write only
 what changed, whatever the number of tensors:
 
-1. `compact`, one read of both buffers: per tile of `TILE` elements (a tile never
-   straddles two slots, so its slot is one table lookup), compare old and new, claim the
-   tile's range of the output with one atomic add on a cursor (tiles claim in whatever
-   order they run), and store its changed lanes there in ascending order (an exclusive
-   prefix sum of the changed flags): slot-local position, old bits, new bits. With hints
-   the same pass stores the tile's changed lanes as a bitmask (1/16 of a bf16 tile's
-   bytes) and adds the tile's sampled old exponents and its changed elements' old
-   exponents to its slot's two histograms (`codec.plan_thresholds` step 2). The output is
-   sized before the count is known (`_capacity`); a pass that finds more runs once more;
-2. a scan of the tile counts (torch `cumsum`) gives each tile's place in slot order, and
+1. one read of both buffers, in tiles: each tile compares old and new, claims its range
+   of the output with one atomic add on a cursor (tiles claim in whatever order they run),
+   and stores what changed there in ascending order (an exclusive prefix sum of the
+   changed flags). Without hints (`compact_words`) the tiles compare whole 64-bit words
+   and store the changed words' indices and contents; `device_diff._changed` then splits
+   those few words into their changed elements, as the torch reference does after its
+   `nonzero`. With hints (`compact`), a tile never straddles two slots (its slot is one
+   table lookup) and stores each changed lane's slot-local position and old and new bits,
+   its changed lanes as a bitmask (1/16 of a bf16 tile's bytes), and adds its sampled old
+   exponents and its changed elements' old exponents to its slot's two histograms
+   (`codec.plan_thresholds` step 2). The output is sized before the count is known
+   (`_compacted`); a pass that finds more runs once more;
+2. a scan of the tile counts (torch `cumsum`) gives each tile's place in order, and
    `reorder` moves every tile's run there: only the changes are read and written again;
 3. with hints, once the host picked each slot's thresholds from the histograms
    (`codec.plan_thresholds`, called as the contract says), `class_counts` counts each
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -108,15 +111,15 @@ def tiles(slots: tuple[Slot, ...], device: str, tile: int) -> Tiles:
 @dataclass
 class FusedChanges:
     """What the fused pass found in a batch, on its device: slot-local positions and bits
-    in slot order, each slot's changed count (host), and with hints the per-slot exponent
-    histograms of the sampled old tensor and of the changed elements' old bits."""
+    in slot order, each slot's changed count (host), and the per-slot exponent histograms
+    of the sampled old tensor and of the changed elements' old bits."""
 
     positions: torch.Tensor
     old_bits: torch.Tensor
     new_bits: torch.Tensor
     slot_counts: np.ndarray
-    sampled: torch.Tensor | None
-    changed: torch.Tensor | None
+    sampled: torch.Tensor
+    changed: torch.Tensor
     tile_counts: torch.Tensor
     tile_offsets: torch.Tensor
     masks: torch.Tensor
@@ -145,66 +148,115 @@ def hint_bins(slots: Sequence[Slot]) -> int:
     )
 
 
-_expected: dict[tuple[Slot, ...], int] = {}  # per batch: the changed count its last diff found
+_expected: dict[object, int] = {}  # per range diffed: the changed count its last pass found
+
+Launch = Callable[[torch.Tensor, int, list[torch.Tensor]], None]
+"""A compacting pass: given a zeroed int64 cursor, the output's capacity and its arrays, it
+claims its ranges on the cursor and writes what fits."""
 
 
-def _capacity(slots: tuple[Slot, ...]) -> int:
-    """Output entries to provide before the pass knows the count: a quarter more than the
-    batch's last diff found (the changed fraction drifts slowly between versions), or 1/64
-    of its elements the first time; a pass that finds more runs once again, sized exactly."""
-    last = _expected.get(slots)
-    numel = sum(s.numel for s in slots)
-    return max(1024, last + last // 4 if last is not None else numel // 64)
+def _compacted(
+    key: object, first_guess: int, dtypes: Sequence[torch.dtype], device: torch.device, launch: Launch
+) -> tuple[int, list[torch.Tensor]]:
+    """Run `launch` with an output sized before the count is known: a quarter more than the
+    last pass over `key` found (the changed fraction drifts slowly between versions), or
+    `first_guess` the first time; a pass that finds more runs once again, sized exactly.
+    Gives the count (the one synchronisation) and the arrays, in tile-claim order."""
+    last = _expected.get(key)
+    capacity = max(1024, last + last // 4 if last is not None else first_guess)
+    while True:
+        cursor = torch.zeros(1, dtype=torch.int64, device=device)
+        out = [torch.empty(capacity, dtype=d, device=device) for d in dtypes]
+        launch(cursor, capacity, out)
+        total = int(cursor.item())
+        _expected[key] = total
+        if total <= capacity:
+            return total, out
+        capacity = total
 
 
-def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot], hints: bool) -> FusedChanges:
-    """Steps 1 and 2 of the module docstring over the group buffers `old` and `new`."""
+def _reordered(
+    total: int, counts: torch.Tensor, bases: torch.Tensor, claimed: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Each tile's run moved from where it claimed it to its place in tile order."""
+    out = [torch.empty(total, dtype=t.dtype, device=t.device) for t in claimed]
+    if total:
+        offsets = torch.cumsum(counts, 0) - counts
+        _kernels().reorder[(counts.numel(),)](counts, bases, offsets, *claimed, *out, STEP=REORDER_STEP)
+    return out
+
+
+def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot]) -> FusedChanges:
+    """Steps 1 and 2 of the module docstring over the group buffers `old` and `new`, for the
+    pass with hints (`changed_words` is the pass without)."""
     k = _kernels()
     device = old.device
     key = tuple(slots)
     table = tiles(key, str(device), TILE)
     n = table.count
-    counts = torch.empty(n, dtype=torch.int32, device=device)
+    counts = torch.zeros(n, dtype=torch.int32, device=device)
     bases = torch.empty(n, dtype=torch.int64, device=device)
-    masks = torch.empty(max(n, 1) * (TILE // 32) if hints else 1, dtype=torch.int32, device=device)
+    masks = torch.empty(max(n, 1) * (TILE // 32), dtype=torch.int32, device=device)
     stride, shift, keymask = _key_tables(slots, device)
     bins = hint_bins(slots)
-    capacity = _capacity(key)
-    while True:
-        cursor = torch.zeros(1, dtype=torch.int64, device=device)
-        sampled = torch.zeros((len(slots), bins) if hints else 1, dtype=torch.int32, device=device)
-        changed = torch.zeros_like(sampled)
-        scratch = [torch.empty(capacity, dtype=d, device=device) for d in (torch.int64, old.dtype, old.dtype)]
+    sampled = torch.empty((len(slots), bins), dtype=torch.int32, device=device)
+    changed = torch.empty_like(sampled)
+
+    def launch(cursor: torch.Tensor, capacity: int, out: list[torch.Tensor]) -> None:
+        sampled.zero_()
+        changed.zero_()
         if n:
             k.compact[(n,)](
                 old, new, table.start, table.stop, table.slot, table.offset, counts, bases, cursor,
-                capacity, *scratch, masks, stride, shift, keymask, sampled, changed,
-                HIST=hints, BINS=bins, TILE=TILE, num_warps=WARPS,
+                capacity, *out, masks, stride, shift, keymask, sampled, changed,
+                BINS=bins, TILE=TILE, num_warps=WARPS,
             )  # fmt: skip
-        total = int(cursor.item())  # the one synchronisation: sizes the output
-        _expected[key] = total
-        if total <= capacity:
-            break
-        capacity = total
-    offsets = torch.cumsum(counts, 0) - counts
+
+    numel = sum(s.numel for s in slots)
+    total, claimed = _compacted(key, numel // 64, (torch.int64, old.dtype, old.dtype), device, launch)
+    positions, old_bits, new_bits = _reordered(total, counts, bases, claimed)
     per_slot = torch.zeros(len(slots), dtype=torch.int64, device=device)
     if n:
         per_slot.index_add_(0, table.slot.to(torch.int64), counts.to(torch.int64))
-    positions, old_bits, new_bits = (torch.empty(total, dtype=t.dtype, device=device) for t in scratch)
-    if total:
-        k.reorder[(n,)](counts, bases, offsets, *scratch, positions, old_bits, new_bits, STEP=REORDER_STEP)
     return FusedChanges(
         positions,
         old_bits,
         new_bits,
         per_slot.cpu().numpy(),
-        sampled if hints else None,
-        changed if hints else None,
+        sampled,
+        changed,
         counts,
-        offsets,
+        torch.cumsum(counts, 0) - counts,
         masks,
         TILE,
     )
+
+
+WORD_TILE = 1024  # 64-bit words per `compact_words` program
+
+
+def changed_words(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple[torch.Tensor, ...]:
+    """The 64-bit words that differ between `old` and `new` (int64 views of one range), in
+    ascending order, with their old and new contents: `compact_words` then `reorder`
+    (`key` names the range for `_compacted`'s sizing).
+
+    The pass without hints: whole words are compared and compacted (a quarter of a bf16
+    tile's lanes to scan), and the few changed words are split into their changed elements
+    afterwards (`device_diff._changed`), as the torch reference does after its `nonzero`.
+    """
+    k = _kernels()
+    n = -(-old.numel() // WORD_TILE)
+    counts = torch.zeros(n, dtype=torch.int32, device=old.device)
+    bases = torch.empty(n, dtype=torch.int64, device=old.device)
+
+    def launch(cursor: torch.Tensor, capacity: int, out: list[torch.Tensor]) -> None:
+        if n:
+            k.compact_words[(n,)](
+                old, new, old.numel(), counts, bases, cursor, capacity, *out, TILE=WORD_TILE, num_warps=WARPS
+            )
+
+    total, claimed = _compacted(("words", key), old.numel() // 16, (torch.int64,) * 3, old.device, launch)
+    return tuple(_reordered(total, counts, bases, claimed))
 
 
 def class_ranks(

@@ -99,16 +99,19 @@ def test_many_tensors_in_one_launch_match(tile):
     both(old, new, ViewSpec(), hints=True)
 
 
-def test_a_pass_that_finds_more_than_it_made_room_for_runs_again(tile):
-    """The output is sized before the count is known (`fused_diff._capacity`): every element
-    of a tensor changed overflows the first guess, and the pass must run again, sized
-    exactly, rather than lose changes; a later diff with fewer changes fits its guess."""
+def test_a_pass_that_finds_more_than_it_made_room_for_runs_again(tile, monkeypatch):
+    """The output is sized before the count is known (`fused_diff._compacted`): every element
+    of a tensor changed overflows the first guess of both passes (words without hints,
+    elements with), and each must run again, sized exactly, rather than lose changes; a
+    later diff with fewer changes fits the guess its predecessor left."""
+    monkeypatch.setattr(fused_diff, "_expected", {})
     g = torch.Generator().manual_seed(5)
     old = {"w": torch.randn(6000, generator=g).to(torch.bfloat16)}
     everything = {"w": (old["w"].view(torch.int16) + 1).view(torch.bfloat16)}
-    first = dict(fused_diff._expected)
-    both(old, everything, ViewSpec(), hints=False)
-    assert 6000 in set(fused_diff._expected.values()) - set(first.values())
+    for hints in (False, True):
+        both(old, everything, ViewSpec(), hints=hints)
+    assert sorted(fused_diff._expected.values()) == [6000 // 4, 6000]  # words, then elements
     some = everything["w"].clone()
     some.view(torch.int16)[::7] += 1
-    both(everything, {"w": some}, ViewSpec(), hints=True)
+    for hints in (False, True):
+        both(everything, {"w": some}, ViewSpec(), hints=hints)

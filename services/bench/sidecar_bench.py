@@ -12,9 +12,17 @@ Three kinds of processes on loopback:
   requests, as RL rollouts want), its owner swapping the engine's version every
   `swap_every_s` seconds for the whole run;
 * the **load generator** (this process, asyncio): the same load direct to the engine and
-  through the sidecar: `streams` concurrent streams of `stream_tokens` tokens, then
-  `requests` concurrent non-streaming requests of `request_tokens` tokens, each for
-  `duration_s`, with `weight_version: {"min": 0}` in every body.
+  through the sidecar: `streams` concurrent streams of `stream_tokens` tokens, the same
+  streams paced, then `requests` concurrent non-streaming requests of `request_tokens`
+  tokens, each for `duration_s`, with `weight_version: {"min": 0}` in every body.
+
+The engine streams as fast as it can in the first phase: the engine, the sidecar and the
+load generator then want more CPU than the machine may have, and a stream's first token
+waits for a core as much as for the sidecar. The **paced** phase asks the engine for one
+token per stream every `paced_step_ms` (`"step_ms"` in the body), as a GPU's decode steps
+give them, so that the time to first token there is the sidecar's own hops through a
+loop that is not saturated. Each phase also reports how many of the machine's cores were
+busy (every process's, `busy_cores`) and the load generator's own CPU per token.
 
 Every response through the sidecar is checked: its range and spans must be present
 (`missing_stamps` counts those without) and match the versions the engine wrote into its
@@ -60,6 +68,7 @@ class BenchConfig:
     workers: int = 1
     swap_every_s: float = 3.0
     mode: str = "in_place"
+    paced_step_ms: float = 10.0  # the engine's decode step in the paced phase
 
 
 def quick(workers: int = 1) -> BenchConfig:
@@ -122,7 +131,7 @@ class FastEngine:
             request = json.loads(body)
             tokens = int(request.get("max_tokens", 16))
             if request.get("stream"):
-                await self._stream(writer, tokens)
+                await self._stream(writer, tokens, float(request.get("step_ms", 0)) / 1000)
             else:
                 versions = [self.version] * tokens
                 choice = {"index": 0, "text": " tok" * tokens, "v": versions}
@@ -142,7 +151,7 @@ class FastEngine:
         else:
             self._json(writer, {"error": "no route"}, b"404 Not Found")
 
-    async def _stream(self, writer: asyncio.StreamWriter, tokens: int) -> None:
+    async def _stream(self, writer: asyncio.StreamWriter, tokens: int, step_s: float) -> None:
         head = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n", *self._stamp()]
         writer.write(b"".join([*head, b"transfer-encoding: chunked\r\n\r\n"]))
         versions = []
@@ -159,7 +168,8 @@ class FastEngine:
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
             if writer.transport.is_closing():
                 return
-            await asyncio.sleep(0)  # the next stream's token, as an engine's batch step emits them
+            # the next stream's token, as an engine's batch step emits them (paced: the next step)
+            await asyncio.sleep(step_s)
         done = b"data: [DONE]\n\n"
         writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
 
@@ -239,6 +249,8 @@ class Phase:
     missing: int = 0
     cpu_s: float = 0.0  # the sidecar's
     engine_cpu_s: float = 0.0
+    generator_cpu_s: float = 0.0  # this process's
+    busy_cores: float = 0.0  # the machine's, every process's, on average over the phase
     elapsed_s: float = 0.0
     first_error: str | None = None
 
@@ -307,12 +319,21 @@ def _cpu_s(pid: int) -> float:
     return total
 
 
+def _busy_s() -> float:
+    """CPU seconds the machine's cores have spent busy (all of them, every process) or
+    taken by the hypervisor (`steal`); guest time is already counted in `user`."""
+    times = psutil.cpu_times()
+    parts = ("user", "nice", "system", "irq", "softirq", "steal")
+    return float(sum(getattr(times, part, 0.0) for part in parts))
+
+
 async def _phase(
-    url: str, stream: bool, config: BenchConfig, engine_pid: int, sidecar_pid: int | None
+    url: str, stream: bool, config: BenchConfig, engine_pid: int, sidecar_pid: int | None, paced: bool = False
 ) -> Phase:
     pool = UpstreamPool(url)
     tokens = config.stream_tokens if stream else config.request_tokens
-    body = json.dumps({**BODY, "max_tokens": tokens, "stream": stream}).encode()
+    pace = {"step_ms": config.paced_step_ms} if paced else {}
+    body = json.dumps({**BODY, "max_tokens": tokens, "stream": stream, **pace}).encode()
     phase = Phase(ttft_ms=[], latency_ms=[])
     one = _one_stream if stream else _one_request
     concurrency = config.streams if stream else config.requests
@@ -327,12 +348,14 @@ async def _phase(
                 phase.first_error = phase.first_error or repr(exc)
 
     cpu = _cpu_s(sidecar_pid) if sidecar_pid is not None else 0.0
-    engine_cpu = _cpu_s(engine_pid)
+    engine_cpu, generator_cpu, busy = _cpu_s(engine_pid), time.process_time(), _busy_s()
     started = time.monotonic()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     phase.elapsed_s = time.monotonic() - started
     phase.cpu_s = _cpu_s(sidecar_pid) - cpu if sidecar_pid is not None else 0.0
     phase.engine_cpu_s = _cpu_s(engine_pid) - engine_cpu
+    phase.generator_cpu_s = time.process_time() - generator_cpu
+    phase.busy_cores = (_busy_s() - busy) / phase.elapsed_s
     await pool.aclose()
     return phase
 
@@ -344,35 +367,58 @@ def _pct(values: list[float] | None, q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _summary(
-    direct_s: Phase, sidecar_s: Phase, direct_r: Phase, sidecar_r: Phase, config: BenchConfig
-) -> dict[str, Any]:
+def _ttft_ms(direct: Phase, sidecar: Phase) -> dict[str, list[float]]:
+    return {
+        "direct": [round(_pct(direct.ttft_ms, q), 2) for q in (0.5, 0.99)],
+        "sidecar": [round(_pct(sidecar.ttft_ms, q), 2) for q in (0.5, 0.99)],
+    }
+
+
+def _added_ms(direct: Phase, sidecar: Phase, q: float) -> float:
+    return round(_pct(sidecar.ttft_ms, q) - _pct(direct.ttft_ms, q), 2)
+
+
+def _per_token_us(cpu_s: float, phase: Phase) -> float:
+    return round(cpu_s / max(phase.units, 1) * 1e6, 2)
+
+
+def _summary(phases: dict[str, Phase], config: BenchConfig) -> dict[str, Any]:
+    direct_s, sidecar_s = phases["streams, direct"], phases["streams, sidecar"]
+    direct_p, sidecar_p = phases["paced streams, direct"], phases["paced streams, sidecar"]
+    direct_r, sidecar_r = phases["requests, direct"], phases["requests, sidecar"]
     return {
         "direct_tokens_per_s": round(direct_s.units / direct_s.elapsed_s),
         "sidecar_tokens_per_s": round(sidecar_s.units / sidecar_s.elapsed_s),
         "direct_rps": round(direct_r.units / direct_r.elapsed_s),
         "sidecar_rps": round(sidecar_r.units / sidecar_r.elapsed_s),
-        "ttft_p50_added_ms": round(_pct(sidecar_s.ttft_ms, 0.5) - _pct(direct_s.ttft_ms, 0.5), 2),
-        "ttft_p99_added_ms": round(_pct(sidecar_s.ttft_ms, 0.99) - _pct(direct_s.ttft_ms, 0.99), 2),
-        "sidecar_cpu_us_per_token": round(sidecar_s.cpu_s / max(sidecar_s.units, 1) * 1e6, 2),
+        "ttft_p50_added_ms": _added_ms(direct_s, sidecar_s, 0.5),
+        "ttft_p99_added_ms": _added_ms(direct_s, sidecar_s, 0.99),
+        "ttft_paced_p50_added_ms": _added_ms(direct_p, sidecar_p, 0.5),
+        "ttft_paced_p99_added_ms": _added_ms(direct_p, sidecar_p, 0.99),
+        "sidecar_cpu_us_per_token": _per_token_us(sidecar_s.cpu_s, sidecar_s),
         "sidecar_cpu_ms_per_request": round(sidecar_r.cpu_s / max(sidecar_r.units, 1) * 1e3, 3),
         # the fake engine's own, direct: what a token or a request costs a minimal asyncio
         # server on the same machine at the same time, to read the sidecar's figures against
-        "engine_cpu_us_per_token": round(direct_s.engine_cpu_s / max(direct_s.units, 1) * 1e6, 2),
+        "engine_cpu_us_per_token": _per_token_us(direct_s.engine_cpu_s, direct_s),
         "engine_cpu_ms_per_request": round(direct_r.engine_cpu_s / max(direct_r.units, 1) * 1e3, 3),
-        "errors": direct_s.errors + sidecar_s.errors + direct_r.errors + sidecar_r.errors,
-        "missing_stamps": sidecar_s.missing + sidecar_r.missing,
-        "ttft_ms": {
-            "direct": [round(_pct(direct_s.ttft_ms, q), 2) for q in (0.5, 0.99)],
-            "sidecar": [round(_pct(sidecar_s.ttft_ms, q), 2) for q in (0.5, 0.99)],
+        # what the load generator costs (the same code direct and through the sidecar)
+        "generator_cpu_us_per_token": {
+            "direct": _per_token_us(direct_s.generator_cpu_s, direct_s),
+            "sidecar": _per_token_us(sidecar_s.generator_cpu_s, sidecar_s),
+        },
+        "busy_cores": {name: round(phase.busy_cores, 2) for name, phase in phases.items()},
+        "errors": sum(phase.errors for phase in phases.values()),
+        "missing_stamps": sidecar_s.missing + sidecar_p.missing + sidecar_r.missing,
+        "ttft_ms": _ttft_ms(direct_s, sidecar_s),
+        "paced": {
+            "tokens_per_s": [round(p.units / p.elapsed_s) for p in (direct_p, sidecar_p)],
+            "ttft_ms": _ttft_ms(direct_p, sidecar_p),
         },
         "latency_ms": {
             "direct": [round(_pct(direct_r.latency_ms, q), 2) for q in (0.5, 0.99)],
             "sidecar": [round(_pct(sidecar_r.latency_ms, q), 2) for q in (0.5, 0.99)],
         },
-        "first_error": next(
-            (p.first_error for p in (direct_s, sidecar_s, direct_r, sidecar_r) if p.first_error), None
-        ),
+        "first_error": next((p.first_error for p in phases.values() if p.first_error), None),
         "cores": os.cpu_count(),
         "config": asdict(config),
     }
@@ -395,13 +441,16 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
                 raise RuntimeError("the sidecar did not start")
         sidecar_url = f"http://127.0.0.1:{sidecar_port.recv()}"
         assert sidecar.pid is not None and engine.pid is not None
-        phases = []
-        for what, stream in (("streams", True), ("requests", False)):
+        phases = {}
+        for what, stream, paced in (
+            ("streams", True, False),
+            ("paced streams", True, True),
+            ("requests", False, False),
+        ):
             for name, url, pid in (("direct", engine_url, None), ("sidecar", sidecar_url, sidecar.pid)):
                 status(f"{what}, {name}")
-                phases.append(asyncio.run(_phase(url, stream, config, engine.pid, pid)))
-        direct_s, sidecar_s, direct_r, sidecar_r = phases
-        return _summary(direct_s, sidecar_s, direct_r, sidecar_r, config)
+                phases[f"{what}, {name}"] = asyncio.run(_phase(url, stream, config, engine.pid, pid, paced))
+        return _summary(phases, config)
     finally:
         for process in (sidecar, engine):
             if process is not None:
@@ -423,6 +472,21 @@ def render(report: dict[str, Any], console: Console) -> None:
         "tokens/s (streams)", str(report["direct_tokens_per_s"]), str(report["sidecar_tokens_per_s"]), ""
     )
     table.add_row("TTFT p50 / p99 ms", _pair(ttft["direct"]), _pair(ttft["sidecar"]), "added ≤ 2 / ≤ 20")
+    paced = report["paced"]
+    step = report["config"]["paced_step_ms"]
+    table.add_row(f"paced ({step} ms a token): tokens/s", *map(str, paced["tokens_per_s"]), "")
+    table.add_row(
+        "paced: TTFT p50 / p99 ms", _pair(paced["ttft_ms"]["direct"]), _pair(paced["ttft_ms"]["sidecar"]), ""
+    )
+    busy = report["busy_cores"]
+    table.add_row(
+        "busy cores (streams, paced, requests)",
+        " / ".join(f"{busy[f'{what}, direct']:.2f}" for what in ("streams", "paced streams", "requests")),
+        " / ".join(f"{busy[f'{what}, sidecar']:.2f}" for what in ("streams", "paced streams", "requests")),
+        f"of {report['cores']}",
+    )
+    generator = report["generator_cpu_us_per_token"]
+    table.add_row("load generator CPU µs/token", str(generator["direct"]), str(generator["sidecar"]), "")
     table.add_row("requests/s", str(report["direct_rps"]), str(report["sidecar_rps"]), "")
     table.add_row("latency p50 / p99 ms", _pair(latency["direct"]), _pair(latency["sidecar"]), "")
     for key, label in (

@@ -38,6 +38,10 @@ REPORT_KEYS = {
     "sidecar_cpu_ms_per_request",
     "errors",
     "missing_stamps",
+    "ttft_paced_p50_added_ms",
+    "ttft_paced_p99_added_ms",
+    "busy_cores",
+    "generator_cpu_us_per_token",
 }
 
 
@@ -123,6 +127,9 @@ def test_the_bench_runs_across_workers_with_swaps_and_misses_no_stamp() -> None:
     assert report["errors"] == 0 and report["missing_stamps"] == 0, report["first_error"]
     assert report["sidecar_tokens_per_s"] > 0 and report["sidecar_rps"] > 0
     assert report["sidecar_cpu_us_per_token"] > 0 and report["sidecar_cpu_ms_per_request"] > 0
+    # the paced phase is paced: no stream gets more than a token per engine step
+    ceiling = config.streams * 1000 / config.paced_step_ms
+    assert all(0 < rate <= ceiling for rate in report["paced"]["tokens_per_s"]), report["paced"]
 
 
 def test_bench_sidecar_command_writes_the_figures(tmp_path: Path) -> None:

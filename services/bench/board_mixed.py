@@ -61,6 +61,9 @@ from deltaboard.services.bench.board_bench import (
 T = TypeVar("T")
 
 POLL_WAIT_S = 30
+START_TIMEOUT_S = 120
+SLOWEST = 3
+LAST_WAKES_S = 60
 PIPE_BYTES = 1 << 20
 
 
@@ -193,9 +196,13 @@ def download(port: int, sha: str, size: int, sink: Sink) -> int:
         return got
 
 
-def download_loop(port: int, sha: str, size: int, downloaders: int, seconds: float, out: Any) -> None:
+def download_loop(
+    port: int, sha: str, size: int, downloaders: int, seconds: float, start: Any, out: Any
+) -> None:
     """The downloaders' process: `downloaders` threads fetching the blob again and again for
-    `seconds`; puts (bytes, downloads, errors, CPU seconds) on the queue `out`."""
+    `seconds` from the `start` barrier on; puts (bytes, downloads, errors, CPU seconds) on
+    the queue `out`."""
+    start.wait(START_TIMEOUT_S)
     deadline, cpu = time.monotonic() + seconds, time.process_time()
     totals = [0, 0, 0]
     lock = threading.Lock()
@@ -237,12 +244,16 @@ def cpu_seconds(pid: int) -> float:
     return float(times.user + times.system)
 
 
-async def commit_seconds(http: httpx.AsyncClient, versions: set[int]) -> list[float]:
+async def commit_seconds(http: httpx.AsyncClient, versions: set[int]) -> dict[int, float]:
     """The board's own time for each of `versions`' commits (the `commit_s` of its version
     records: from the commit's entry into `BoardService.commit` until the store took it)."""
     answer = await http.get(f"/v1/runs/{RUN}/versions", params={"limit": len(versions) + 1})
     answer.raise_for_status()
-    return [v["commit_s"] for v in answer.json() if v["version"] in versions and v["commit_s"] is not None]
+    return {
+        v["version"]: v["commit_s"]
+        for v in answer.json()
+        if v["version"] in versions and v["commit_s"] is not None
+    }
 
 
 def disk_sync_seconds(directory: Path) -> float:
@@ -288,8 +299,12 @@ async def commits(url: str, version: int, epoch: int, seconds: float, directory:
     return committed
 
 
-def commit_loop(url: str, version: int, epoch: int, seconds: float, directory: Path, out: Any) -> None:
-    """The committer's process: puts (`commits`' answer, CPU seconds) on the queue `out`."""
+def commit_loop(
+    url: str, version: int, epoch: int, seconds: float, directory: Path, start: Any, out: Any
+) -> None:
+    """The committer's process, from the `start` barrier on: puts (`commits`' answer, CPU
+    seconds) on the queue `out`."""
+    start.wait(START_TIMEOUT_S)
     cpu = time.process_time()
     committed = asyncio.run(commits(url, version, epoch, seconds, directory))
     out.put((committed, time.process_time() - cpu))
@@ -305,6 +320,17 @@ async def connect_pollers(port: int, count: int, after: int, tally: Tally) -> li
             transports.append(transport)
         await asyncio.sleep(0.05)
     return transports
+
+
+async def last_wakes(transports: list[asyncio.Transport], version: int | None) -> None:
+    """Until every poller has been answered `version` (the last commit's), or for at most
+    `LAST_WAKES_S` (a poller that stopped on an error never will)."""
+    pollers = [cast(Poller, transport.get_protocol()) for transport in transports]
+    deadline = time.monotonic() + LAST_WAKES_S
+    while version is not None and time.monotonic() < deadline:
+        if all(poller.after >= version or poller.refused for poller in pollers):
+            return
+        await asyncio.sleep(0.05)
 
 
 async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Console) -> dict[str, Any]:
@@ -325,30 +351,35 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
             f"a commit per second for {config.seconds:g}s"
         )
         board = board_pid()
-        board_cpu, own_cpu, load_start = cpu_seconds(board), time.process_time(), os.getloadavg()[0]
         context = multiprocessing.get_context("spawn")
+        # Both processes start their work together once started and imported: a second of
+        # imports in each is no part of the board's load.
+        start = context.Barrier(3)
         down_queue, commit_queue = context.Queue(), context.Queue()
         processes = [
             context.Process(
-                target=download_loop, args=(port, sha, size, config.downloaders, config.seconds, down_queue)
+                target=download_loop,
+                args=(port, sha, size, config.downloaders, config.seconds, start, down_queue),
             ),
             context.Process(
                 target=commit_loop,
-                args=(url, publisher.version, publisher.epoch, config.seconds, tmp, commit_queue),
+                args=(url, publisher.version, publisher.epoch, config.seconds, tmp, start, commit_queue),
             ),
         ]
-        began = time.monotonic()
         for process in processes:
             process.start()
+        await asyncio.to_thread(start.wait, START_TIMEOUT_S)
+        board_cpu, own_cpu, load_start = cpu_seconds(board), time.process_time(), os.getloadavg()[0]
+        began = time.monotonic()
         down_bytes, down_count, down_errors, down_cpu = await asyncio.to_thread(down_queue.get)
         committed, commit_cpu = await asyncio.to_thread(commit_queue.get)
         done = committed.done
         for process in processes:
             await asyncio.to_thread(process.join)
-        await asyncio.sleep(1.0)  # the last commit's wakes
+        await last_wakes(transports, max((version for version, _, _ in done), default=None))
         tally.stopping = True
         board_cpu, own_cpu = cpu_seconds(board) - board_cpu, time.process_time() - own_cpu
-        in_board = await commit_seconds(http, {version for version, _, _ in done}) or [float("nan")]
+        own = await commit_seconds(http, {version for version, _, _ in done})
         for transport in transports:
             transport.close()
     elapsed = time.monotonic() - began
@@ -358,6 +389,8 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
     ]
     latencies = [latency for _, latency, _ in done] or [float("nan")]
     syncs = committed.syncs or [float("nan")]
+    in_board = list(own.values()) or [float("nan")]
+    slowest = sorted(done, key=lambda commit: commit[1])[-SLOWEST:]
     return {
         "mixed_pollers": config.pollers,
         "mixed_downloaders": config.downloaders,
@@ -374,6 +407,11 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
         "mixed_commit_in_board_mean_ms": round(sum(in_board) / len(in_board) * 1e3, 2),
         "mixed_commit_in_board_p50_ms": round(percentile(in_board, 50) * 1e3, 2),
         "mixed_commit_in_board_p99_ms": round(percentile(in_board, 99) * 1e3, 2),
+        # [version, latency, the board's own time] of the slowest commits: where their time went
+        "mixed_commit_slowest_ms": [
+            [version, round(latency * 1e3, 1), round(own.get(version, float("nan")) * 1e3, 1)]
+            for version, latency, _ in reversed(slowest)
+        ],
         "mixed_disk_sync_p50_ms": round(percentile(syncs, 50) * 1e3, 2),
         "mixed_disk_sync_p99_ms": round(percentile(syncs, 99) * 1e3, 2),
         "mixed_cpu_board_s": round(board_cpu, 2),

@@ -23,7 +23,6 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
 
 from deltaboard.board.server.storage import ObjectInfo, ObjectNotFound, PreconditionFailed
 
@@ -67,11 +66,14 @@ class LocalStore:
 
     def _write_temp(self, data: bytes, *, sync: bool = True) -> Path:
         fd, name = tempfile.mkstemp(dir=self._tmp)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
             if self.fsync and sync:
-                f.flush()
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         return Path(name)
 
     @staticmethod
@@ -99,25 +101,49 @@ class LocalStore:
             future.result()
 
     @contextlib.contextmanager
-    def _record(self, key: str, exclusive: bool) -> Iterator[BinaryIO]:
-        """The record's lock file, locked: it also holds the record's generation number."""
+    def _record(self, key: str, exclusive: bool) -> Iterator[int]:
+        """The record's lock file's descriptor, locked: the file also holds the record's
+        generation number. Plain descriptors here and in `_read_file`: a commit's store
+        work runs in a thread that takes the GIL back after each system call, which waits
+        for the event loop to let it go when the loop is busy, so every call it does not
+        make is a wait it does not have."""
         lock = self._locks / hashlib.sha1(key.encode()).hexdigest()
         # Not O_APPEND: the generation is rewritten in place with pwrite.
-        with os.fdopen(os.open(lock, os.O_RDWR | os.O_CREAT, 0o644), "r+b") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:
-                yield f
+                yield fd
             finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     @staticmethod
-    def _generation(lock: BinaryIO) -> int:
-        text = lock.read().strip()
+    def _generation(lock: int) -> int:
+        text = os.pread(lock, GENERATION_WIDTH + 1, 0).strip()
         return int(text) if text.isdigit() else 0
+
+    @staticmethod
+    def _read_file(path: Path) -> bytes:
+        """The file's bytes in one read where it does not grow meanwhile (a regular file's
+        read comes back short only at its end)."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            data = os.read(fd, size + 1)
+            if len(data) == size:
+                return data
+            chunks = [data]  # it changed size, or is beyond one read's limit
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
 
     def get(self, key: str) -> bytes:
         try:
-            return self._path(key).read_bytes()
+            return self._read_file(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(key) from None
 
@@ -189,7 +215,6 @@ class LocalStore:
         """Compare-and-set: rename the finished temporary file onto the record (and, with
         `sync`, make the new name durable)."""
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         with self._record(key, exclusive=True) as lock:
             generation = self._generation(lock)
             exists = path.exists()
@@ -197,11 +222,15 @@ class LocalStore:
                 expected is not None and (not exists or expected != str(generation))
             ):
                 raise PreconditionFailed(key)
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except FileNotFoundError:  # the first record in its folder
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, path)
             if sync:
                 self._sync_dir(path.parent)
             # A new number even for the same bytes: a tag never comes back (no ABA).
-            os.pwrite(lock.fileno(), str(generation + 1).zfill(GENERATION_WIDTH).encode(), 0)
+            os.pwrite(lock, str(generation + 1).zfill(GENERATION_WIDTH).encode(), 0)
         return str(generation + 1)
 
     def delete_record(self, key: str) -> None:

@@ -11,10 +11,11 @@ Three kinds of processes on loopback:
 * the **sidecar** (`--workers N` processes), in `in_place` mode (swaps under running
   requests, as RL rollouts want), its owner swapping the engine's version every
   `swap_every_s` seconds for the whole run;
-* the **load generator** (this process, asyncio): the same load direct to the engine and
-  through the sidecar: `streams` concurrent streams of `stream_tokens` tokens, the same
-  streams paced, then `requests` concurrent non-streaming requests of `request_tokens`
-  tokens, each for `duration_s`, with `weight_version: {"min": 0}` in every body.
+* the **load generator** (this process, on uvloop as the engine and the sidecar are: it
+  shares their cores): the same load direct to the engine and through the sidecar:
+  `streams` concurrent streams of `stream_tokens` tokens, the same streams paced, then
+  `requests` concurrent non-streaming requests of `request_tokens` tokens, each for
+  `duration_s`, with `weight_version: {"min": 0}` in every body.
 
 The engine streams as fast as it can in the first phase: the engine, the sidecar and the
 load generator then want more CPU than the machine may have, and a stream's first token
@@ -48,6 +49,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import psutil
+import uvloop
 from rich.console import Console
 from rich.table import Table
 
@@ -193,8 +195,6 @@ async def _serve_engine(port: Connection) -> None:
 
 def engine_process(port: Connection) -> None:
     """Entry point of the engine's process: sends its port through `port`, then serves."""
-    import uvloop
-
     uvloop.run(_serve_engine(port))
 
 
@@ -449,7 +449,7 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
         ):
             for name, url, pid in (("direct", engine_url, None), ("sidecar", sidecar_url, sidecar.pid)):
                 status(f"{what}, {name}")
-                phases[f"{what}, {name}"] = asyncio.run(_phase(url, stream, config, engine.pid, pid, paced))
+                phases[f"{what}, {name}"] = uvloop.run(_phase(url, stream, config, engine.pid, pid, paced))
         return _summary(phases, config)
     finally:
         for process in (sidecar, engine):

@@ -461,10 +461,11 @@ def leave(code: int) -> NoReturn:
 
 
 def keep_up(console: Any, lines: list[str]) -> None:
-    """`--keep`: the board and the nodes stay up for a look at the pages, until Ctrl-C."""
-    for line in [*lines, "keeping the board and the nodes up; Ctrl-C stops them"]:
-        console.print(line, highlight=False, soft_wrap=True)
+    """`--keep`: the board and the nodes stay up for a look at the pages, until Ctrl-C (a
+    Ctrl-C as soon as the last line shows included)."""
     with contextlib.suppress(KeyboardInterrupt):
+        for line in [*lines, "keeping the board and the nodes up; Ctrl-C stops them"]:
+            console.print(line, highlight=False, soft_wrap=True)
         while True:
             time.sleep(3600)
 

@@ -26,7 +26,7 @@ import contextlib
 import functools
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -68,33 +68,23 @@ def _nonzero_ne(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if len(parts) != 1 else parts[0]
 
 
-WordFinder = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
-"""(old, new) int64 views of one range -> the indices of the words that differ, ascending,
-with their old and new contents: `_torch_words`, or the fused pass' `changed_words`."""
-
-
-def _torch_words(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    words = _nonzero_ne(old, new)
-    return words, old[words], new[words]
-
-
-def _changed(
-    old: torch.Tensor, new: torch.Tensor, find_words: WordFinder
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _changed(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group-global positions whose bits differ (ascending), with their old and new bits.
 
-    Elements are compared as whole 64-bit words first (the buffers are padded to words):
-    the full pass then reads memory at close to its bandwidth and the scan for changes
-    runs over 8/width times fewer entries. Only the changed words are kept, and viewed
-    back as their elements (little-endian lanes) to find which changed.
+    Narrow elements are compared as whole 64-bit words first (the buffers are padded to
+    words): the full pass then reads memory at close to its bandwidth and the scan for
+    changes runs over 8/width times fewer entries. Only the changed words are gathered,
+    and viewed back as their elements (little-endian lanes) to find which changed.
     """
-    words, old_words, new_words = find_words(old.view(torch.int64), new.view(torch.int64))
     width = old.element_size()
     if width == 8:
-        return words, old_words.view(old.dtype), new_words.view(old.dtype)
+        pos = _nonzero_ne(old, new)
+        return pos, old[pos], new[pos]
     per = 8 // width
-    old_lanes = old_words.view(old.dtype).view(-1, per)
-    new_lanes = new_words.view(old.dtype).view(-1, per)
+    old_w, new_w = old.view(torch.int64), new.view(torch.int64)
+    words = _nonzero_ne(old_w, new_w)
+    old_lanes = old_w[words].view(old.dtype).view(-1, per)
+    new_lanes = new_w[words].view(old.dtype).view(-1, per)
     rows, lane = torch.ne(old_lanes, new_lanes).nonzero(as_tuple=True)
     return words[rows] * per + lane, old_lanes[rows, lane], new_lanes[rows, lane]
 
@@ -304,16 +294,16 @@ def _find(
     else:
         start = slots[0].offset
         stop = word_aligned(slots[-1].offset + slots[-1].numel, group[1])
-        find_words = (
-            functools.partial(fused_diff.changed_words, key=tuple(slots)) if use_fused else _torch_words
-        )
-        pos, old_changed, new_changed = _changed(old_g[start:stop], new_g[start:stop], find_words)
+        find = functools.partial(fused_diff.changed_elements, key=tuple(slots)) if use_fused else _changed
+        pos, old_changed, new_changed = find(old_g[start:stop], new_g[start:stop])
         starts = torch.tensor([s.offset - start for s in slots], dtype=torch.int64, device=pos.device)
         owner = torch.searchsorted(starts, pos, right=True) - 1
         device_local = pos - starts[owner]
-        local, counts, old_h, new_h = to_host(
-            device_local, torch.bincount(owner, minlength=len(slots)), old_changed, new_changed
+        # each slot's first change (positions ascend): counts without a synchronising bincount
+        local, firsts, old_h, new_h = to_host(
+            device_local, torch.searchsorted(pos, starts), old_changed, new_changed
         )
+        counts = np.diff(firsts, append=pos.numel())
         ranks = (
             _torch_hints(old, slots, counts, device_local, old_changed)
             if want_hints and pos.numel()

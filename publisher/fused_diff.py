@@ -8,15 +8,14 @@ what changed, whatever the number of tensors:
 1. one read of both buffers, in tiles: each tile compares old and new, claims its range
    of the output with one atomic add on a cursor (tiles claim in whatever order they run),
    and stores what changed there in ascending order (an exclusive prefix sum of the
-   changed flags). Without hints (`compact_words`) the tiles compare whole 64-bit words
-   and store the changed words' indices and contents; `device_diff._changed` then splits
-   those few words into their changed elements, as the torch reference does after its
-   `nonzero`. With hints (`compact`), a tile never straddles two slots (its slot is one
-   table lookup) and stores each changed lane's slot-local position and old and new bits,
-   its changed lanes as a bitmask (1/16 of a bf16 tile's bytes), and adds its sampled old
-   exponents and its changed elements' old exponents to its slot's two histograms
-   (`codec.plan_thresholds` step 2). The output is sized before the count is known
-   (`_compacted`); a pass that finds more runs once more;
+   changed counts): position, old bits, new bits. Without hints (`compact_words`) the
+   tiles compare whole 64-bit words and scan one count per word, then write each changed
+   word's changed elements at the word's place. With hints (`compact`), a tile never
+   straddles two slots (its slot is one table lookup) and scans element by element,
+   storing slot-local positions, its changed lanes as a bitmask (1/16 of a bf16 tile's
+   bytes), and adding its sampled old exponents and its changed elements' old exponents
+   to its slot's two histograms (`codec.plan_thresholds` step 2). The output is sized
+   before the count is known (`_compacted`); a pass that finds more runs once more;
 2. a scan of the tile counts (torch `cumsum`) gives each tile's place in order, and
    `reorder` moves every tile's run there: only the changes are read and written again;
 3. with hints, once the host picked each slot's thresholds from the histograms
@@ -188,7 +187,7 @@ def _reordered(
 
 def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot]) -> FusedChanges:
     """Steps 1 and 2 of the module docstring over the group buffers `old` and `new`, for the
-    pass with hints (`changed_words` is the pass without)."""
+    pass with hints (`changed_elements` is the pass without)."""
     k = _kernels()
     device = old.device
     key = tuple(slots)
@@ -235,27 +234,31 @@ def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot]) -> Fuse
 WORD_TILE = 1024  # 64-bit words per `compact_words` program
 
 
-def changed_words(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple[torch.Tensor, ...]:
-    """The 64-bit words that differ between `old` and `new` (int64 views of one range), in
-    ascending order, with their old and new contents: `compact_words` then `reorder`
-    (`key` names the range for `_compacted`'s sizing).
+def changed_elements(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple[torch.Tensor, ...]:
+    """The pass without hints over one word-aligned range of a group's buffers: positions
+    (from the range's start) of the elements whose bits differ, ascending, with their old
+    and new bits, as `device_diff._changed` gives them; `key` names the range for
+    `_compacted`'s sizing.
 
-    The pass without hints: whole words are compared and compacted (a quarter of a bf16
-    tile's lanes to scan), and the few changed words are split into their changed elements
-    afterwards (`device_diff._changed`), as the torch reference does after its `nonzero`.
+    Tiles compare whole 64-bit words and scan one count per word (a quarter of a bf16
+    tile's lanes), then write each changed word's changed elements at the word's place.
     """
     k = _kernels()
-    n = -(-old.numel() // WORD_TILE)
+    words_old, words_new = old.view(torch.int64), new.view(torch.int64)
+    n = -(-words_old.numel() // WORD_TILE)
     counts = torch.zeros(n, dtype=torch.int32, device=old.device)
     bases = torch.empty(n, dtype=torch.int64, device=old.device)
+    bits = 8 * old.element_size()
 
     def launch(cursor: torch.Tensor, capacity: int, out: list[torch.Tensor]) -> None:
         if n:
             k.compact_words[(n,)](
-                old, new, old.numel(), counts, bases, cursor, capacity, *out, TILE=WORD_TILE, num_warps=WARPS
-            )
+                words_old, words_new, words_old.numel(), counts, bases, cursor, capacity, *out,
+                PER=64 // bits, BITS=bits, TILE=WORD_TILE, num_warps=WARPS,
+            )  # fmt: skip
 
-    total, claimed = _compacted(("words", key), old.numel() // 16, (torch.int64,) * 3, old.device, launch)
+    dtypes = (torch.int64, old.dtype, old.dtype)
+    total, claimed = _compacted(("elements", key), old.numel() // 64, dtypes, old.device, launch)
     return tuple(_reordered(total, counts, bases, claimed))
 
 

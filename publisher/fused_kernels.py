@@ -49,25 +49,41 @@ def compact(
 
 
 @triton.jit
+def lane(word, j: tl.constexpr, BITS: tl.constexpr):
+    """Element j of a 64-bit word (little-endian lanes of BITS bits), as its unsigned bits."""
+    if BITS == 64:
+        return word
+    return (word >> (j * BITS)) & ((1 << BITS) - 1)
+
+
+@triton.jit
 def compact_words(
-    old, new, n_words, counts, bases, cursor, capacity, idx_out, old_out, new_out, TILE: tl.constexpr
-):
+    old, new, n_words, counts, bases, cursor, capacity, pos_out, old_out, new_out,
+    PER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0)
-    idx = t.to(tl.int64) * TILE + tl.arange(0, TILE)
-    inside = idx < n_words
-    a = tl.load(old + idx, mask=inside, other=0)
-    b = tl.load(new + idx, mask=inside, other=0)
-    ne = (a != b).to(tl.int32)
-    n = tl.sum(ne, axis=0)
+    w = t.to(tl.int64) * TILE + tl.arange(0, TILE)
+    inside = w < n_words
+    a = tl.load(old + w, mask=inside, other=0)
+    b = tl.load(new + w, mask=inside, other=0)
+    per_word = tl.zeros((TILE,), dtype=tl.int32)
+    for j in tl.static_range(PER):
+        per_word += (lane(a, j, BITS) != lane(b, j, BITS)).to(tl.int32)
+    n = tl.sum(per_word, axis=0)
     tl.store(counts + t, n)
-    base = tl.atomic_add(cursor, n.to(tl.int64), sem="relaxed")
+    base = tl.atomic_add(cursor, n.to(tl.int64), sem="relaxed")  # tiles claim their range in any order
     tl.store(bases + t, base)
     if n > 0:
-        dst = base + tl.cumsum(ne, 0) - ne
-        hit = (ne != 0) & (dst < capacity)
-        tl.store(idx_out + dst, idx, mask=hit)
-        tl.store(old_out + dst, a, mask=hit)
-        tl.store(new_out + dst, b, mask=hit)
+        at = base + tl.cumsum(per_word, 0) - per_word  # each word's first changed element
+        for j in tl.static_range(PER):
+            x = lane(a, j, BITS)
+            y = lane(b, j, BITS)
+            hit = x != y
+            ok = hit & (at < capacity)  # past the capacity: counted, not written
+            tl.store(pos_out + at, w * PER + j, mask=ok)
+            tl.store(old_out + at, x.to(old_out.dtype.element_ty), mask=ok)
+            tl.store(new_out + at, y.to(new_out.dtype.element_ty), mask=ok)
+            at += hit.to(tl.int64)
 
 
 @triton.jit

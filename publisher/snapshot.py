@@ -127,6 +127,7 @@ class LayoutChange:
 
 
 _PIECE_BYTES = 1 << 23
+_MEMCPY_BYTES = 1 << 24  # device tensors this large, already in the served dtype, are copied alone
 _helper = ThreadPoolExecutor(1, thread_name_prefix="deltaboard-snapshot")
 
 
@@ -194,10 +195,12 @@ class ViewBuffer:
         """Copy (and cast) the state dict into this buffer: the snapshot.
 
         On CUDA this only enqueues copies; `wait_ready()` in another thread blocks until
-        they ran. On the CPU a large tensor already in its served dtype is copied as bytes,
-        in pieces shared with one helper thread (`copy_shared`). Every other tensor is
-        copied by torch, many in one call (`_copy_all`), so that a model of thousands of
-        small tensors costs what its bytes cost, not a call per tensor: on the CPU in
+        they ran. A large tensor already in its served dtype is one device memcpy there
+        (measured near the copy's bandwidth, where the multi-tensor kernel reached two
+        thirds of it). On the CPU such a tensor is copied as bytes, in pieces shared with
+        one helper thread (`copy_shared`). Every other tensor is copied by torch, many in
+        one call (`_copy_all`), so that a model of thousands of small tensors costs what
+        its bytes cost, not a call per tensor: on the CPU in
         batches of about a piece's bytes, shared like the pieces.
         """
         pieces: list[Callable[[], None]] = []
@@ -207,7 +210,10 @@ class ViewBuffer:
         for name, target in self._targets:
             src = state[name]  # under no_grad: copies need no detached view (a call per tensor)
             host = self._host_raw.get(name)
-            if host is None:
+            whole = src.dtype == target.dtype and src.is_contiguous()
+            if host is None and whole and src.nbytes >= _MEMCPY_BYTES:
+                target.copy_(src)  # a plain device memcpy: the multi-tensor kernel is slower (design.md)
+            elif host is None:
                 on_device[0].append(target)
                 on_device[1].append(src)
             elif host.size >= _PIECE_BYTES and src.dtype == target.dtype and src.is_contiguous():

@@ -28,6 +28,7 @@ from deltaboard.clients.resident import (
     ResidentError,
     ResidentView,
     StagingFull,
+    TensorPatch,
     prepare_patch,
     read_patch,
     write_patch,
@@ -271,3 +272,74 @@ def test_a_version_in_parts_is_loaded_not_patched() -> None:
     in_parts = delta.model_copy(update={"tensors": (delta.tensors[0].model_copy(update={"part": part}),)})
     with pytest.raises(ResidentError, match="in parts"):
         prepare_patch(in_parts, lambda ref: b"", lambda name: np.zeros(48, np.uint8), {"w": "0" * 32})
+
+
+def _bf16_patch(rng: np.random.Generator, data: dict[str, np.ndarray], rate: float, base: int) -> HotPatch:
+    """A patch flipping the low bit of ~`rate` of each bf16 tensor's elements (and the
+    tensors' bytes in `data` moved to the new version)."""
+    tensors = []
+    for name, bytes_ in data.items():
+        bits = bytes_.view(np.uint16)
+        positions = np.flatnonzero(rng.random(bits.size) < rate).astype(np.int64)
+        old = bits[positions].copy()
+        bits[positions] = old ^ np.uint16(1)
+        tensors.append(TensorPatch(name, "BF16", bits.size, positions, old, bits[positions].copy()))
+    return HotPatch.from_tensors(base, base + 1, tensors)
+
+
+def test_staging_in_small_chunks_gives_the_same_commit() -> None:
+    """The staging loop cuts a group into chunks (the CUDA path's pinned slots are that
+    size); many chunks, boundaries inside tensors, give the same addresses and the same
+    result as one."""
+    rng = np.random.default_rng(7)
+    data = {f"t{i}": rng.integers(0, 256, 2 * int(rng.integers(1, 3000)), dtype=np.uint8) for i in range(40)}
+    engine = {n: resident(d, "BF16") for n, d in data.items()}
+    view = ResidentView(engine, 0, staging_chunk_bytes=100)  # 8 changes a chunk
+    for version in range(3):
+        patch = _bf16_patch(rng, data, 0.05, version)
+        assert patch.changed > 10 * 8
+        view.commit(view.stage(patch))
+        for name, t in engine.items():
+            assert np.array_equal(raw(t), data[name]), name
+
+
+@pytest.mark.parametrize(
+    ("where", "message"), [("outside", "lies outside"), ("repeat", "does not increase in")]
+)
+def test_a_patch_with_a_bad_position_is_refused_at_staging(where: str, message: str) -> None:
+    rng = np.random.default_rng(8)
+    data = {f"t{i}": rng.integers(0, 256, 2 * 1000, dtype=np.uint8) for i in range(3)}
+    engine = {n: resident(d, "BF16") for n, d in data.items()}
+    patch = _bf16_patch(rng, {n: d.copy() for n, d in data.items()}, 0.1, 0)
+    group = patch.groups[0]
+    last = int(group.counts[0] + group.counts[1]) - 1  # t1's last change
+    if where == "outside":
+        group.positions[last] = 1000
+    else:
+        group.positions[last] = group.positions[last - 1]
+    view = ResidentView(engine, 0, staging_chunk_bytes=120)
+    with pytest.raises(ResidentError, match=f"{message} tensor 't1'"):
+        view.stage(patch)
+    assert view.version == 0
+    for name, t in engine.items():
+        assert np.array_equal(raw(t), data[name]), name
+
+
+def test_a_drift_found_by_one_thread_undoes_every_threads_writes() -> None:
+    """A large commit is split over threads; a drifted element in the last range leaves
+    memory exactly as it was, the ranges that swapped completely included."""
+    rng = np.random.default_rng(9)
+    data = {"w": rng.integers(0, 256, 2 * 2_000_000, dtype=np.uint8)}
+    engine = {"w": resident(data["w"], "BF16")}
+    before = raw(engine["w"])
+    patch = _bf16_patch(rng, {"w": data["w"].copy()}, 0.2, 0)
+    assert patch.changed > 4 * 65536  # above the size that is split over threads
+    view = ResidentView(engine, 0)
+    staged = view.stage(patch)
+    last = int(patch.groups[0].positions[-1])
+    engine["w"].view(torch.int16)[last] ^= 2  # drifted, at the commit's very last change
+    drifted = raw(engine["w"])
+    with pytest.raises(BaseMismatch, match="'w'"):
+        view.commit(staged)
+    assert np.array_equal(raw(engine["w"]), drifted)
+    assert np.count_nonzero(drifted != before) == 1

@@ -1,7 +1,8 @@
 """The resident view on CUDA (Triton kernels): run on a machine with a GPU (the `device`
 tool); skipped elsewhere. The same properties as the host path: patched along a chain the
 device tensors are the publisher's view, a drifted base leaves them untouched, and the
-cost follows changed elements, whatever the number of tensors."""
+cost follows changed elements, whatever the number of tensors. Staging in small chunks
+reuses the two pinned slots many times within a group and across groups and versions."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from deltaboard.board import codec
 from deltaboard.clients.resident import BaseMismatch, HotPatch, ResidentView, TensorPatch
+from deltaboard.clients.resident.staging import DEFAULT_CHUNK_BYTES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -35,8 +37,9 @@ def _patch(
     return HotPatch.from_tensors(base, base + 1, tensors)
 
 
+@pytest.mark.parametrize("chunk", [DEFAULT_CHUNK_BYTES, 4096])
 @pytest.mark.parametrize("count", [3, 2000])
-def test_cuda_chain_is_bit_exact_and_a_drifted_base_is_refused(count: int) -> None:
+def test_cuda_chain_is_bit_exact_and_a_drifted_base_is_refused(count: int, chunk: int) -> None:
     rng = np.random.default_rng(count)
     host, dtypes, device = {}, {}, {}
     for i in range(count):
@@ -45,7 +48,7 @@ def test_cuda_chain_is_bit_exact_and_a_drifted_base_is_refused(count: int) -> No
         data = rng.integers(0, 256, n * torch.tensor([], dtype=torch_dtype).element_size(), dtype=np.uint8)
         host[f"t{i}"], dtypes[f"t{i}"] = data, name
         device[f"t{i}"] = torch.from_numpy(data.copy()).view(torch_dtype).cuda()
-    view = ResidentView(device, 0)
+    view = ResidentView(device, 0, staging_chunk_bytes=chunk)
     for version in range(3):
         report = view.commit(view.stage(_patch(rng, host, dtypes, version)))
         assert report.version == version + 1

@@ -169,6 +169,23 @@ def _word_at(data: np.ndarray, i: int) -> np.uint64:
 
 
 @kernel
+def _short_field(data: np.ndarray, bit: int, k: int) -> np.uint64:
+    """The field of up to 56 bits at bit offset `bit` of `data`, read from the big-endian
+    word at its first byte (it fits in that word whatever its bit offset)."""
+    return _low_bits(_word_at(data, bit >> 3) >> np.uint64(64 - k - (bit & 7)), k)
+
+
+@kernel
+def read_field(data: np.ndarray, bit: int, k: int) -> np.uint64:
+    """The field of 1 to 63 bits at bit offset `bit` of `data`, which holds a word of
+    padding past its last field: one word read, two for more than 56 bits."""
+    if k <= 56:
+        return _short_field(data, bit, k)
+    rest = bit + k - 32
+    return (_short_field(data, bit, k - 32) << np.uint64(32)) | _short_field(data, rest, 32)
+
+
+@kernel
 def _unpack_fixed(data: np.ndarray, high: np.ndarray, k: int) -> np.ndarray:
     """`high[j] << k` joined with the j-th k-bit field; the caller has checked that `data`
     holds high.size * k bits.
@@ -182,7 +199,7 @@ def _unpack_fixed(data: np.ndarray, high: np.ndarray, k: int) -> np.ndarray:
         padded[: data.size] = data
         for j in range(high.size):
             bit = j * k
-            field = _low_bits(_word_at(padded, bit >> 3) >> np.uint64(64 - k - (bit & 7)), k)
+            field = _short_field(padded, bit, k)
             out[j] = (high[j] << np.uint64(k)) | field
         return out
     acc = np.uint64(0)

@@ -31,8 +31,8 @@ from deltaboard.board.codec.bitio import (
     put_rice,
     put_section,
     put_u64,
+    read_field,
     rice_decode,
-    unpack_fixed,
 )
 from deltaboard.board.codec.context import CONTEXTS, EXPONENT_FIELDS
 from deltaboard.board.codec.dtypes import width
@@ -83,18 +83,6 @@ def _steps(old: np.ndarray, new: np.ndarray, element: np.uint64) -> tuple[np.nda
         v[i] = d - np.uint64(1)
         c[i] = _bit_length(v[i])
     return signs, v, c
-
-
-def _by_class(c: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """(class, indices) for every class >= 2 present, in class order: the low bits of each
-    class are packed at that class's fixed width (one section per class)."""
-    wide = np.flatnonzero(c >= 2)
-    if wide.size == 0:
-        return []
-    order = wide[np.argsort(c[wide], kind="stable")]
-    counts = np.bincount(c[wide], minlength=_CLASSES)
-    ends = np.cumsum(counts)
-    return [(cls, order[ends[cls] - counts[cls] : ends[cls]]) for cls in np.flatnonzero(counts).tolist()]
 
 
 @kernel
@@ -148,29 +136,47 @@ def encode_values(w: Writer, old_bits: np.ndarray, new_bits: np.ndarray, dtype: 
 @kernel
 def _classes(
     ctx: np.ndarray, predicted: np.ndarray, missed: np.ndarray, sizes: np.ndarray
-) -> tuple[np.ndarray, bool]:
-    """(step class per element, all in range) from the predictions and the zigzagged
-    corrections at the missed elements."""
-    c = np.empty(ctx.size, dtype=np.int64)
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(step class per element, elements per class, all in range) from the predictions
+    and the zigzagged corrections at the missed elements."""
+    c = np.empty(ctx.size, dtype=np.uint8)
+    counts = np.zeros(_CLASSES, dtype=np.int64)
+    j = 0
     for i in range(ctx.size):
-        c[i] = predicted[ctx[i]]
-    for j in range(missed.size):
-        z = sizes[j] + np.uint64(1)
-        c[missed[j]] += np.int64(z >> np.uint64(1)) ^ -np.int64(z & np.uint64(1))
-    for x in c:
+        x = np.int64(predicted[ctx[i]])
+        if j < missed.size and missed[j] == i:  # the missed positions increase
+            z = sizes[j] + np.uint64(1)
+            x += np.int64(z >> np.uint64(1)) ^ -np.int64(z & np.uint64(1))
+            j += 1
         if x < 0 or x >= _CLASSES:
-            return c, False
-    return c, True
+            return c, counts, False
+        c[i] = x
+        counts[x] += 1
+    return c, counts, True
 
 
 @kernel
 def _apply_steps(
-    old: np.ndarray, v: np.ndarray, signs: np.ndarray, element: np.uint64
+    old: np.ndarray,
+    c: np.ndarray,
+    fields: np.ndarray,
+    starts: np.ndarray,
+    signs: np.ndarray,
+    element: np.uint64,
 ) -> tuple[np.ndarray, bool]:
-    """New bits from the old ones, |d| - 1 and the signs; False if a step is zero."""
+    """New bits from the old ones, the step classes, the signs and the bits below each
+    leading one (class k's fields, k - 1 bits each, from bit `starts[k]` of `fields`), in
+    one pass over the elements; False if a step is zero."""
     new = np.empty(old.size, dtype=old.dtype)
+    at = starts.copy()
     for i in range(old.size):
-        magnitude = (v[i] + np.uint64(1)) & element
+        k = int(c[i])
+        if k < 2:  # class 0 is one step (|d| - 1 = 0), class 1 two (|d| - 1 = 1)
+            v = np.uint64(k)
+        else:
+            v = (np.uint64(1) << np.uint64(k - 1)) | read_field(fields, at[k], k - 1)
+            at[k] += k - 1
+        magnitude = (v + np.uint64(1)) & element
         if magnitude == 0:
             return new, False
         if signs[i >> 3] & (0x80 >> (i & 7)):
@@ -180,26 +186,37 @@ def _apply_steps(
 
 
 def decode_values(r: Reader, old_bits: np.ndarray, dtype: str) -> np.ndarray:
-    """New bit patterns (the old bits' dtype) for the changed elements whose old bits are given."""
+    """New bit patterns (the old bits' dtype) for the changed elements whose old bits are given.
+
+    Two compiled passes over the changed elements: their step classes (prediction and
+    corrections), then the new bits (each class's fields read in place from its section,
+    in element order, as the encoder grouped them): no sort, gather or scatter by class."""
     n = old_bits.size
     shift, mask, element = layout(dtype)
     signs = r.section()
     if len(signs) * 8 < n:
         raise PatchError("patch is truncated or corrupted (sign bits missing)")
-    predicted = np.frombuffer(r.section(), dtype=np.uint8).astype(np.int64)
+    predicted = np.frombuffer(r.section(), dtype=np.uint8)
     if predicted.size != CONTEXTS or int(predicted.max()) >= _CLASSES:
         raise PatchError("corrupted patch: bad step-class table")
     missed_count = r.u64()
     if missed_count > n:
         raise PatchError("corrupted patch: more mispredictions than changed elements")
     gaps, sizes = rice_decode(r, [missed_count, missed_count])
-    c, ok = _classes(_contexts(old_bits, shift, mask), predicted, positions_from_gaps(gaps, n), sizes)
+    c, counts, ok = _classes(_contexts(old_bits, shift, mask), predicted, positions_from_gaps(gaps, n), sizes)
     if not ok:
         raise PatchError("corrupted patch: step class out of range")
-    v = (c == 1).astype(np.uint64)  # class 0 is one step (v = 0), class 1 two (v = 1)
-    for cls, members in _by_class(c):  # the bits below the leading one, which is implied
-        v[members] = unpack_fixed(r.section(), np.ones(members.size, dtype=np.uint64), cls - 1)
-    new, ok = _apply_steps(old_bits, v, np.frombuffer(signs, dtype=np.uint8), element)
+    sections, starts = [], np.zeros(_CLASSES, dtype=np.int64)
+    at = 0
+    for cls in (np.flatnonzero(counts[2:]) + 2).tolist():  # the bits below the leading one (implied)
+        section = r.section()
+        if len(section) * 8 < int(counts[cls]) * (cls - 1):
+            raise PatchError("patch is truncated or corrupted (fixed-width bits missing)")
+        sections.append(section)
+        starts[cls] = at * 8
+        at += len(section)
+    fields = np.frombuffer(b"".join([*sections, bytes(8)]), dtype=np.uint8)  # a word of padding
+    new, ok = _apply_steps(old_bits, c, fields, starts, np.frombuffer(signs, dtype=np.uint8), element)
     if not ok:
         raise PatchError("corrupted patch: a changed element does not change")
     out: np.ndarray = new

@@ -235,7 +235,7 @@ def diff_slots(
     the pass stream of `lane` (`iter_diffs`).
 
     Found on the device for the whole batch at once: by the fused Triton pass
-    (`fused_diff`; `fused` None: with hints, wherever it can run) or by the torch reference (one
+    (`fused_diff`, when `fused` asks for it) or by the torch reference (one
     comparison over the batch's range, one gather of the changed words, a `searchsorted`
     over the slots' offsets to cut the result per tensor); then one small transfer to the
     host (`HostCopy`). `hints` adds the changed tensors' context hints, whose rank pass runs
@@ -243,11 +243,11 @@ def diff_slots(
     the old bytes instead, and on a GPU they cost the pass most of its throughput).
     """
     group = slots[0].group
-    # Measured on an H200 (design.md, "Publishing a version"): without hints torch's pass is
-    # the faster (236 vs 185 GB/s of view), with hints the two are alike (64-85 GB/s) and
-    # far slower, so hints are asked for, never the default, and bring the fused pass along.
+    # Measured on an H200 (design.md, "Publishing a version"): the torch pass is the faster
+    # with hints and without (8 GB: 321-380 vs 231-282 GB/s of view without, 85-92 vs 57-74
+    # with), so the fused pass runs only when asked for, and hints only when asked for.
     want_hints = bool(hints)
-    use_fused = want_hints and fused_diff.available(group[0]) if fused is None else fused
+    use_fused = bool(fused)
     if group[0] == "cpu" and not want_hints and not use_fused:
         return _diff_on_host(old, new, slots)
     on_cuda = torch.device(group[0]).type == "cuda"

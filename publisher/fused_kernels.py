@@ -51,9 +51,11 @@ def compact(
 @triton.jit
 def lane(word, j: tl.constexpr, BITS: tl.constexpr):
     """Element j of a 64-bit word (little-endian lanes of BITS bits), as its unsigned bits."""
-    if BITS == 64:
-        return word
-    return (word >> (j * BITS)) & ((1 << BITS) - 1)
+    if BITS == 64:  # noqa: SIM108 - a static test; Triton also compiles code after a return
+        bits = word
+    else:
+        bits = (word >> (j * BITS)) & ((1 << BITS) - 1)
+    return bits
 
 
 @triton.jit

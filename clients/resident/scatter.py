@@ -95,6 +95,8 @@ def _swap(addrs: np.ndarray, expect: np.ndarray, put: np.ndarray, start: int, st
     does not, write `expect` back over what this call wrote and return its index (-1: all
     swapped). A commit is one pass over the changed cache lines, not three."""
     for j in range(start, stop):
+        if j + _AHEAD < stop:
+            _prefetch(addrs[j + _AHEAD])
         a = addrs[j]
         if _load(a, expect) != expect[j]:
             for k in range(start, j):

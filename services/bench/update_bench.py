@@ -46,6 +46,27 @@ RUN = follow_bench.RUN
 Status = Callable[[str], None]
 
 
+class Phases:
+    """The benchmark's phases as it reports them, each timed: `seconds` per phase name
+    (a phase ends where the next begins), for the JSON, so that a slow setup is visible."""
+
+    def __init__(self, status: Status) -> None:
+        self.status = status
+        self.seconds: dict[str, float] = {}
+        self._current: tuple[str, float] | None = None
+
+    def __call__(self, what: str) -> None:
+        self.end()
+        self._current = (what, time.perf_counter())
+        self.status(what)
+
+    def end(self) -> None:
+        if self._current is not None:
+            what, started = self._current
+            self.seconds[what] = self.seconds.get(what, 0.0) + time.perf_counter() - started
+            self._current = None
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     view_gb: float = 1.0
@@ -108,6 +129,23 @@ def torch_scatter_s(patch: Any, engine: dict[str, Any], device: str) -> float:
     return time.perf_counter() - started
 
 
+def trainer_view(trainer: follow_bench.SyntheticTrainer, device: str) -> Callable[[], dict[str, Any]]:
+    """What the publisher is handed each version: the trainer's CPU tensors, or on CUDA a
+    copy of them on the device, refreshed per version, so that the snapshot and the diff
+    run on the GPU as a GPU trainer's would (the host's diff of a view of several GB is
+    most of a version's setup time)."""
+    if not device.startswith("cuda"):
+        return lambda: trainer.state
+    on_device = {name: t.to(device) for name, t in trainer.state.items()}
+
+    def refreshed() -> dict[str, Any]:
+        for name, t in on_device.items():
+            t.copy_(trainer.state[name])
+        return on_device
+
+    return refreshed
+
+
 def _follower(client: BoardClient, directory: Path, name: str) -> Follower:
     return Follower(client, RUN, directory, node_id=name, engine="bench")
 
@@ -120,35 +158,38 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
         tensor_elements=elements,
         seed=config.seed,
     )
+    phases = Phases(status)
     with tempfile.TemporaryDirectory(prefix="deltaboard-bench-update-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "board").mkdir()
-        status("measuring the change statistics of a recorded AdamW trajectory")
+        phases("measuring the change statistics of a recorded AdamW trajectory")
         stats = follow_bench.trajectory_stats()
-        status("generating the view")
+        phases("generating the view")
         trainer = follow_bench.SyntheticTrainer(follow_config, stats)
+        published = trainer_view(trainer, config.device)
         with board_process(tmp / "board") as (url, token), BoardClient(url, token) as client:
             from deltaboard.publisher.publisher import Publisher
 
             with Publisher(client, RUN, keyframe_every=10**6, lease_ttl_s=300, assets={}) as pub:
-                status("publishing the keyframe")
-                pub.publish(trainer.state).result()
+                phases("publishing the keyframe")
+                pub.publish(published()).result()
                 nodes = {kind: _follower(client, tmp / kind, kind) for kind in ("hot", "disk")}
                 for kind, follower in nodes.items():
-                    status(f"bootstrapping the {kind} node and loading its engine")
+                    phases(f"bootstrapping the {kind} node and loading its engine")
                     follower.sync(0)
+                phases("loading the engines")
                 engines = {kind: load_engine(f.model_dir, config.device) for kind, f in nodes.items()}
                 view = ResidentView(engines["hot"], 0)
                 rows: list[dict[str, float]] = []
                 # Version 1 warms up (the compiled kernels' first calls: seconds on a GPU host)
                 # and is reported apart, out of the medians.
                 for v in range(1, config.versions + 2):
-                    status(f"version {v}/{config.versions + 1}: publishing")
+                    phases(f"version {v}/{config.versions + 1}: publishing")
                     trainer.step()
-                    result = pub.publish(trainer.state).result()
+                    result = pub.publish(published()).result()
                     committed = time.perf_counter()
 
-                    status(f"version {v}: hot path")
+                    phases(f"version {v}: hot path")
                     nodes["hot"].fetch(v)
                     fetched = time.perf_counter()
                     patch = nodes["hot"].hot_patch(v)
@@ -157,19 +198,20 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
                     staged_at = time.perf_counter()
                     report = view.commit(staged)
                     hot_ready = time.perf_counter() - committed
+                    phases(f"version {v}: torch's indexed write (baseline), the hot node's disk copy")
                     floor = torch_scatter_s(patch, engines["disk"], config.device)
                     started = time.perf_counter()
                     nodes["hot"].sync(v)  # the background copy on disk, for restarts
                     hot_disk = time.perf_counter() - started
 
-                    status(f"version {v}: disk slot + reload")
+                    phases(f"version {v}: disk slot + reload")
                     started = time.perf_counter()
                     nodes["disk"].sync(v)
                     synced = time.perf_counter()
                     reload_into(engines["disk"], nodes["disk"].model_dir, config.device)
                     done = time.perf_counter()
 
-                    status(f"version {v}: full reload")
+                    phases(f"version {v}: full reload")
                     started_reload = time.perf_counter()
                     reload_into(engines["disk"], nodes["disk"].model_dir, config.device)
                     reload_s = time.perf_counter() - started_reload
@@ -196,6 +238,8 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
                 )
                 for follower in nodes.values():
                     follower.close()
+                phases("closing")
+    phases.end()
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in rows)
@@ -221,6 +265,7 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
         "hot_bit_exact": exact,
         "versions": rows,
         "warmup_version": warmup,
+        "phases_s": phases.seconds,
     }
 
 

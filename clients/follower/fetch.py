@@ -8,17 +8,21 @@ with exponential backoff (the client retries single requests; this retries whole
 downloads, which resume where they stopped). A blob whose bytes hash wrong is discarded
 and fetched once more; a second mismatch is an `IntegrityError`.
 
-A worker keyframe is not cached: `RangedReader` fetches each tensor's range when the apply
-asks for it, on the apply's threads, so ranges download in parallel and each is decoded and
-written as soon as it arrives (a new node writes its shards once, with no copy of the blob
-on disk); on a plain HTTP board each thread reads its ranges on a connection of its own into
-a buffer it reuses (`ranges.PlainRanges`), the client's httpx path taking any other answer.
+Derived data (a worker keyframe, a span) is not cached by an update: `RangedReader` fetches
+each tensor's range when the apply asks for it, on the apply's threads, so ranges download
+in parallel and each is decoded and written as soon as it arrives (a new node writes its
+shards once, with no copy of the blob on disk; a node catching up decodes the first
+tensors of a span while the rest download); on a plain HTTP board each thread reads its
+ranges on a connection of its own into a buffer it reuses (`ranges.PlainRanges`), the
+client's httpx path taking any other answer. A span whose blob is in the cache (downloaded
+ahead by `Follower.fetch`, or again after a patch of it failed to decode) is read from there.
 Each range is one patch, checked by the patch's own checksum (the header's xxh3
 over every byte of the range), fetched once more on a mismatch, and a second mismatch is
 an `IntegrityError`. The entry's `range_sha256` is not checked: it would prove the same
 bytes a second time, for several times the CPU of the checksum, on the path that bounds a
 new node (docs/design.md, "Bootstrap at link speed"); what proves the decoded tensor is
-the trainer's is its digest, checked against the manifest as for any keyframe.
+the trainer's is its digest, checked against the trainer's manifest as for any keyframe
+or delta.
 """
 
 from __future__ import annotations
@@ -35,8 +39,7 @@ import httpx
 
 from deltaboard.board import codec
 from deltaboard.board.contract.errors import BoardError, BoardUnavailable
-from deltaboard.board.contract.schemas import BlobRef, BlobSize
-from deltaboard.board.contract.spans import KeyframeManifest
+from deltaboard.board.contract.schemas import BlobRef, BlobSize, TensorEntry
 from deltaboard.clients.board_client import BlobIntegrityError, BoardClient
 from deltaboard.clients.follower.errors import FollowerError, IntegrityError
 from deltaboard.clients.follower.ranges import PlainRanges
@@ -164,15 +167,20 @@ class Fetcher:
 
 
 class RangedReader:
-    """A worker keyframe's patches, each fetched by a ranged request when read (see the
-    module docstring); `progress` receives the bytes downloaded."""
+    """The patches of derived entries (a worker keyframe's or a span's), each fetched by a
+    ranged request when read (see the module docstring); `progress` receives the bytes
+    downloaded."""
 
     def __init__(
-        self, board: BoardClient, keyframe: KeyframeManifest, progress: ByteProgress | None = None
+        self,
+        board: BoardClient,
+        run: str,
+        entries: Iterable[TensorEntry],
+        progress: ByteProgress | None = None,
     ) -> None:
         self._board = board
-        self._run = keyframe.run
-        self._ranges = {(t.blob.sha256, t.blob.offset, t.blob.length) for t in keyframe.tensors}
+        self._run = run
+        self._ranges = {(t.blob.sha256, t.blob.offset, t.blob.length) for t in entries}
         self._progress = progress
         plain = board.plain_http()
         self._plain = None if plain is None else PlainRanges(*plain)
@@ -182,7 +190,7 @@ class RangedReader:
         they lie in this thread's buffer: valid until the thread's next read."""
         if (ref.sha256, ref.offset, ref.length) not in self._ranges:
             raise FollowerError(
-                f"blob {ref.sha256[:12]} range {ref.offset}+{ref.length} is not the keyframe's"
+                f"blob {ref.sha256[:12]} range {ref.offset}+{ref.length} is not one of the step's"
             )
         start, end = ref.offset, ref.offset + ref.length
         for _ in range(2):

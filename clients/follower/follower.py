@@ -10,9 +10,10 @@ One update (`sync`) goes:
    plus deltas for an empty or pruned node); steps before the chain's last keyframe are
    dropped, since a keyframe replaces everything;
 2. fetch: the chain's manifests and blobs into the local cache, in parallel, resumable,
-   sha256-checked (`fetch`). A worker keyframe's blob is not cached: its tensors' ranges
-   are fetched in parallel during the apply, each checked and decoded as it arrives
-   (`fetch.RangedReader`);
+   sha256-checked (`fetch`). The blobs of derived steps (a worker keyframe, a span) are
+   not cached: their tensors' ranges are fetched in parallel during the apply, each
+   checked and decoded as it arrives (`fetch.RangedReader`), so a catch-up decodes while
+   it downloads;
 3. stage: the chain is applied in place to the other slot (`slots`), which already holds
    the served version (see 5), each tensor verified in O(changed elements) before it is
    written and the state digest checked per version (`apply`). The journal marks the slot
@@ -60,7 +61,6 @@ import httpx
 
 from deltaboard.board.contract.errors import AuthError, BoardError, UnknownBase, UnknownRun
 from deltaboard.board.contract.schemas import Heartbeat, Manifest, Plan
-from deltaboard.board.contract.spans import KeyframeManifest
 from deltaboard.board.contract.view_spec import INDEX_FILE
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower.apply import BadBlob, Written, apply_step, check_base, replay
@@ -88,9 +88,11 @@ log = logging.getLogger("deltaboard.follower")
 CHANGE_BYTES = 24
 # Tensors decoded and written at once: numpy and zstd release the GIL, so one per core.
 APPLY_THREADS = max(1, min(4, os.cpu_count() or 1))
-# Ranges of a worker keyframe downloaded, decoded and written at once: at least four, so
-# that downloads overlap decoding even on few cores.
-BOOTSTRAP_THREADS = max(4, min(16, os.cpu_count() or 1))
+# Tensors of a derived step (a worker keyframe, a span) downloaded by ranges, decoded and
+# written at once: at least four, so that downloads overlap decoding even on few cores, and
+# up to one per core, since decoding bounds them (a span carries up to 32 versions'
+# changes) where a delta's apply is bound by page faults (`APPLY_THREADS`).
+RANGED_THREADS = max(4, min(16, os.cpu_count() or 1))
 
 CommitHook = Callable[[int, Callable[[], None]], None]
 
@@ -268,7 +270,7 @@ class Follower:
         (verified by sha256; a later `sync` or `hot_patch` finds it there), except a worker
         keyframe's ranges, which the apply fetches as it decodes them."""
         with self._lock:
-            self._chain(self.version, target)
+            self._chain(self.version, target, cache_spans=True)
 
     def hot_patch(self, target: int) -> HotPatch:
         """The verified changes from the served version to `target`, for a resident view.
@@ -283,7 +285,7 @@ class Follower:
             held, current = self.version, self._slots.current()
             if held is None or current is None:
                 raise FollowerError("nothing is served yet: a resident view starts from a loaded version")
-            chain, _ = self._chain(held, target)
+            chain, _ = self._chain(held, target, cache_spans=True)
             if len(chain) != 1 or chain[0].kind != "delta" or chain[0].parent != held:
                 raise FollowerError(f"version {target} is not one delta after {held}: reload it instead")
             digests = self._state.slot(current).digests
@@ -313,10 +315,13 @@ class Follower:
             log.info("version %s is pruned on the board: bootstrapping from a keyframe", held)
             return self.board.plan(self.run, None, target)
 
-    def _chain(self, held: int | None, target: int) -> tuple[list[Manifest], KeyframeManifest | None]:
+    def _chain(
+        self, held: int | None, target: int, *, cache_spans: bool = False
+    ) -> tuple[list[Manifest], set[int]]:
         """The manifests to apply on top of `held`, from the last keyframe if there is one,
-        and the worker keyframe the chain starts with, if it does (its blob is not cached:
-        `RangedReader` fetches it during the apply)."""
+        and the indices of those whose patches the apply reads by ranges (`RangedReader`):
+        a worker keyframe the chain starts with, and spans whose blobs are not in the cache,
+        unless `cache_spans` downloads them first (for `fetch` ahead, and `hot_patch`)."""
         plan = self._plan(held, target)
         steps = list(plan.steps)
         fulls = [i for i, s in enumerate(steps) if s.kind in ("full", "keyframe")]
@@ -324,24 +329,29 @@ class Follower:
             steps = steps[fulls[-1] :]
         if not steps or steps[-1].version != target:
             raise FollowerError(f"the board's plan {held}->{target} does not end at {target}")
-        ranged = self.board.keyframe(self.run, steps[0].version) if steps[0].kind == "keyframe" else None
-        missing = self._fetcher.missing(b for s in steps if s.kind != "keyframe" for b in s.blobs)
+        cached = ("full", "delta", "span") if cache_spans else ("full", "delta")
+        by_ranges = {
+            i
+            for i, s in enumerate(steps)
+            if s.kind not in cached and (s.kind == "keyframe" or self._fetcher.missing(s.blobs))
+        }
+        missing = self._fetcher.missing(b for i, s in enumerate(steps) if i not in by_ranges for b in s.blobs)
         self._open_phase(
-            "fetch", sum(b.size for b in missing) + sum(b.size for b in steps[0].blobs if ranged)
+            "fetch", sum(b.size for b in missing) + sum(b.size for i in by_ranges for b in steps[i].blobs)
         )
         self._fetcher.fetch(missing, self._bytes_progress())
         chain: list[Manifest] = []
         for s in steps:
             manifest = self._manifests.get(self.board, s.version)
-            if s.kind == "keyframe" and ranged is not None:
-                manifest = as_full(ranged, manifest)
+            if s.kind == "keyframe":
+                manifest = as_full(self.board.keyframe(self.run, s.version), manifest)
             if s.kind == "span":
                 base = chain[-1].version if chain else held
                 if base is None:
                     raise FollowerError(f"the board's plan reaches {s.version} by a span from nothing")
                 manifest = as_delta(self.board.span(self.run, base, s.version), manifest, base)
             chain.append(manifest)
-        return chain, ranged
+        return chain, by_ranges
 
     def _assets(self) -> dict[str, bytes]:
         """The run's assets, except names that would shadow the weight files or `current`."""
@@ -380,7 +390,7 @@ class Follower:
         record = self._state.slot(staging)
         if record.state == "clean" and record.version == target:
             return staging, None  # staged before an interrupted commit
-        chain, ranged = self._chain(held, target)
+        chain, by_ranges = self._chain(held, target)
         fresh = chain[0].kind == "full"
         assets = self._assets() if fresh else {}
         changed = sum(m.stats.changed_elements for m in chain)
@@ -394,7 +404,7 @@ class Follower:
                 raise FollowerError(f"the board's plan to {target} starts with a delta but nothing is served")
             self._copy(current, staging)
             base = self._state.slot(current).digests
-        digests = self._apply(staging, chain, dict(base), assets, written, ranged)
+        digests = self._apply(staging, chain, dict(base), assets, written, by_ranges)
         self._make_durable(staging)
         self._save(staging, SlotRecord(state="clean", version=target, digests=digests))
         return staging, written
@@ -442,14 +452,15 @@ class Follower:
         digests: dict[str, str],
         assets: dict[str, bytes],
         written: list[Written] | None,
-        ranged: KeyframeManifest | None = None,
+        by_ranges: set[int],
     ) -> dict[str, str]:
         """Apply `chain` to a slot whose tensor digests are `digests` (a keyframe in the
-        chain starts the slot over); returns the digests at the chain's end. `ranged`: the
-        worker keyframe `chain` starts with, read by ranges on `BOOTSTRAP_THREADS`."""
+        chain starts the slot over); returns the digests at the chain's end. The steps at
+        `by_ranges` (derived data not in the cache) are read by ranges on `RANGED_THREADS`,
+        the others from the cache on `APPLY_THREADS`."""
         slot_dir = self._slots.slot_dir(slot)
         self._open_phase("apply", sum(len(m.tensors) for m in chain))
-        with BlobReader(self._blobs) as cached, ThreadPoolExecutor(BOOTSTRAP_THREADS) as wide:
+        with BlobReader(self._blobs) as cached, ThreadPoolExecutor(RANGED_THREADS) as wide:
             for i, manifest in enumerate(chain):
                 if manifest.kind == "full":
                     self._unmap(slot)
@@ -459,8 +470,8 @@ class Follower:
                 reader: PatchSource = cached
                 pool: Executor = self._pool
                 ranges = None
-                if i == 0 and ranged is not None:
-                    ranges = RangedReader(self.board, ranged, self._bytes_progress())
+                if i in by_ranges:
+                    ranges = RangedReader(self.board, self.run, manifest.tensors, self._bytes_progress())
                     reader, pool = ranges, wide
                 try:
                     apply_step(

@@ -18,6 +18,8 @@ from deltaboard.clients.follower.journal import Journal, SlotName, SlotRecord
 from deltaboard.clients.follower.patcher import read_placements
 from deltaboard.clients.follower.slots import Slots, other
 from deltaboard.clients.follower.verify import served, verify_directory
+from deltaboard.services.compact.build import SpanBuilder
+from deltaboard.services.compact.worker import compact_head
 from tests.clients.support import assert_view, publish_states, read_dir
 from tests.support.servers import VENV_BIN
 
@@ -173,6 +175,42 @@ def test_corrupt_cached_blob_is_refetched_once(board, tmp_path, monkeypatch):
         assert f.sync(2) == 2
         assert rotted
         assert_view(d, views[2])
+
+
+def test_a_span_is_read_by_ranges_unless_fetched_ahead(board, tmp_path, monkeypatch):
+    """A node catching up by a span reads its patches by ranges as it decodes them: the
+    span's blob is never downloaded whole into the cache. A span fetched ahead (`fetch`)
+    is in the cache, and the sync applies it from there. Both bit-exact."""
+    publisher = board.client(board.publish_token)
+    views = publish_states(publisher, "s", SIZES, 6, keyframe_every=100)
+    with (
+        Follower(publisher, "s", tmp_path / "compact", node_id="compact") as worker,
+        SpanBuilder(publisher, "s", worker) as builder,
+    ):
+        compact_head(builder, 5)
+    reader = board.client(board.read_token)
+    plan = reader.plan("s", 1, 5)
+    assert [s.kind for s in plan.steps] == ["span"]
+    span_blobs = {b.sha256 for b in plan.steps[0].blobs}
+    downloaded: list[str] = []
+    download = reader.download_blob
+
+    def recorded(run, sha, path, progress=None):
+        downloaded.append(sha)
+        return download(run, sha, path, progress=progress)
+
+    monkeypatch.setattr(reader, "download_blob", recorded)
+    for name in ("ranged", "ahead"):
+        d = tmp_path / name
+        with Follower(reader, "s", d, node_id=name) as node:
+            node.sync(1)
+            downloaded.clear()
+            if name == "ahead":
+                node.fetch(5)
+                assert all((d / ".deltaboard" / "cache" / "blobs" / sha).exists() for sha in span_blobs)
+            assert node.sync(5) == 5
+            assert_view(d, views[5])
+        assert (set(downloaded) & span_blobs) == (span_blobs if name == "ahead" else set())
 
 
 def test_bad_version_fails_loudly_and_leaves_the_served_one(board, tmp_path):

@@ -49,16 +49,29 @@ def layout(dtype: str) -> tuple[int, int, np.uint64]:
 
 
 @kernel
-def _contexts(old: np.ndarray, shift: int, mask: int) -> np.ndarray:
-    """Context 0..CONTEXTS-1 per changed element: its old exponent, the top CONTEXTS
-    exponents present kept apart and all smaller ones (tiny weights) lumped into 0."""
+def _context_base(old: np.ndarray, shift: int, mask: int) -> int:
+    """The exponent of context 1 less one: the top CONTEXTS exponents present among the
+    changed elements' old bits are kept apart, all smaller ones (tiny weights) lumped
+    into context 0."""
     top = 0
     for x in old:
         top = max(top, int(np.uint64(x) >> np.uint64(shift)) & mask)
-    base = max(0, top - (CONTEXTS - 1))
+    return max(0, top - (CONTEXTS - 1))
+
+
+@kernel
+def _context(x: np.generic, shift: int, mask: int, base: int) -> int:
+    """The context 0..CONTEXTS-1 of a changed element whose old bits are `x`."""
+    return min(max((int(np.uint64(x) >> np.uint64(shift)) & mask) - base, 0), CONTEXTS - 1)
+
+
+@kernel
+def _contexts(old: np.ndarray, shift: int, mask: int) -> np.ndarray:
+    """Context 0..CONTEXTS-1 per changed element (`_context`)."""
+    base = _context_base(old, shift, mask)
     ctx = np.empty(old.size, dtype=np.int64)
     for i in range(old.size):
-        ctx[i] = min(max((int(np.uint64(old[i]) >> np.uint64(shift)) & mask) - base, 0), CONTEXTS - 1)
+        ctx[i] = _context(old[i], shift, mask, base)
     return ctx
 
 
@@ -135,15 +148,16 @@ def encode_values(w: Writer, old_bits: np.ndarray, new_bits: np.ndarray, dtype: 
 
 @kernel
 def _classes(
-    ctx: np.ndarray, predicted: np.ndarray, missed: np.ndarray, sizes: np.ndarray
+    old: np.ndarray, shift: int, mask: int, predicted: np.ndarray, missed: np.ndarray, sizes: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, bool]:
     """(step class per element, elements per class, all in range) from the predictions
-    and the zigzagged corrections at the missed elements."""
-    c = np.empty(ctx.size, dtype=np.uint8)
+    by context and the zigzagged corrections at the missed elements."""
+    c = np.empty(old.size, dtype=np.uint8)
     counts = np.zeros(_CLASSES, dtype=np.int64)
+    base = _context_base(old, shift, mask)
     j = 0
-    for i in range(ctx.size):
-        x = np.int64(predicted[ctx[i]])
+    for i in range(old.size):
+        x = np.int64(predicted[_context(old[i], shift, mask, base)])
         if j < missed.size and missed[j] == i:  # the missed positions increase
             z = sizes[j] + np.uint64(1)
             x += np.int64(z >> np.uint64(1)) ^ -np.int64(z & np.uint64(1))
@@ -203,7 +217,7 @@ def decode_values(r: Reader, old_bits: np.ndarray, dtype: str) -> np.ndarray:
     if missed_count > n:
         raise PatchError("corrupted patch: more mispredictions than changed elements")
     gaps, sizes = rice_decode(r, [missed_count, missed_count])
-    c, counts, ok = _classes(_contexts(old_bits, shift, mask), predicted, positions_from_gaps(gaps, n), sizes)
+    c, counts, ok = _classes(old_bits, shift, mask, predicted, positions_from_gaps(gaps, n), sizes)
     if not ok:
         raise PatchError("corrupted patch: step class out of range")
     sections, starts = [], np.zeros(_CLASSES, dtype=np.int64)

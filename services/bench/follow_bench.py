@@ -38,7 +38,8 @@ process (loopback); the nodes are real `Follower`s on local disk. Figures:
   (page faults and one copy: what writing the shards at least costs) and reading them over
   loopback TCP from memory (both ends: what receiving them at least costs);
 * `catchup_*`: a node k = 32 versions behind, on the plan once the spans ending at k
-  are registered (`catchup_s`, `catchup_bytes`, of which `span_bytes` in spans), and
+  are registered (`catchup_s`, `catchup_bytes`, of which `span_bytes` in spans; the
+  node's CPU seconds to serving `catchup_cpu_s`, its span decoded on `ranged_threads`), and
   the same node by the deltas alone, before they were (`catchup_deltas_s`,
   `catchup_deltas_bytes`); against one keyframe (`keyframe_bytes`) and all k deltas'
   encoded bytes (`replay_bytes`). `compact_s`: building and registering the spans of one
@@ -71,7 +72,7 @@ from rich.table import Table
 from deltaboard.board.contract.schemas import TensorEntry
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.follower import Follower
-from deltaboard.clients.follower.follower import APPLY_THREADS
+from deltaboard.clients.follower.follower import APPLY_THREADS, RANGED_THREADS
 from deltaboard.clients.follower.layout import materialize
 from deltaboard.clients.follower.patcher import read_placements
 from deltaboard.services.bench.publish_bench import board_process
@@ -489,6 +490,7 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
                 behind.sync(0)
                 timeline = behind.sync(k)
                 catchup_s, catchup_bytes = timeline.ready_s, timeline.fetched
+                catchup_cpu_s = timeline.ready_cpu_s
 
                 applies, mirrors, totals = [], [], []
                 for v in range(k + 1, k + 1 + config.steady):
@@ -548,6 +550,8 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
         "bootstrap_keyframe_s": bootstrap_keyframe_s,
         "catchup_k": k,
         "catchup_s": catchup_s,
+        "catchup_cpu_s": catchup_cpu_s,
+        "ranged_threads": RANGED_THREADS,
         "catchup_bytes": catchup_bytes,
         "catchup_strategy": planned.strategy,
         "catchup_deltas_s": catchup_deltas_s,
@@ -615,7 +619,10 @@ def render(report: dict[str, Any], console: Console) -> None:
         ("  before the worker (trainer keyframe + all deltas)", f"{report['bootstrap_deltas_s']:.3f} s"),
         ("  building the worker's keyframe", f"{report['keyframe_build_s']:.3f} s"),
         ("new node serving a keyframe version", f"{report['bootstrap_keyframe_s']:.3f} s"),
-        (f"catch-up from {report['catchup_k']} behind", f"{report['catchup_s']:.3f} s"),
+        (
+            f"catch-up from {report['catchup_k']} behind ({report['ranged_threads']} threads)",
+            f"{report['catchup_s']:.3f} s, {report['catchup_cpu_s']:.2f} CPU-s",
+        ),
         ("  bytes fetched", f"{report['catchup_bytes']:,} ({report['catchup_strategy']})"),
         ("  of which spans", f"{report['span_bytes']:,}"),
         (

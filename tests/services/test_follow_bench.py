@@ -25,6 +25,7 @@ def test_bench_follow_small_view() -> None:
     assert 0 < report["span_bytes"] < report["catchup_bytes"] < report["catchup_deltas_bytes"]
     assert report["catchup_strategy"] == "spans" and report["compact_s"] > 0
     assert report["compact_incremental_s"] > 0
+    assert report["catchup_cpu_s"] > 0 and report["ranged_threads"] >= 4
     # a new node starts at the worker's keyframe of head, not at the trainer's first one
     assert report["bootstrap_strategy"] == "keyframe+deltas" and report["keyframe_build_s"] > 0
     assert 0 < report["bootstrap_bytes"] < report["keyframe_bytes"] + report["replay_bytes"]

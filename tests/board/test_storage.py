@@ -239,3 +239,13 @@ def test_local_store_makes_a_commit_durable_in_two_rounds_of_syncs(tmp_path, mon
     before = {path for path, head in synced if head == b"h0"}
     assert manifest < before and {p.parent for p in before - manifest} == {tmp_path / "store" / ".tmp"}
     assert [path for path, head in synced if head == b"h1"] == [run]
+
+
+def test_local_store_reads_a_file_whose_size_changed_since_its_stat():
+    """One read of the size `fstat` gave is the whole file only while the file keeps that
+    size; a file that changed (here one that reports no size at all) is read to its end."""
+    status = Path("/proc/self/status")
+    assert status.stat().st_size == 0
+    data = LocalStore._read_file(status)
+    names = [line.split(b":")[0] for line in data.splitlines()]
+    assert names == [line.split(b":")[0] for line in status.read_bytes().splitlines()]

@@ -56,8 +56,8 @@ class ObjectStore(Protocol):
     def write_records(self, writes: Sequence[tuple[str, bytes, str | None]]) -> int:
         """`write_record` for each `(key, data, expected)` in order, stopping at the first
         that loses; returns how many were written. A commit writes its manifest and the
-        head this way, so that a store may make both durable at once (the local store
-        overlaps their fsyncs)."""
+        head this way, so that a store may make them durable together (the local store
+        syncs the manifest with the head's bytes, then the head's name: two rounds)."""
         ...
 
     def delete_record(self, key: str) -> None: ...

@@ -159,10 +159,11 @@ def test_demo_converges_and_serves_every_pinned_version(tmp_path):
     assert "summary" in printed
 
 
-def test_a_demo_killed_outright_leaves_no_process_behind(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_demo_leaves_no_process_behind(tmp_path, sig):
     """SIGKILL leaves the demo no chance to stop what it started: its board and engine
     (serving, past their start) still go, told by the kernel that their parent died, and
-    none of them holds the demo's stdout."""
+    none of them holds the demo's stdout. SIGTERM stops it as Ctrl-C does (exit 130)."""
     process = start_demo("--steps=1", "--warmup=0", "--nodes=1", f"--workdir={tmp_path / 'work'}")
     output = Output(process)
     try:
@@ -170,14 +171,16 @@ def test_a_demo_killed_outright_leaves_no_process_behind(tmp_path):
         children = psutil.Process(process.pid).children(recursive=True)
         commands = [" ".join(child.cmdline()) for child in children]
         assert any("board serve" in c for c in commands) and any(" engine " in c for c in commands), commands
-        process.kill()
+        process.send_signal(sig)
         process.wait(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
     assert not gone(children, timeout_s=120)
-    output.rest(timeout_s=60)
+    rest = output.rest(timeout_s=60)
+    if sig == signal.SIGTERM:
+        assert process.returncode == 130 and "interrupted" in rest, (process.returncode, rest[-3000:])
 
 
 def test_demo_refuses_an_unknown_commit_mode(tmp_path):

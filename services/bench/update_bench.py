@@ -7,8 +7,9 @@ checkpoint directory as an engine loads them):
 * **hot** (`hot_*`): the resident view. Per version: fetch the delta and check sha256
   (`hot_fetch_s`), decode and verify it against the served slot (`Follower.hot_patch`,
   `hot_decode_s`), stage it next to the weights (`ResidentView.stage`, `hot_stage_s`),
-  then the commit, the only time the engine cannot generate (`hot_pause_ms`). The disk
-  slot follows afterwards, off the critical path (`hot_disk_s`).
+  then the commit, the only time the engine cannot generate (`hot_pause_ms`; the
+  process's CPU time in it, `hot_pause_cpu_ms`, which a busy machine does not inflate with
+  waits for a core). The disk slot follows afterwards, off the critical path (`hot_disk_s`).
 * **disk slot + reload** (`disk_*`): today's path. The follower applies the version to
   its other disk slot and swaps it, then the engine reloads the whole checkpoint from
   disk (read every shard, copy into its parameters); it cannot generate during the
@@ -20,7 +21,10 @@ checkpoint directory as an engine loads them):
 the new version; medians over the measured versions, after one warm-up version reported apart
 (`warmup_version`: a GPU host's first decode pays for the compiled kernels). The view is the synthetic one of
 `bench follow` (bf16 N(0, 0.02) weights changed with the per-exponent rates and ULP steps
-of a recorded AdamW trajectory), in `--tensors` tensors.
+of a recorded AdamW trajectory), in `--tensors` tensors. On CUDA the publisher is handed
+a copy of the view on the device, so that the versions are published as a GPU trainer
+publishes them. Each phase's seconds are in `phases_s`: setting up a view of several GB
+(drawing it, its keyframe, two bootstraps) is most of a run's time.
 """
 
 from __future__ import annotations
@@ -196,7 +200,9 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
                     decoded = time.perf_counter()
                     staged = view.stage(patch)
                     staged_at = time.perf_counter()
+                    cpu = time.process_time()
                     report = view.commit(staged)
+                    pause_cpu = time.process_time() - cpu
                     hot_ready = time.perf_counter() - committed
                     phases(f"version {v}: torch's indexed write (baseline), the hot node's disk copy")
                     floor = torch_scatter_s(patch, engines["disk"], config.device)
@@ -219,6 +225,7 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
                         {
                             "changed": result.changed_elements / max(1, result.total_elements),
                             "hot_pause_s": report.pause_s,
+                            "hot_pause_cpu_s": pause_cpu,
                             "torch_scatter_s": floor,
                             "hot_ready_s": hot_ready,
                             "hot_fetch_s": fetched - committed,
@@ -251,6 +258,7 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
         "tensors": len(trainer.state),
         "changed_fraction": median("changed"),
         "hot_pause_ms": hot_pause_ms,
+        "hot_pause_cpu_ms": median("hot_pause_cpu_s") * 1e3,
         "torch_scatter_ms": median("torch_scatter_s") * 1e3,
         "hot_ready_s": median("hot_ready_s"),
         "hot_fetch_s": median("hot_fetch_s"),
@@ -302,7 +310,9 @@ def render(report: dict[str, Any], console: Console) -> None:
     console.print(table)
     console.print(
         f"hot path: fetch {report['hot_fetch_s']:.3f} s, decode + verify {report['hot_decode_s']:.3f} s, "
-        f"stage {report['hot_stage_s']:.3f} s, commit {report['hot_pause_ms']:.1f} ms"
+        f"stage {report['hot_stage_s']:.3f} s, commit {report['hot_pause_ms']:.1f} ms "
+        f"({report['hot_pause_cpu_ms']:.1f} ms of this process's CPU: on a busy machine the wall time "
+        "also holds the waits for a core)"
     )
     console.print(
         f"baseline: torch's indexed write of the same changes, unchecked: {report['torch_scatter_ms']:.1f} ms"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -236,3 +237,49 @@ def test_layout_change_names_what_changed_and_ignores_order():
     }
     for said, state in cases.items():
         assert str(layout.change(state, ViewSpec())) == said
+
+
+def _many_batches(monkeypatch: pytest.MonkeyPatch) -> tuple[ViewBuffer, ViewBuffer]:
+    """Two buffers of twelve changed tensors, one batch each."""
+    g = torch.Generator().manual_seed(11)
+    old = {f"t{i:02d}": torch.randn(64, generator=g).to(torch.bfloat16) for i in range(12)}
+    new = {k: (v.view(torch.int16) + 1).view(torch.bfloat16) for k, v in old.items()}
+    layout = ViewLayout.of(old, ViewSpec())
+    a, b = ViewBuffer(layout), ViewBuffer(layout)
+    a.fill(old)
+    b.fill(new)
+    monkeypatch.setattr(device_diff, "CPU_BATCH_BYTES", 1)
+    return a, b
+
+
+def test_a_caller_that_stops_early_stops_the_diff_helper(monkeypatch):
+    """The helper starts a batch before it hands over the one before, and waits for the
+    caller to take it: a caller that stops (an encode that failed) must not leave it
+    waiting forever, which would hang the generator's close."""
+    a, b = _many_batches(monkeypatch)
+    diffs = device_diff.iter_diffs(a, b)
+    assert next(diffs).changes
+    closed = threading.Thread(target=diffs.close)
+    closed.start()
+    closed.join(timeout=120)
+    assert not closed.is_alive()
+    assert not [t for t in threading.enumerate() if t.name.startswith("deltaboard-diff")]
+
+
+def test_a_batch_that_fails_raises_in_the_caller_after_the_batches_before(monkeypatch):
+    a, b = _many_batches(monkeypatch)
+    start = device_diff.start_diff
+    started: list[str] = []
+
+    def failing(old, new, slots, hints=None, fused=None):
+        started.append(slots[0].name)
+        if slots[0].name == "t05":
+            raise RuntimeError("the device is gone")
+        return start(old, new, slots, hints, fused)
+
+    monkeypatch.setattr(device_diff, "start_diff", failing)
+    got = []
+    with pytest.raises(RuntimeError, match="the device is gone"):
+        got.extend(next(iter(d.changes)) for d in device_diff.iter_diffs(a, b))
+    assert got == ["t00", "t01", "t02", "t03"]  # t04 was started, not finished, when t05 failed
+    assert started[-1] == "t05"

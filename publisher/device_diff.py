@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +41,7 @@ CHUNK_ELEMENTS = 1 << 27
 RANK_CHUNK_ELEMENTS = 1 << 26  # class counts: int32 cumulative sums of at most this many
 CPU_BATCH_BYTES = 1 << 25
 CUDA_BATCH_BYTES = 1 << 30
+CUDA_LANES = 2  # batches in flight on CUDA (`iter_diffs`)
 
 
 @dataclass
@@ -130,9 +131,10 @@ _streams_lock = threading.Lock()  # the diff's helper threads ask for streams co
 
 
 def _stream(device: torch.device, role: str) -> torch.cuda.Stream:
-    """A stream of the publisher's own per device and role: "pass", where the diff's kernels
-    run, so that the trainer's stream waits for nothing but its snapshot copies; "copy",
-    where the device->host copies run while the next kernels do."""
+    """A stream of the publisher's own per device and role: "pass0", "pass1", ... (one per
+    batch in flight, `iter_diffs`), where the diff's kernels run, so that the trainer's
+    stream waits for nothing but its snapshot copies; "copy", where the device->host
+    copies run while the next kernels do."""
     with _streams_lock:
         if (device, role) not in _streams:
             _streams[(device, role)] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
@@ -220,19 +222,17 @@ def _class_ranks(
     )
 
 
-Found = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, "Hints | None"]
-"""A batch's changes on the host: slot-local positions, per-slot counts, old bits, new bits,
-the hints' parts."""
-
-
+@torch.no_grad()
 def diff_slots(
     old: ViewBuffer,
     new: ViewBuffer,
     slots: Sequence[Slot],
     hints: bool | None = None,
     fused: bool | None = None,
+    lane: int = 0,
 ) -> ViewDiff:
-    """Changes of consecutive slots of one group (see `batches`).
+    """Changes of consecutive slots of one group (see `batches`); on CUDA its kernels run on
+    the pass stream of `lane` (`iter_diffs`).
 
     Found on the device for the whole batch at once: by the fused Triton pass
     (`fused_diff`, when `fused` asks for it) or by the torch reference (one
@@ -242,22 +242,6 @@ def diff_slots(
     while the changes are copied to the host (off by default: the CPU path hands the codec
     the old bytes instead, and on a GPU they cost the pass most of its throughput).
     """
-    return start_diff(old, new, slots, hints, fused)()
-
-
-@torch.no_grad()
-def start_diff(
-    old: ViewBuffer,
-    new: ViewBuffer,
-    slots: Sequence[Slot],
-    hints: bool | None = None,
-    fused: bool | None = None,
-) -> Callable[[], ViewDiff]:
-    """`diff_slots` in two halves: this call runs the batch's kernels and starts its copy to
-    the host; the function it returns waits for the copy and cuts the result per tensor.
-    `iter_diffs` starts the next batch in between, so that on CUDA one batch's copy over
-    the bus runs while the next one's kernels do (without hints; with them the rank pass
-    needs the counts on the host, so the copy is waited for here)."""
     group = slots[0].group
     # Measured on an H200 (design.md, "Publishing a version"): the torch pass is the faster
     # with hints and without (8 GB: 321-380 vs 231-282 GB/s of view without, 85-92 vs 57-74
@@ -265,30 +249,17 @@ def start_diff(
     want_hints = bool(hints)
     use_fused = bool(fused)
     if group[0] == "cpu" and not want_hints and not use_fused:
-        done = _diff_on_host(old, new, slots)
-        return lambda: done
+        return _diff_on_host(old, new, slots)
     on_cuda = torch.device(group[0]).type == "cuda"
     if on_cuda:
         # The pass stream reads the buffers only once their fills ran (on the stream that
         # filled them): a device-side wait, the host blocks for nothing.
-        stream = _stream(torch.device(group[0]), "pass")
+        stream = _stream(torch.device(group[0]), f"pass{lane}")
         for buffer in (old, new):
             if buffer.ready is not None:
                 stream.wait_event(buffer.ready)
     with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
-        found = _find(old, new, slots, want_hints, use_fused)
-    return lambda: _cut(slots, *found())
-
-
-def _cut(
-    slots: Sequence[Slot],
-    local: np.ndarray,
-    counts: np.ndarray,
-    old_h: np.ndarray,
-    new_h: np.ndarray,
-    ranks: Hints | None,
-) -> ViewDiff:
-    """A batch's changes on the host, per tensor."""
+        local, counts, old_h, new_h, ranks = _find(old, new, slots, want_hints, use_fused)
     result = ViewDiff(host_bytes=local.nbytes + old_h.nbytes + new_h.nbytes + 8 * len(slots))
     bounds = np.concatenate(([0], np.cumsum(counts)))
     for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):
@@ -309,38 +280,36 @@ def _cut(
 
 def _find(
     old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot], want_hints: bool, use_fused: bool
-) -> Callable[[], Found]:
-    """`start_diff` on the device: the kernels run and the copy to the host starts; the
-    function returned waits for it (`Found`)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Hints | None]:
+    """`diff_slots` on the device: (slot-local positions, per-slot counts, old bits, new bits,
+    the hints' parts), on the host."""
     group = slots[0].group
     old_g, new_g = old.groups[group], new.groups[group]
     if use_fused and want_hints:
         found = fused_diff.changes(old_g, new_g, slots)
         copy = HostCopy((found.positions, found.old_bits, found.new_bits))
         counts = found.slot_counts
-        ranks = _fused_hints(old_g, slots, found, counts)
+        ranks: Hints | None = _fused_hints(old_g, slots, found, counts)
         local, old_h, new_h = copy.wait()
-        return lambda: (local, counts, old_h, new_h, ranks)
-    start = slots[0].offset
-    stop = word_aligned(slots[-1].offset + slots[-1].numel, group[1])
-    find = functools.partial(fused_diff.changed_elements, key=tuple(slots)) if use_fused else _changed
-    pos, old_changed, new_changed = find(old_g[start:stop], new_g[start:stop])
-    starts = torch.tensor([s.offset - start for s in slots], dtype=torch.int64, device=pos.device)
-    owner = torch.searchsorted(starts, pos, right=True) - 1
-    device_local = pos - starts[owner]
-    # each slot's first change (positions ascend): counts without a synchronising bincount
-    copy = HostCopy((device_local, torch.searchsorted(pos, starts), old_changed, new_changed))
-    total = pos.numel()
-
-    def wait() -> Found:
-        local, firsts, old_h, new_h = copy.wait()
-        return local, np.diff(firsts, append=total), old_h, new_h, None
-
-    if not want_hints or not total:
-        return wait
-    local, counts, old_h, new_h, _ = wait()
-    ranks = _torch_hints(old, slots, counts, device_local, old_changed)
-    return lambda: (local, counts, old_h, new_h, ranks)
+    else:
+        start = slots[0].offset
+        stop = word_aligned(slots[-1].offset + slots[-1].numel, group[1])
+        find = functools.partial(fused_diff.changed_elements, key=tuple(slots)) if use_fused else _changed
+        pos, old_changed, new_changed = find(old_g[start:stop], new_g[start:stop])
+        starts = torch.tensor([s.offset - start for s in slots], dtype=torch.int64, device=pos.device)
+        owner = torch.searchsorted(starts, pos, right=True) - 1
+        device_local = pos - starts[owner]
+        # each slot's first change (positions ascend): counts without a synchronising bincount
+        local, firsts, old_h, new_h = to_host(
+            device_local, torch.searchsorted(pos, starts), old_changed, new_changed
+        )
+        counts = np.diff(firsts, append=pos.numel())
+        ranks = (
+            _torch_hints(old, slots, counts, device_local, old_changed)
+            if want_hints and pos.numel()
+            else None
+        )
+    return local, counts, old_h, new_h, ranks
 
 
 Hints = tuple[dict[int, tuple[int, int]], np.ndarray, int]
@@ -472,43 +441,24 @@ def batch_bytes_for(layout: ViewLayout) -> int:
 def iter_diffs(
     old: ViewBuffer, new: ViewBuffer, hints: bool | None = None, fused: bool | None = None
 ) -> Iterator[ViewDiff]:
-    """The diff batch by batch, computed in a helper thread while the caller encodes (torch
-    releases the GIL in its kernels); the helper starts each batch (`start_diff`) before it
-    finishes the one before, so that on CUDA a batch's copy to the host overlaps the next
-    one's kernels. One finished batch at most waits for the caller (its host memory); a
-    caller that stops early stops the helper."""
+    """The diff batch by batch (`diff_slots`), the next batches computed in helper threads
+    while the caller encodes the current one (torch releases the GIL in its kernels).
+
+    On CUDA two batches are in flight, each on a pass stream of its own (`lane`), so that
+    one batch's copy to the host runs while the next one's kernels do; one helper is
+    enough on the CPU, where the encoding is what the diff overlaps.
+    """
     todo = batches(new.layout, batch_bytes_for(new.layout))
-    ready: queue.Queue[ViewDiff | BaseException | None] = queue.Queue(maxsize=1)
-    stop = threading.Event()
-
-    def pipeline() -> None:
-        try:
-            pending: Callable[[], ViewDiff] | None = None
-            for batch in todo:
-                if stop.is_set():
-                    return
-                started = start_diff(old, new, batch, hints, fused)
-                if pending is not None:
-                    ready.put(pending())
-                pending = started
-            if pending is not None:
-                ready.put(pending())
-            ready.put(None)
-        except BaseException as error:  # handed to the caller, raised there
-            ready.put(error)
-
-    with ThreadPoolExecutor(1, thread_name_prefix="deltaboard-diff") as pool:
-        helper = pool.submit(pipeline)
-        try:
-            while (item := ready.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            while not helper.done():  # unblock a helper waiting to hand over a batch
-                with contextlib.suppress(queue.Empty):
-                    ready.get(timeout=0.05)
+    on_cuda = any(device.startswith("cuda") for device, _ in new.layout.group_numel)
+    lanes = CUDA_LANES if on_cuda else 1
+    with ThreadPoolExecutor(lanes, thread_name_prefix="deltaboard-diff") as pool:
+        pending: deque[Future[ViewDiff]] = deque()
+        for i, batch in enumerate(todo):
+            pending.append(pool.submit(diff_slots, old, new, batch, hints, fused, i % lanes))
+            if len(pending) > lanes:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def diff_views(

@@ -197,7 +197,7 @@ def address(
 
 def warm_up(bits: np.dtype[Any]) -> None:
     """Compile (or load from the disk cache) the loops for one element width, so that the
-    first commit does not pay for it inside the engine's pause."""
+    first commit does not pay for it inside the engine's pause, nor the first staging."""
     empty, none = np.empty(0, dtype=bits), np.empty(0, dtype=np.int64)
     _swap(none, empty, empty, 0, 0)
     _address(none, np.ones(1, dtype=np.int64), none, none, 1, 0, 0, none, empty, empty, empty, empty)

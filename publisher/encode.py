@@ -166,8 +166,8 @@ def encode_rank(
     changed = host_bytes = hint_bytes = 0
     diff_s = 0.0
     started = time.perf_counter()
-    # hints where asked for, by default where they cost little (`diff_slots`); the CPU path
-    # hands the codec the old bytes instead
+    # device hints only where asked for (`diff_slots`); the CPU path hands the codec the
+    # old bytes instead
     for part in iter_diffs(base, buffer, hints=context):
         diff_s += time.perf_counter() - started  # time waiting for the diff, not hidden by encoding
         changed_slots = [(slots[name], c) for name, c in part.changes.items()]

@@ -32,8 +32,8 @@ the old bytes in place; the pass costs background time only, none of it on the t
 thread, so the default (`None`, auto) uses it there. On CUDA it needs a hint computed on
 the device, which on an H200 costs the snapshot + diff pass about two thirds of its
 throughput whether the fused Triton pass (`fused_diff`) or torch computes it (design.md),
-so auto leaves it off there. `context=True` asks for it everywhere (on CUDA through the
-fused pass where Triton is installed), `context=False` nowhere.
+so auto leaves it off there. `context=True` asks for it everywhere (on CUDA the torch
+pass computes the hint: it measured faster than the fused one), `context=False` nowhere.
 
 Threads: the caller's (snapshot only), one worker (orders the stages, commits), a diff
 helper, an encoder pool (`encode_workers`, default min(4, cores)), an upload pool, and

@@ -23,7 +23,7 @@ from deltaboard.board.codec.bitio import put_index_sets
 from deltaboard.board.codec.changes import Changes, check_positions
 from deltaboard.board.codec.classes import split_by_class
 from deltaboard.board.codec.context import EXPONENT_FIELDS
-from deltaboard.board.codec.digest import change_sums, format_digest, parse_digest
+from deltaboard.board.codec.digest import change_sums, raw_digests
 from deltaboard.board.codec.dtypes import as_bits, dtype_code, uint_dtype
 from deltaboard.board.codec.errors import PatchError
 from deltaboard.board.codec.header import ENCODINGS, pack_fields
@@ -140,7 +140,8 @@ def encode_batch(
     if len(old_digests) != len(changes) or (hints is not None and len(hints) != len(changes)):
         raise PatchError("encode_batch: one base digest (and hint) per tensor expected")
     bits_dtype = uint_dtype(changes[0].dtype)
-    if any(uint_dtype(c.dtype) != bits_dtype for c in changes):
+    kinds = {c.dtype for c in changes}
+    if any(uint_dtype(dtype) != bits_dtype for dtype in kinds):
         raise PatchError("encode_batch: tensors of one element width expected")
     for c in changes:
         n = c.positions.shape
@@ -157,11 +158,10 @@ def encode_batch(
         raise PatchError(f"old has {old_bits.size} elements, fewer than the tensors' at their starts")
     bounds = np.zeros(len(changes) + 1, dtype=np.int64)
     np.cumsum([c.positions.size for c in changes], out=bounds[1:])
-    lanes = np.array([parse_digest(d) for d in old_digests], dtype=np.uint64).reshape(-1, 2)
+    bases = raw_digests(old_digests)
+    lanes = np.frombuffer(bases, dtype=">u8").astype(np.uint64).reshape(-1, 2)
     modes, thresholds, ranks = _hints(changes, old is not None, hints, bounds)
-    dtypes = {
-        dtype: (*EXPONENT_FIELDS.get(dtype, (0, 0)), layout(dtype)[2]) for dtype in {c.dtype for c in changes}
-    }
+    dtypes = {dtype: (*EXPONENT_FIELDS.get(dtype, (0, 0)), layout(dtype)[2]) for dtype in kinds}
     fields = np.array([dtypes[c.dtype] for c in changes], np.uint64)
     codes = {dtype: dtype_code(dtype) for dtype in dtypes}
     payloads, ends, encodings, status = _encode_all(
@@ -183,9 +183,12 @@ def encode_batch(
         raise PatchError(_FAILURES[int(status[failed[0]])])
     view = payloads.data
     out = []
-    # Python values once, not a numpy scalar per read (this loop runs once per tensor)
+    # every result digest's 16 raw bytes and hex in one call each, as `bases`; and Python
+    # values once, not a numpy scalar per read (this loop runs once per tensor)
+    results = lanes.astype(">u8").tobytes()
+    results_hex = results.hex()
     starts_of, ends_of = np.concatenate(([0], ends[:-1])).tolist(), ends.tolist()
-    chosen, result_lanes = encodings.tolist(), lanes.tolist()
+    chosen, counts, numbers = encodings.tolist(), np.diff(bounds).tolist(), numels.tolist()
     for i, c in enumerate(changes):
         if chosen[i] == _GENERAL:
             tensor_old = None if old is None else old_bits[starts[i] : starts[i] + c.numel].view(np.uint8)
@@ -193,11 +196,11 @@ def encode_batch(
             patch = api.encode_changes(c, tensor_old, c.dtype, old_digest=old_digests[i], hint=hint)
             out.append((patch, api.read_header(patch).result_digest))
             continue
-        result = format_digest(*result_lanes[i])
+        at = 16 * i
+        base, after = bases[at : at + 16], results[at : at + 16]
         payload = view[starts_of[i] : ends_of[i]]
-        base, after = bytes.fromhex(old_digests[i]), bytes.fromhex(result)
-        patch = pack_fields(codes[c.dtype], chosen[i], c.numel, c.count, base, after, payload)
-        out.append((patch, result))
+        patch = pack_fields(codes[c.dtype], chosen[i], numbers[i], counts[i], base, after, payload)
+        out.append((patch, results_hex[2 * at : 2 * at + 32]))
     return out
 
 

@@ -156,6 +156,21 @@ def parse_digest(value: str) -> tuple[int, int]:
         raise PatchError(f"digest {value!r} is not hexadecimal") from None
 
 
+def raw_digests(values: Sequence[str]) -> bytes:
+    """Every digest's 16 bytes end to end (its two lanes big-endian, as a patch header
+    holds them), parsed in one call for a batch of patches; PatchError if one is not a
+    digest."""
+    if any(len(value) != _DIGEST_HEX for value in values):
+        raise PatchError(f"digests must be {_DIGEST_HEX} hex characters")
+    try:
+        raw = bytes.fromhex("".join(values))
+    except ValueError:
+        raise PatchError("a digest is not hexadecimal") from None
+    if len(raw) != _DIGEST_HEX // 2 * len(values):  # `fromhex` skips spaces between bytes
+        raise PatchError("a digest is not hexadecimal")
+    return raw
+
+
 def digest_of_sums(sums: Iterable[tuple[np.uint64, np.uint64]]) -> str:
     """The digest of disjoint ranges' lanes (each pair the sums of `_mix` over one range)."""
     pairs = list(sums)

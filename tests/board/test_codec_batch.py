@@ -99,3 +99,9 @@ def test_bad_input_is_refused_as_encode_changes_refuses_it() -> None:
     with pytest.raises(codec.PatchError, match="one element width"):
         f32 = make_case("F32", 10, "one", 1)
         codec.encode_batch([good, codec.diff(f32.old, f32.new, "F32")], [digest, digest])
+    # the batch parses its base digests in one call: each bad one refused as `encode_changes` does
+    for bad in (digest[:-1], "z" + digest[1:], digest[:4] + "  " + digest[6:]):
+        with pytest.raises(codec.PatchError, match="digest"):
+            codec.encode_changes(good, None, "BF16", old_digest=bad)
+        with pytest.raises(codec.PatchError, match="digest"):
+            codec.encode_batch([good, good], [digest, bad])

@@ -17,7 +17,7 @@ from deltaboard.board.codec.classes import (
     class_ranks,
     split_ranks,
 )
-from deltaboard.board.codec.context import EXPONENT_FIELDS
+from deltaboard.board.codec.context import EXPONENT_FIELDS, count_exponents
 from deltaboard.board.codec.digest import digest_bits
 from deltaboard.board.codec.jit import FAST_DEPOSIT
 
@@ -59,6 +59,27 @@ def test_diff_matches_numpy(pair: tuple[str, np.ndarray, np.ndarray]) -> None:
     assert np.array_equal(got.positions, want)
     assert np.array_equal(got.old_bits, old[want]) and np.array_equal(got.new_bits, new[want])
     assert got.old_bits.dtype == old.dtype
+
+
+@SETTINGS
+@given(
+    st.sampled_from(sorted(set(UINTS) & set(EXPONENT_FIELDS))),
+    st.integers(0, 300),
+    st.integers(1, 40),
+    st.integers(0, 2**31 - 1),
+)
+def test_exponent_counts_match_numpy_for_every_size_and_stride(
+    dtype: str, n: int, stride: int, seed: int
+) -> None:
+    """Lane-split counting (`count_exponents`) counts each element read once, whatever the
+    size's and stride's remainders against its lanes (the hint's thresholds follow it)."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, np.iinfo(UINTS[dtype]).max, size=n, dtype=UINTS[dtype], endpoint=True)
+    bits[: n // 2] = bits[0] if n else 0  # runs of one exponent, as in a weight matrix
+    shift, mask = EXPONENT_FIELDS[dtype]
+    exponents = ((bits >> UINTS[dtype](shift)) & UINTS[dtype](mask)).astype(np.int64)
+    want = np.bincount(exponents[::stride], minlength=mask + 1)
+    assert np.array_equal(count_exponents(bits, shift, mask, stride), want)
 
 
 def test_diff_splits_large_tensors_between_threads_exactly() -> None:

@@ -34,25 +34,34 @@ CONTEXTS = 16
 SAMPLE_STRIDE = 32
 SAMPLE_FROM = 1 << 16  # tensors this large are sampled every SAMPLE_STRIDE-th element
 CONTEXT_GAIN = 0.9  # use context classes when they estimate <= 90% of the position bits
-_LANES = 8  # independent histograms in `count_exponents`
+_LANES = 8  # independent histograms in `_count_every`
 
 
 @kernel
 def count_exponents(bits: np.ndarray, shift: int, mask: int, stride: int = 1) -> np.ndarray:
     """`exponent_counts` for the exponent field (shift, mask) of `bits[::stride]`, compiled
     (a contiguous array and a stride: a strided view would be read element by element)."""
-    # _LANES histograms, the k-th of every _LANES elements read counted in lane k:
-    # neighbouring weights mostly share an exponent, and one histogram would make each
-    # increment wait for the previous one's store to the same counter
+    if stride == 1:  # a small tensor, counted whole: the hint's largest cost per tensor
+        return _count_every(bits, shift, mask)
+    counts = np.zeros(mask + 1, dtype=np.int64)
+    for i in range(0, bits.size, stride):
+        counts[(int(bits[i]) >> shift) & mask] += 1
+    return counts
+
+
+@kernel
+def _count_every(bits: np.ndarray, shift: int, mask: int) -> np.ndarray:
+    """`count_exponents` of every element, in a loop of unit steps the compiler sees as
+    such, into _LANES histograms (the k-th of every _LANES elements counted in lane k):
+    neighbouring weights mostly share an exponent, and one histogram would make each
+    increment wait for the previous one's store to the same counter."""
     lanes = np.zeros((_LANES, mask + 1), dtype=np.int64)
-    step = _LANES * stride
-    whole = bits.size - (_LANES - 1) * stride  # rounds that read all lanes start below this
     i = 0
-    while i < whole:
+    while i + _LANES <= bits.size:
         for k in range(_LANES):
-            lanes[k, (int(bits[i + k * stride]) >> shift) & mask] += 1
-        i += step
-    for j in range(i, bits.size, stride):
+            lanes[k, (int(bits[i + k]) >> shift) & mask] += 1
+        i += _LANES
+    for j in range(i, bits.size):
         lanes[0, (int(bits[j]) >> shift) & mask] += 1
     counts = np.zeros(mask + 1, dtype=np.int64)
     for k in range(_LANES):

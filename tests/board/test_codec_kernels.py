@@ -71,8 +71,9 @@ def test_diff_matches_numpy(pair: tuple[str, np.ndarray, np.ndarray]) -> None:
 def test_exponent_counts_match_numpy_for_every_size_and_stride(
     dtype: str, n: int, stride: int, seed: int
 ) -> None:
-    """Lane-split counting (`count_exponents`) counts each element read once, whatever the
-    size's and stride's remainders against its lanes (the hint's thresholds follow it)."""
+    """`count_exponents` (lanes over a whole tensor, a plain loop over a sample) counts each
+    element read once, whatever the size's remainder against its lanes and the stride (the
+    hint's thresholds follow it)."""
     rng = np.random.default_rng(seed)
     bits = rng.integers(0, np.iinfo(UINTS[dtype]).max, size=n, dtype=UINTS[dtype], endpoint=True)
     bits[: n // 2] = bits[0] if n else 0  # runs of one exponent, as in a weight matrix

@@ -26,7 +26,7 @@ import contextlib
 import functools
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -440,7 +440,7 @@ def batch_bytes_for(layout: ViewLayout) -> int:
 
 def iter_diffs(
     old: ViewBuffer, new: ViewBuffer, hints: bool | None = None, fused: bool | None = None
-) -> Iterator[ViewDiff]:
+) -> Generator[ViewDiff, None, None]:
     """The diff batch by batch (`diff_slots`), the next batches computed in helper threads
     while the caller encodes the current one (torch releases the GIL in its kernels).
 

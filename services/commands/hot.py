@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -52,17 +50,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             versions=versions or config.versions,
         )
         console = Console()
-        started = time.perf_counter()
-
-        def progress(update: Callable[[str], None]) -> Callable[[str], None]:
-            def status(what: str) -> None:  # a line per phase, with the seconds since the start
-                console.print(f"[{time.perf_counter() - started:7.1f} s] {what}", highlight=False)
-                update(what)
-
-            return status
-
         report = measured(
-            console, lambda update: update_bench.run_shapes(config, many_tensors, progress(update))
+            console, lambda status: update_bench.run_shapes(config, many_tensors, status), timestamped=True
         )
         update_bench.render(report, console)
         write_report(report, json_path, console)

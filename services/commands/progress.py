@@ -10,6 +10,7 @@ the follower's phases.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -61,11 +62,22 @@ def make_console() -> Console:
     return console if console.is_terminal else Console(width=160)
 
 
-def measured(console: Console, measure: Callable[[Callable[[str], None]], R]) -> R:
-    """Run a benchmark under one transient spinner that shows the phase it reports."""
+def measured(
+    console: Console, measure: Callable[[Callable[[str], None]], R], *, timestamped: bool = False
+) -> R:
+    """Run a benchmark under one transient spinner that shows the phase it reports;
+    `timestamped` also prints a line per phase with the seconds since the start (a long
+    run's log then says where its time went)."""
+    started = time.perf_counter()
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("starting", total=None)
-        return measure(lambda what: bar.update(task, description=what))
+
+        def phase(what: str) -> None:
+            if timestamped:
+                console.print(f"[{time.perf_counter() - started:7.1f} s] {what}", highlight=False)
+            bar.update(task, description=what)
+
+        return measure(phase)
 
 
 def write_report(report: object, path: Path | None, console: Console) -> None:

@@ -367,10 +367,11 @@ def _pct(values: list[float] | None, q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _ttft_ms(direct: Phase, sidecar: Phase) -> dict[str, list[float]]:
+def _p50_p99(direct: list[float] | None, sidecar: list[float] | None) -> dict[str, list[float]]:
+    """[p50, p99] of a figure's values, direct and through the sidecar."""
     return {
-        "direct": [round(_pct(direct.ttft_ms, q), 2) for q in (0.5, 0.99)],
-        "sidecar": [round(_pct(sidecar.ttft_ms, q), 2) for q in (0.5, 0.99)],
+        "direct": [round(_pct(direct, q), 2) for q in (0.5, 0.99)],
+        "sidecar": [round(_pct(sidecar, q), 2) for q in (0.5, 0.99)],
     }
 
 
@@ -409,15 +410,12 @@ def _summary(phases: dict[str, Phase], config: BenchConfig) -> dict[str, Any]:
         "busy_cores": {name: round(phase.busy_cores, 2) for name, phase in phases.items()},
         "errors": sum(phase.errors for phase in phases.values()),
         "missing_stamps": sidecar_s.missing + sidecar_p.missing + sidecar_r.missing,
-        "ttft_ms": _ttft_ms(direct_s, sidecar_s),
+        "ttft_ms": _p50_p99(direct_s.ttft_ms, sidecar_s.ttft_ms),
         "paced": {
             "tokens_per_s": [round(p.units / p.elapsed_s) for p in (direct_p, sidecar_p)],
-            "ttft_ms": _ttft_ms(direct_p, sidecar_p),
+            "ttft_ms": _p50_p99(direct_p.ttft_ms, sidecar_p.ttft_ms),
         },
-        "latency_ms": {
-            "direct": [round(_pct(direct_r.latency_ms, q), 2) for q in (0.5, 0.99)],
-            "sidecar": [round(_pct(sidecar_r.latency_ms, q), 2) for q in (0.5, 0.99)],
-        },
+        "latency_ms": _p50_p99(direct_r.latency_ms, sidecar_r.latency_ms),
         "first_error": next((p.first_error for p in phases.values() if p.first_error), None),
         "cores": os.cpu_count(),
         "config": asdict(config),

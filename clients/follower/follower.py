@@ -329,11 +329,11 @@ class Follower:
             steps = steps[fulls[-1] :]
         if not steps or steps[-1].version != target:
             raise FollowerError(f"the board's plan {held}->{target} does not end at {target}")
-        cached = ("full", "delta", "span") if cache_spans else ("full", "delta")
         by_ranges = {
             i
             for i, s in enumerate(steps)
-            if s.kind not in cached and (s.kind == "keyframe" or self._fetcher.missing(s.blobs))
+            if s.kind == "keyframe"
+            or (s.kind == "span" and not cache_spans and self._fetcher.missing(s.blobs))
         }
         missing = self._fetcher.missing(b for i, s in enumerate(steps) if i not in by_ranges for b in s.blobs)
         self._open_phase(

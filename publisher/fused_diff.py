@@ -175,12 +175,12 @@ def _compacted(
 
 
 def _reordered(
-    total: int, counts: torch.Tensor, bases: torch.Tensor, claimed: list[torch.Tensor]
+    total: int, counts: torch.Tensor, offsets: torch.Tensor, bases: torch.Tensor, claimed: list[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """Each tile's run moved from where it claimed it to its place in tile order."""
+    """Each tile's run moved from where it claimed it (`bases`) to its place in tile order
+    (`offsets`, the exclusive scan of `counts`)."""
     out = [torch.empty(total, dtype=t.dtype, device=t.device) for t in claimed]
     if total:
-        offsets = torch.cumsum(counts, 0) - counts
         _kernels().reorder[(counts.numel(),)](counts, bases, offsets, *claimed, *out, STEP=REORDER_STEP)
     return out
 
@@ -213,7 +213,8 @@ def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot]) -> Fuse
 
     numel = sum(s.numel for s in slots)
     total, claimed = _compacted(key, numel // 64, (torch.int64, old.dtype, old.dtype), device, launch)
-    positions, old_bits, new_bits = _reordered(total, counts, bases, claimed)
+    offsets = torch.cumsum(counts, 0) - counts
+    positions, old_bits, new_bits = _reordered(total, counts, offsets, bases, claimed)
     per_slot = torch.zeros(len(slots), dtype=torch.int64, device=device)
     if n:
         per_slot.index_add_(0, table.slot.to(torch.int64), counts.to(torch.int64))
@@ -225,7 +226,7 @@ def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot]) -> Fuse
         sampled,
         changed,
         counts,
-        torch.cumsum(counts, 0) - counts,
+        offsets,
         masks,
         TILE,
     )
@@ -259,7 +260,7 @@ def changed_elements(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple
 
     dtypes = (torch.int64, old.dtype, old.dtype)
     total, claimed = _compacted(("elements", key), old.numel() // 64, dtypes, old.device, launch)
-    return tuple(_reordered(total, counts, bases, claimed))
+    return tuple(_reordered(total, counts, torch.cumsum(counts, 0) - counts, bases, claimed))
 
 
 def class_ranks(

@@ -68,9 +68,10 @@ def compact_words(
     inside = w < n_words
     a = tl.load(old + w, mask=inside, other=0)
     b = tl.load(new + w, mask=inside, other=0)
+    differ = a ^ b
     per_word = tl.zeros((TILE,), dtype=tl.int32)
     for j in tl.static_range(PER):
-        per_word += (lane(a, j, BITS) != lane(b, j, BITS)).to(tl.int32)
+        per_word += (lane(differ, j, BITS) != 0).to(tl.int32)
     n = tl.sum(per_word, axis=0)
     tl.store(counts + t, n)
     base = tl.atomic_add(cursor, n.to(tl.int64), sem="relaxed")  # tiles claim their range in any order

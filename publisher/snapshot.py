@@ -200,8 +200,8 @@ class ViewBuffer:
         thirds of it). On the CPU such a tensor is copied as bytes, in pieces shared with
         one helper thread (`copy_shared`). Every other tensor is copied by torch, many in
         one call (`_copy_all`), so that a model of thousands of small tensors costs what
-        its bytes cost, not a call per tensor: on the CPU in
-        batches of about a piece's bytes, shared like the pieces.
+        its bytes cost, not a call per tensor: on the CPU in batches of about a piece's
+        bytes, shared like the pieces.
         """
         pieces: list[Callable[[], None]] = []
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
@@ -210,13 +210,13 @@ class ViewBuffer:
         for name, target in self._targets:
             src = state[name]  # under no_grad: copies need no detached view (a call per tensor)
             host = self._host_raw.get(name)
-            whole = src.dtype == target.dtype and src.is_contiguous()
+            whole = src.dtype == target.dtype and src.is_contiguous()  # copyable as bytes
             if host is None and whole and src.nbytes >= _MEMCPY_BYTES:
                 target.copy_(src)  # a plain device memcpy: the multi-tensor kernel is slower (design.md)
             elif host is None:
                 on_device[0].append(target)
                 on_device[1].append(src)
-            elif host.size >= _PIECE_BYTES and src.dtype == target.dtype and src.is_contiguous():
+            elif host.size >= _PIECE_BYTES and whole:
                 source = src.detach().reshape(-1).view(torch.uint8).numpy()
                 pieces.extend(partial(stream_copy, host[a:b], source[a:b]) for a, b in _pieces(host.size))
             else:

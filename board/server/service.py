@@ -23,6 +23,7 @@ from deltaboard.board.contract.errors import (
     BodyTooLarge,
     DigestMismatch,
     IndexUnavailable,
+    NotFound,
     UnknownAsset,
     UnknownBlob,
     UnknownRun,
@@ -125,10 +126,13 @@ class BoardService:
         return True
 
     async def _load(self, record: RunRecord) -> Head:
-        """Versions, then the head, then the run itself: a request that finds the run
-        finds its head, and a poller woken by the head finds its plan. Returns the head."""
-        head = await self.catch_up(record.name, None)
-        await self.index.put_run(record)
+        """The run with its versions and its head, in one write of the index
+        (`Index.load_run`): a request that finds the run finds its head, and a poller woken
+        by the head finds its plan. Returns the head."""
+        stored, _ = await self.blocking(self.ledger.head, record.name)
+        records = await self.blocking(self.ledger.committed_versions, record.name, stored.version, None)
+        head = stored.wire(record.name)
+        await self.index.load_run(record, records, head)
         return head
 
     async def catch_up(self, run: str, known: Head | None) -> Head:
@@ -193,9 +197,8 @@ class BoardService:
     async def create_run(self, req: RunCreate) -> tuple[RunInfo, bool]:
         """Create the run (idempotent): its info and whether it is new."""
         record, created = await self.blocking(self.ledger.create_run, req)
-        await self.index.put_run(record)
-        head, _ = await self.blocking(self.ledger.head, req.name)
-        await self.index.advance_head(head.wire(req.name))
+        if await self.index.get_run(req.name) is None:  # new, or lost by the index: with its versions
+            await self._load(record)
         return await self.run_info(record), created
 
     async def list_runs(self) -> list[RunRecord]:
@@ -385,6 +388,17 @@ class BoardService:
 
     async def plan(self, run: str, from_version: int | None, to_version: int | None) -> Plan:
         await self.require_run(run)
+        try:
+            return await self._plan(run, from_version, to_version)
+        except NotFound:
+            if await self.index.get_run(run) is not None:
+                raise
+            # The index was lost between our reads (a Redis restarted): it healed nothing
+            # yet, so what it answered says nothing about the store. Heal, and plan again.
+            await self._heal(run)
+            return await self._plan(run, from_version, to_version)
+
+    async def _plan(self, run: str, from_version: int | None, to_version: int | None) -> Plan:
         current = await self.head(run)
         versions = await self.index.versions(run)
         spans = await self.spans.records(run)

@@ -4,15 +4,22 @@ routes that miss a run heal it at once, and the publisher keeps publishing, noth
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
+from deltaboard.board.server.api.app import create_app
+from deltaboard.board.server.index import Index
 from deltaboard.board.server.ledger import Ledger
+from deltaboard.board.server.settings import Settings
 from deltaboard.board.server.storage.local import LocalStore
 from deltaboard.publisher.publisher import Publisher
 from tests.clients.support import states, view_of
@@ -142,3 +149,71 @@ def test_a_restarted_valkey_is_answered_503_then_rebuilt(tmp_path, valkey_server
             assert_same_view(materialize(reader, "r", version), views[version])
     finally:
         board.stop()
+
+
+class Tearing:
+    """The board's real Redis index, emptied (FLUSHALL: what a restart without persistence
+    leaves) just before its n-th call from `arm(n)` on: a restart that lands between two of
+    the board's calls to the index."""
+
+    def __init__(self, index: Index, valkey: ValkeyServer) -> None:
+        self._index = index
+        self._valkey = valkey
+        self._left: int | None = None
+        self.torn = False
+
+    def arm(self, n: int) -> None:
+        self._left, self.torn = n, False
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._index, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if self._left is not None:
+                self._left -= 1
+                if self._left == 0:
+                    self._valkey.flushall()
+                    self._left, self.torn = None, True
+            return await attr(*args, **kwargs)
+
+        return call
+
+
+def test_an_index_lost_between_any_two_of_its_calls_never_answers_404_for_a_committed_version(
+    tmp_path, valkey_server
+):
+    """Before: a restart between the writes of a run's load left the run and its head in the
+    index without the versions, and every plan answered 404 NoChain until the next rebuild."""
+    board = redis_board(tmp_path, valkey_server)
+    try:
+        with Publisher(board.client(board.publish_token), "r", assets={}) as pub:
+            for state in states(SIZES, 3):
+                pub.publish(state).result()
+    finally:
+        board.stop()
+    settings = Settings(
+        data_dir=board.data_dir,
+        auth_config=board.data_dir / "auth.json",
+        redis=valkey_server.url,
+        index_check_s=3600,  # no rebuild: what the routes do on their own
+        fsync=False,
+    )
+    app = create_app(settings)
+    service = app.state.board.service
+    tearing = Tearing(service.index, valkey_server)
+    service.index = tearing
+    with TestClient(app) as http:
+        http.headers["Authorization"] = f"Bearer {board.admin_token}"
+        for n in itertools.count(1):
+            tearing.arm(n)
+            created = http.post("/v1/runs", json={"name": "r"})  # a publisher (re)opening the run
+            assert created.status_code == 200, (n, created.text)
+            for _ in range(2):  # while the index is torn, then once it is not
+                answer = http.get("/v1/runs/r/plan", params={"to": 2})
+                assert answer.status_code == 200, (n, answer.text)
+                assert [step["version"] for step in answer.json()["steps"]] == [0, 1, 2]
+            if not tearing.torn:
+                break
+    assert n > 4  # the tear reached past the run's load and the plan's reads

@@ -29,8 +29,11 @@ class EmbeddedIndex:
     async def close(self) -> None:
         return None
 
-    async def put_run(self, run: RunRecord) -> None:
+    async def load_run(self, run: RunRecord, versions: list[VersionRecord], head: Head) -> bool:
+        await self.put_versions(run.name, versions)
+        advanced = await self.advance_head(head)
         self._runs[run.name] = run
+        return advanced
 
     async def get_run(self, name: str) -> RunRecord | None:
         return self._runs.get(name)

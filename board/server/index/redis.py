@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT, FieldT
 
 from deltaboard.board.contract.errors import IndexUnavailable
 from deltaboard.board.contract.schemas import FleetNode, Head
@@ -63,6 +64,10 @@ def reachable(method: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Corout
             raise IndexUnavailable(f"the board's index (Redis) is unreachable: {exc}") from exc
 
     return wrapper
+
+
+def _version_fields(records: list[VersionRecord]) -> dict[FieldT, EncodableT]:
+    return {str(r.version): r.model_dump_json() for r in records}
 
 
 class RedisIndex:
@@ -138,8 +143,20 @@ class RedisIndex:
         return found.decode()
 
     @reachable
-    async def put_run(self, run: RunRecord) -> None:
-        await self.redis.hset(self._k("runs"), run.name, run.model_dump_json())
+    async def load_run(self, run: RunRecord, versions: list[VersionRecord], head: Head) -> bool:
+        """One MULTI/EXEC: a restart lands before it or after it, never inside it."""
+        version, epoch = head_rank(head)
+        async with self.redis.pipeline(transaction=True) as tx:
+            if versions:
+                tx.hset(self._k("versions", run.name), mapping=_version_fields(versions))
+            head_key = self._k("head", run.name)
+            tx.eval(ADVANCE_HEAD, 2, head_key, self.channel, head.model_dump_json(), version, epoch)
+            tx.hset(self._k("runs"), run.name, run.model_dump_json())
+            answers = await tx.execute()
+        advanced = bool(answers[-2])
+        if advanced:
+            self.waiters.notify(head)
+        return advanced
 
     @reachable
     async def get_run(self, name: str) -> RunRecord | None:
@@ -173,9 +190,7 @@ class RedisIndex:
     @reachable
     async def put_versions(self, run: str, records: list[VersionRecord]) -> None:
         if records:
-            await self.redis.hset(
-                self._k("versions", run), mapping={str(r.version): r.model_dump_json() for r in records}
-            )
+            await self.redis.hset(self._k("versions", run), mapping=_version_fields(records))
 
     @reachable
     async def versions(self, run: str) -> dict[int, VersionRecord]:

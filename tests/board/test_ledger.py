@@ -4,8 +4,10 @@ writers' leftovers, fencing in the middle of a commit, racing commits."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -55,6 +57,67 @@ def test_retry_after_a_crash_before_the_head_cas(ledger):
     assert ledger.store.read_record(manifest_key("r", 1)) == (encode(m), str(int(crashed) + 1))
 
 
+class Crashed(BaseException):
+    """Injected fault: the process dies here (no `except` of the store catches it)."""
+
+
+class Crasher:
+    """Injected fault: the process dies at the `at`-th call that changes the disk, before
+    it (or, `torn`, after writing half of its bytes), and every later call dies too."""
+
+    CALLS = ("write", "pwrite", "replace", "link", "unlink")
+
+    def __init__(self, at: int, torn: bool) -> None:
+        self.at, self.torn, self.calls = at, torn, 0
+
+    def arm(self, patch: pytest.MonkeyPatch) -> None:
+        for name in self.CALLS:
+            patch.setattr(os, name, self.wrap(name, getattr(os, name)))
+
+    def wrap(self, name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.calls < self.at:
+                return real(*args, **kwargs)
+            if self.calls == self.at and self.torn and name in ("write", "pwrite"):
+                real(args[0], args[1][: len(args[1]) // 2], *args[2:])
+            raise Crashed(name)
+
+        return call
+
+
+def test_a_commit_killed_at_any_step_leaves_the_old_head_or_the_new_one(tmp_path, monkeypatch):
+    """Every instant of a commit's write order, in turn (writes also cut in half): the
+    store restarted afterwards holds version 0 as head, or version 1 with its manifest
+    whole, never a head without its manifest; a retry then commits it."""
+    at, finished = 0, False
+    while not finished:
+        at += 1
+        for torn in (False, True):
+            root = tmp_path / f"{at}-{torn}"
+            ledger = Ledger(LocalStore(root, fsync=False))
+            ledger.create_run(RunCreate(name="r"))
+            epoch = lease(ledger, "a")
+            commit(ledger, 0, epoch, b"zero")
+            put_blobs(ledger, {"w": b"one"})
+            m = manifest("r", 1, epoch, {"w": b"one"})
+            with monkeypatch.context() as patch:
+                Crasher(at, torn).arm(patch)
+                try:
+                    ledger.commit("r", m)
+                    finished = True
+                except Crashed:
+                    pass
+            again = Ledger(LocalStore(root, fsync=False))
+            head = again.head("r")[0]
+            assert head.version in (0, 1), (at, torn)
+            if head.version == 0:
+                assert again.commit("r", m)[0].version == 1, (at, torn)
+            assert again.manifest_bytes("r", 1) == encode(m), (at, torn)
+            assert [r.version for r in again.committed_versions("r", 1)] == [0, 1]
+    assert at > 5  # the commit's steps were all reached
+
+
 def test_fenced_writers_leftover_is_replaced(ledger):
     old = lease(ledger, "a")
     commit(ledger, 0, old, b"zero")
@@ -77,11 +140,11 @@ class LeaseDuringCommit(LocalStore):
 
     hook: Callable[[], object] | None = None
 
-    def _set_record(self, key, tmp, expected, **kw):
+    def _set_record(self, key, data, expected, **kw):
         if key == head_key("r") and expected is not None and self.hook is not None:
             hook, self.hook = self.hook, None
             hook()
-        return super()._set_record(key, tmp, expected, **kw)
+        return super()._set_record(key, data, expected, **kw)
 
 
 def test_fencing_in_the_middle_of_a_commit(tmp_path):

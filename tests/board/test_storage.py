@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from deltaboard.board.server.settings import Settings
-from deltaboard.board.server.storage import ObjectNotFound, PreconditionFailed, blob_key
+from deltaboard.board.server.storage import ObjectNotFound, PreconditionFailed, blob_key, slots
 from deltaboard.board.server.storage.local import STALE_TEMP_S, LocalStore
 from deltaboard.board.server.storage.s3 import S3Store
 from tests.support.servers import S3Server
@@ -206,39 +206,123 @@ def test_local_store_syncs_the_directory_after_each_rename(tmp_path, monkeypatch
 
 
 def test_local_store_makes_a_commit_durable_in_two_rounds_of_syncs(tmp_path, monkeypatch):
-    """A commit's manifest (its file and name) and the head's new bytes are synced at once,
-    before the head's rename; then only the head's directory. Each sync of the first round
-    waits for the other two, so syncs made one after another (three rounds, as before)
-    break the barrier instead of passing."""
+    """A commit's manifest (its file and name) is synced at once, before the head changes;
+    then only the head's file, its slot rewritten in place: no directory is synced after
+    the head changed. Each sync of the first round waits for the other, so syncs made one
+    after another break the barrier instead of passing."""
     store = LocalStore(tmp_path / "store")
     tag = store.write_record("runs/r/head.json", b"h0", None)
     run = tmp_path / "store" / "runs" / "r"
-    first_round = threading.Barrier(3, timeout=60)
+    first_round = threading.Barrier(2, timeout=60)
     committing = threading.Event()
-    synced: list[tuple[Path, bytes]] = []
-    real = LocalStore._sync_file
+    synced: list[tuple[str, Path, bytes]] = []
+    real_sync, real_datasync = LocalStore._sync_file, os.fdatasync
 
     def recording(path: Path) -> None:
-        head = (run / "head.json").read_bytes()
-        synced.append((Path(path), head))
-        if committing.is_set() and head == b"h0":
+        now = slots_of(run / "head.json")
+        synced.append(("fsync", Path(path), now))
+        if committing.is_set() and now == b"h0":
             first_round.wait()
-        real(path)
+        real_sync(path)
+
+    def recording_data(fd: int) -> None:
+        synced.append(("fdatasync", Path(os.readlink(f"/proc/self/fd/{fd}")), slots_of(run / "head.json")))
+        real_datasync(fd)
 
     monkeypatch.setattr(LocalStore, "_sync_file", staticmethod(recording))
+    monkeypatch.setattr(os, "fdatasync", recording_data)
     loose = tmp_path / "upload"
     loose.write_bytes(b"blob")
     store.put_file("runs/r/blobs/b", loose)
     # A blob's bytes are durable from its upload on (a commit does not sync them).
-    assert synced == [(loose, b"h0"), (run / "blobs", b"h0")]
+    assert synced == [("fsync", loose, b"h0"), ("fsync", run / "blobs", b"h0")]
     synced.clear()
     committing.set()
     writes = [("runs/r/manifests/1.json", b"m1", None), ("runs/r/head.json", b"h1", tag)]
     assert store.write_records(writes) == 2
-    manifest = {run / "manifests" / "1.json", run / "manifests"}
-    before = {path for path, head in synced if head == b"h0"}
-    assert manifest < before and {p.parent for p in before - manifest} == {tmp_path / "store" / ".tmp"}
-    assert [path for path, head in synced if head == b"h1"] == [run]
+    assert sorted(synced[:2]) == [
+        ("fsync", run / "manifests", b"h0"),
+        ("fsync", run / "manifests" / "1.json", b"h0"),
+    ]
+    assert synced[2:] == [("fdatasync", run / "head.json", b"h1")]
+    assert store.read_record("runs/r/head.json") == (b"h1", str(int(tag) + 1))
+
+
+def slots_of(path: Path) -> bytes:
+    """The current record of a slotted file, read without its lock (a test's thread may
+    hold it)."""
+    current = slots.read(path.read_bytes())
+    assert current is not None
+    return current.data
+
+
+def test_a_rewritten_record_keeps_its_file(tmp_path):
+    """head.json and lease.json are rewritten in place (the same file, the same size):
+    a rename would need its directory synced, a journal commit, on every commit."""
+    store = LocalStore(tmp_path)
+    tag = store.write_record("runs/r/head.json", b"h0", None)
+    path = tmp_path / "runs" / "r" / "head.json"
+    before = path.stat()
+    for i in range(1, 4):
+        tag = store.write_record("runs/r/head.json", b"h%d" % i, tag)
+    after = path.stat()
+    assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
+    assert store.read_record("runs/r/head.json") == (b"h3", tag)
+    # A record outgrowing its slots moves to a larger file, then stays in place again.
+    big = b"x" * (2 * slots.SLOT_PAGE)
+    tag = store.write_record("runs/r/head.json", big, tag)
+    assert path.stat().st_ino != before.st_ino and store.read_record("runs/r/head.json") == (big, tag)
+    # Manifests stay whole files: retention and listings read them as plain objects.
+    store.write_record("runs/r/manifests/000000000001.json", b"m1", None)
+    assert store.get("runs/r/manifests/000000000001.json") == b"m1"
+
+
+def test_a_record_written_whole_by_an_older_store_is_read_and_then_slotted(tmp_path):
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "head.json").write_bytes(b'{"version": 3}')
+    store = LocalStore(tmp_path)
+    found = store.read_record("runs/r/head.json")
+    assert found is not None and found[0] == b'{"version": 3}'
+    tag = store.write_record("runs/r/head.json", b'{"version": 4}', found[1])
+    assert slots_of(tmp_path / "runs" / "r" / "head.json") == b'{"version": 4}'
+    assert store.read_record("runs/r/head.json") == (b'{"version": 4}', tag)
+
+
+NEXT = b'{"version": 2}'
+WHOLE = 60 + len(NEXT)  # the slot's line and the record: the bytes that must all land
+
+
+@pytest.mark.parametrize("cut", [0, 1, 30, 59, 60, 61, WHOLE - 1, WHOLE, slots.SLOT_PAGE - 1])
+def test_a_slot_torn_by_a_power_cut_leaves_the_record_old_or_new(tmp_path, monkeypatch, cut):
+    """Power lost in the middle of a slot's write leaves any prefix of it on the disk: the
+    record reads as before, under its old tag, unless all of the new record's bytes landed
+    (then as written); the next write succeeds from the tag read."""
+    store = LocalStore(tmp_path)
+    # Both slots used; the slot written next holds other bytes where NEXT's last ones go.
+    tag = store.write_record("runs/r/head.json", b'{"epoch":7,"version":0}', None)
+    tag = store.write_record("runs/r/head.json", b'{"version": 1}', tag)
+    path = tmp_path / "runs" / "r" / "head.json"
+    real = os.pwrite
+
+    class PowerCut(BaseException):
+        pass
+
+    def torn(fd: int, data: bytes, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+            real(fd, data[:cut], offset)
+            raise PowerCut
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", torn)
+    with pytest.raises(PowerCut):
+        store.write_record("runs/r/head.json", NEXT, tag)
+    monkeypatch.undo()
+    again = LocalStore(tmp_path)
+    found = again.read_record("runs/r/head.json")
+    assert found == ((NEXT, str(int(tag) + 1)) if cut >= WHOLE else (b'{"version": 1}', tag))
+    assert found is not None
+    new = again.write_record("runs/r/head.json", b'{"version": 3}', found[1])
+    assert again.read_record("runs/r/head.json") == (b'{"version": 3}', new) and int(new) > int(found[1])
 
 
 def test_local_store_reads_a_file_whose_size_changed_since_its_stat():

@@ -57,7 +57,7 @@ class ObjectStore(Protocol):
         """`write_record` for each `(key, data, expected)` in order, stopping at the first
         that loses; returns how many were written. A commit writes its manifest and the
         head this way, so that a store may make them durable together (the local store
-        syncs the manifest with the head's bytes, then the head's name: two rounds)."""
+        syncs the manifest's bytes and name, then the head's slot, rewritten in place)."""
         ...
 
     def delete_record(self, key: str) -> None: ...

@@ -10,6 +10,12 @@ so that processes sharing the directory agree, and the number only grows, so a t
 comes back even when the same bytes are written again. The number is rewritten in place
 at a fixed width: truncating the file first would make ext4 flush it (its `auto_da_alloc`
 heuristic), a millisecond on every commit.
+
+Records other than manifests (head.json, lease.json: read only as records) are slotted
+files (`slots`), rewritten in place; their tag is their current slot's, which is durable
+with its bytes. Manifests stay whole files: they are read as plain objects too (`get`,
+by retention and listings). A record a store before slots wrote whole is read as it is
+and becomes slotted at its next write.
 """
 
 from __future__ import annotations
@@ -24,11 +30,17 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from deltaboard.board.server.storage import ObjectInfo, ObjectNotFound, PreconditionFailed
+from deltaboard.board.server.storage import (
+    ObjectInfo,
+    ObjectNotFound,
+    PreconditionFailed,
+    manifest_version,
+    slots,
+)
 
 GENERATION_WIDTH = 20  # digits: a generation number never outgrows it
-# Beside the caller's own: a commit's first round syncs three paths at once.
-SYNC_THREADS = 2
+# Beside the caller's own: a commit's first round syncs its manifest and that one's folder.
+SYNC_THREADS = 1
 # A temporary file untouched for this long belongs to a write that died with its process
 # (a live write touches it every few milliseconds; a stalled upload is cut off in seconds).
 STALE_TEMP_S = 3600.0
@@ -45,6 +57,14 @@ def remove_stale_files(directory: Path, older_than_s: float = STALE_TEMP_S) -> i
                 os.unlink(entry.path)
                 removed += 1
     return removed
+
+
+def _write_at(fd: int, data: bytes, offset: int) -> None:
+    """All of `data` at `offset` (a write to a regular file is cut short only by an error
+    or a signal, but may be)."""
+    written = 0
+    while written < len(data):
+        written += os.pwrite(fd, data[written:], offset + written)
 
 
 class LocalStore:
@@ -67,9 +87,7 @@ class LocalStore:
     def _write_temp(self, data: bytes, *, sync: bool = True) -> Path:
         fd, name = tempfile.mkstemp(dir=self._tmp)
         try:
-            written = 0
-            while written < len(data):
-                written += os.write(fd, data[written:])
+            _write_at(fd, data, 0)
             if self.fsync and sync:
                 os.fsync(fd)
         finally:
@@ -163,65 +181,85 @@ class LocalStore:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def _stored(self, path: Path, lock: int) -> tuple[bytes, int, slots.Slotted | None] | None:
+        """The record's bytes and tag, with its slots where it is a slotted file; None when
+        absent. (Called with the record's lock held.)"""
+        try:
+            raw = self._read_file(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        slotted = slots.read(raw)
+        if slotted is None:
+            return raw, self._generation(lock), None
+        return slotted.data, slotted.tag, slotted
+
     def read_record(self, key: str) -> tuple[bytes, str] | None:
         with self._record(key, exclusive=False) as lock:
-            try:
-                data = self.get(key)
-            except ObjectNotFound:
-                return None
-            return data, str(self._generation(lock))
+            found = self._stored(self._path(key), lock)
+            return None if found is None else (found[0], str(found[1]))
 
     def write_record(self, key: str, data: bytes, expected: str | None) -> str:
-        tmp = self._write_temp(data)
-        try:
-            return self._set_record(key, tmp, expected)
-        finally:
-            tmp.unlink(missing_ok=True)
+        return self._set_record(key, data, expected)
 
     def write_records(self, writes: Sequence[tuple[str, bytes, str | None]]) -> int:
-        """Every record but the last is set, then made durable (its bytes and its name)
-        together with the last one's bytes, and only then is the last set: a later record
-        (the head) never points at bytes that could be lost, and a commit waits for two
-        rounds of fsyncs (its manifest's file, directory and the head's bytes at once;
-        then the head's directory) where syncing each before its rename took three. A
-        record set but not yet synced when the machine loses power is one above the head,
-        which the next commit of that version replaces."""
+        """Every record but the last is set, then made durable (its bytes and its name, at
+        once), and only then is the last set: a later record (the head) never points at
+        bytes that could be lost. A commit waits for two rounds of syncs: its manifest's
+        file and directory, then the head's slot, rewritten in place (`slots`), which
+        commits nothing to the filesystem's journal. A record set but not yet synced when
+        the machine loses power is one above the head, which the next commit of that
+        version replaces."""
         if not writes:
             return 0
         *earlier, (last_key, last_data, last_expected) = writes
-        last = self._write_temp(last_data, sync=False)
-        try:
-            durable = [last]
-            for written, (key, data, expected) in enumerate(earlier):
-                tmp = self._write_temp(data, sync=False)
-                try:
-                    self._set_record(key, tmp, expected, sync=False)
-                except PreconditionFailed:
-                    return written
-                finally:
-                    tmp.unlink(missing_ok=True)
-                durable += [self._path(key), self._path(key).parent]
-            if self.fsync:
-                self._sync_all(list(dict.fromkeys(durable)))
+        durable: list[Path] = []
+        for written, (key, data, expected) in enumerate(earlier):
             try:
-                self._set_record(last_key, last, last_expected)
+                self._set_record(key, data, expected, sync=False)
             except PreconditionFailed:
-                return len(earlier)
-            return len(writes)
-        finally:
-            last.unlink(missing_ok=True)
+                return written
+            durable += [self._path(key), self._path(key).parent]
+        if self.fsync and durable:
+            self._sync_all(list(dict.fromkeys(durable)))
+        try:
+            self._set_record(last_key, last_data, last_expected)
+        except PreconditionFailed:
+            return len(earlier)
+        return len(writes)
 
-    def _set_record(self, key: str, tmp: Path, expected: str | None, *, sync: bool = True) -> str:
-        """Compare-and-set: rename the finished temporary file onto the record (and, with
-        `sync`, make the new name durable)."""
+    def _set_record(self, key: str, data: bytes, expected: str | None, *, sync: bool = True) -> str:
+        """Compare-and-set: write the record's other slot in place where it is a slotted
+        file with room, else rename a new file onto it; with `sync`, durable on return."""
         path = self._path(key)
         with self._record(key, exclusive=True) as lock:
-            generation = self._generation(lock)
-            exists = path.exists()
-            if (expected is None and exists) or (
-                expected is not None and (not exists or expected != str(generation))
-            ):
+            found = self._stored(path, lock)
+            if (expected is None) != (found is None) or (found is not None and expected != str(found[1])):
                 raise PreconditionFailed(key)
+            # A new number even for the same bytes: a tag never comes back (no ABA). The
+            # lock file's number may lag a slot's after a power loss (it is not synced).
+            tag = max(self._generation(lock), 0 if found is None else found[1]) + 1
+            slotted = None if found is None else found[2]
+            if slotted is not None and slotted.fits(data):
+                self._write_slot(path, *slotted.rewrite(tag, data), sync=sync)
+            else:
+                whole = data if manifest_version(key) is not None else slots.new_file(tag, data)
+                self._replace(path, whole, sync=sync)
+            os.pwrite(lock, str(tag).zfill(GENERATION_WIDTH).encode(), 0)
+        return str(tag)
+
+    def _write_slot(self, path: Path, offset: int, data: bytes, *, sync: bool) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            _write_at(fd, data, offset)
+            if self.fsync and sync:
+                os.fdatasync(fd)  # the file's size and blocks stay: no metadata to commit
+        finally:
+            os.close(fd)
+
+    def _replace(self, path: Path, data: bytes, *, sync: bool) -> None:
+        """Put a new file with `data` at `path` (with `sync`, its bytes and name durable)."""
+        tmp = self._write_temp(data, sync=sync)
+        try:
             try:
                 os.replace(tmp, path)
             except FileNotFoundError:  # the first record in its folder
@@ -229,9 +267,8 @@ class LocalStore:
                 os.replace(tmp, path)
             if sync:
                 self._sync_dir(path.parent)
-            # A new number even for the same bytes: a tag never comes back (no ABA).
-            os.pwrite(lock, str(generation + 1).zfill(GENERATION_WIDTH).encode(), 0)
-        return str(generation + 1)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def delete_record(self, key: str) -> None:
         with self._record(key, exclusive=True):

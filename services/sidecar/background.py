@@ -12,6 +12,8 @@ and sidecars this way (a real socket and a real HTTP server, without paying a pr
 start and a torch import per server). `wait_disconnect` returns when a client goes away
 and `unless_disconnected` runs work unless that happens first, which is how both servers
 stop work nobody will read.
+
+`settle_gc` tunes the garbage collector of a process that serves requests from now on.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import socket
 import threading
 import time
@@ -41,6 +44,27 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     return sock
+
+
+GC_YOUNG_THRESHOLD = 10_000
+"""Allocations between two collections of the youngest generation (Python's default: 700)."""
+
+
+def settle_gc() -> None:
+    """Make the garbage collector cheap for this process, which has started and serves
+    requests from now on. What startup made (modules, the app: tens of thousands of
+    objects) leaves the collector's generations for good (`gc.freeze`), so that a full
+    collection, which walked all of it and stalled the event loop, every request waiting,
+    walks only what was made since; and the youngest generation is collected every
+    `GC_YOUNG_THRESHOLD` allocations instead of every 700. A request's objects are freed
+    by their reference counts as it ends (the sidecar's server cuts the cycles a request
+    would leave, `services.sidecar.server`), so the collections found nothing to free and
+    cost each request its share of them (figures in docs/design.md). Only for a process
+    of its own (a sidecar's, a worker's): a frozen object is never collected, so a test
+    process that started servers again and again would keep its garbage."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def uvicorn_server(app: Any) -> Any:

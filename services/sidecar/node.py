@@ -31,7 +31,7 @@ from fastapi import FastAPI
 from deltaboard.board.contract.errors import UnknownRun
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.clients.engines import CommitMode, EngineAdapter, make_adapter
-from deltaboard.services.sidecar.background import listen, uvicorn_server
+from deltaboard.services.sidecar.background import listen, settle_gc, uvicorn_server
 from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
 from deltaboard.services.sidecar.proxy import InferenceRoutes, ProxySettings, create_proxy_app
@@ -80,6 +80,7 @@ class Sidecar:
         self._thread: threading.Thread | None = None
         self._give_up_on_run = 0.0
         self._server: Any = None
+        self._own_process = False  # `serve` runs in a process's main thread: the process is ours
         self.follower: Any = None
         self._from_owner: dict[str, Any] | None = None  # in a worker process: the owner's news
         self._settings = ProxySettings(config.engine_url, config.default_wait_s, config.max_wait_s)
@@ -108,6 +109,9 @@ class Sidecar:
                 shared,
             )
         else:
+            # the lifespan settles the collector (`settle_gc`) in the sidecar's own process,
+            # not in one that serves it from a thread of its own (a test's, the demo's)
+            self._own_process = threading.current_thread() is threading.main_thread()
             self._server = uvicorn_server(self.app)
             self._server.run(sockets=[sock])
         if self.sync.fatal is not None:
@@ -199,6 +203,8 @@ class Sidecar:
             daemon=True,
         )
         self._thread.start()
+        if self._own_process:
+            settle_gc()
         try:
             yield
         finally:

@@ -304,6 +304,12 @@ class _Cycle:
                 if self.conn.transport is not None:
                     self.conn.transport.close()
                 self.conn.answered(self)
+            # The scope's extensions and the disconnect callback lead back to this cycle
+            # (the callback through the request's task): cut here, a request's objects are
+            # freed by their reference counts as it ends, instead of accumulating into the
+            # garbage collector's passes, which stall the loop for every request.
+            self.scope["extensions"].clear()
+            self.on_disconnect = None
 
     def _fail(self) -> None:
         transport = self.conn.transport

@@ -43,7 +43,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from deltaboard.clients.engines import CommitMode, EngineStamp
-from deltaboard.services.sidecar.background import uvicorn_server
+from deltaboard.services.sidecar.background import settle_gc, uvicorn_server
 from deltaboard.services.sidecar.gate import VersionGate
 
 Lifespan = Callable[[Any], AbstractAsyncContextManager[None]]
@@ -172,6 +172,7 @@ def _work(
     async def lifespan(app: Any) -> AsyncIterator[None]:
         gate.bind(asyncio.get_running_loop())
         bound.set()
+        settle_gc()  # started: what follows is serving
         yield
 
     server = uvicorn_server(build(gate, lifespan))

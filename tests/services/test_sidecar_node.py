@@ -4,6 +4,8 @@ weights loaded behind its back, a port it cannot take, and what stops it for goo
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import signal
 import socket
 import subprocess
@@ -14,13 +16,16 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from deltaboard.clients.engines import CommitMode, EngineAdapter, EngineAdapterError, EngineStamp
 from deltaboard.clients.engines.reference import ReferenceAdapter
 from deltaboard.clients.follower import Follower
 from deltaboard.publisher.publisher import Publisher
 from deltaboard.services.engine.app import EngineState, create_app
-from deltaboard.services.sidecar.background import BackgroundServer
+from deltaboard.services.sidecar.background import GC_YOUNG_THRESHOLD, BackgroundServer
 from deltaboard.services.sidecar.node import Sidecar, SidecarConfig, SidecarFailed
 from deltaboard.services.trajectory import build_model, train
 from tests.services.fakes.polling import wait_until
@@ -201,6 +206,32 @@ def test_a_refused_token_or_a_missing_run_stops_the_sidecar_with_its_reason(boar
             answer = complete(node.url, wait=0)
             assert answer.status_code == 503 and "UnknownRun" in answer.json()["error"]["message"]
         assert loads(engine.url) == 0
+
+
+def test_a_sidecar_in_a_process_of_its_own_serves_with_its_startup_out_of_the_collector(board, tmp_path):
+    """`deltaboard sidecar` (`Sidecar.serve` in a process's main thread) settles the garbage
+    collector once started (`background.settle_gc`); a sidecar served from a thread of
+    another process (the tests', the demo's: `BackgroundServer`, or `serve` from a thread as
+    in the test above) leaves that process's collector alone."""
+    sidecar = sidecar_for(board, "http://127.0.0.1:9", tmp_path / "dir", run="not-yet", run_wait_s=600)
+
+    async def collector(_: Request) -> JSONResponse:  # the child's, ahead of the proxy's routes
+        return JSONResponse({"frozen": gc.get_freeze_count() > 0, "threshold": gc.get_threshold()[0]})
+
+    sidecar.app.app.router.routes.insert(0, Route("/test/gc", collector))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    child = multiprocessing.get_context("fork").Process(target=sidecar.serve, args=("127.0.0.1", port))
+    child.start()
+    try:
+        url = f"http://127.0.0.1:{port}/test/gc"
+        wait_until(lambda: _answers(url), "the sidecar never served", timeout_s=120)
+        assert httpx.get(url).json() == {"frozen": True, "threshold": GC_YOUNG_THRESHOLD}
+    finally:
+        child.terminate()
+        child.join(60)
+    assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] != GC_YOUNG_THRESHOLD  # this process's
 
 
 def test_a_run_that_does_not_exist_yet_is_waited_for(board, tmp_path):

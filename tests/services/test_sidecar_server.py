@@ -6,8 +6,9 @@ sidecar tests use, through `BackgroundServer`); the apps and the proxy are real.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,7 +19,7 @@ from deltaboard.clients.engines import make_adapter
 from deltaboard.services.sidecar.background import BackgroundServer
 from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import WAIT_BUCKETS, SidecarMetrics
-from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
+from deltaboard.services.sidecar.proxy import InferenceRoutes, ProxySettings, create_proxy_app
 from deltaboard.services.sidecar.server import DISCONNECT, SidecarProtocol
 from deltaboard.services.sidecar.upstream import UpstreamPool
 from tests.services.fakes.echo import echo_engine
@@ -219,32 +220,40 @@ def test_a_client_that_goes_away_is_told_to_the_app_by_callback_and_by_receive()
     asyncio.run(main())
 
 
+@asynccontextmanager
+async def proxy_app(engine_url: str) -> AsyncIterator[InferenceRoutes]:
+    """The sidecar's app (quiesce mode) in front of the engine at `engine_url`, serving
+    version 3, on this event loop."""
+    gate = VersionGate("quiesce")
+
+    @asynccontextmanager
+    async def no_lifespan(app: Any) -> AsyncIterator[None]:
+        yield
+
+    gate.bind(asyncio.get_running_loop())
+    adapter = make_adapter("reference", engine_url)
+    status = lambda: {"served": gate.served}  # noqa: E731
+    app = create_proxy_app(gate, adapter, ProxySettings(engine_url), SidecarMetrics(), status, no_lifespan)
+    loaded = await asyncio.to_thread(adapter.loaded)
+    await asyncio.to_thread(gate.end_swap, 3, 0.0, loaded)
+    try:
+        yield app
+    finally:
+        await app.proxy.pool.aclose()
+        adapter.close()
+
+
 def test_a_stream_through_the_proxy_passes_byte_exact_and_ends_in_the_write_of_its_last_event() -> None:
     """The echo engine's events, through the real proxy on this connection: the same bytes,
     the range in its own event before [DONE], and the body's end in the same write."""
     with BackgroundServer(echo_engine()) as engine:
 
         async def main() -> None:
-            gate = VersionGate("quiesce")
-
-            @asynccontextmanager
-            async def no_lifespan(app: Any) -> Any:
-                yield
-
-            gate.bind(asyncio.get_running_loop())
-            adapter = make_adapter("reference", engine.url)
-            status = lambda: {"served": gate.served}  # noqa: E731
-            app = create_proxy_app(
-                gate, adapter, ProxySettings(engine.url), SidecarMetrics(), status, no_lifespan
-            )
-            loaded = await asyncio.to_thread(adapter.loaded)
-            await asyncio.to_thread(gate.end_swap, 3, 0.0, loaded)
-            protocol, transport, state = connect(app)
-            body = json.dumps({"stream": True, "n": 2, "weight_version": {"min": 3}}).encode()
-            protocol.data_received(post("/v1/completions", body, b"content-type: application/json"))
-            await answered(state, 1)
-            await app.proxy.pool.aclose()
-            adapter.close()
+            async with proxy_app(engine.url) as app:
+                protocol, transport, state = connect(app)
+                body = json.dumps({"stream": True, "n": 2, "weight_version": {"min": 3}}).encode()
+                protocol.data_received(post("/v1/completions", body, b"content-type: application/json"))
+                await answered(state, 1)
             head, _, chunked = b"".join(transport.writes).partition(b"\r\n\r\n")
             assert b"x-weight-version-start: 3" in head and b"transfer-encoding: chunked" in head
             stamp = {"choices": [], "weight_version": {"start": 3, "end": 3, "spans": [[0, 3]]}}
@@ -255,6 +264,40 @@ def test_a_stream_through_the_proxy_passes_byte_exact_and_ends_in_the_write_of_i
             assert transport.writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
 
         asyncio.run(main())
+
+
+def test_answered_requests_leave_no_reference_cycle_to_the_garbage_collector() -> None:
+    """A request's objects (its `_Cycle`, its task, the proxy's `_Watch`, ...) are freed by
+    their reference counts once it is answered, with the collector off: the scope's
+    extensions and the disconnect callback lead back to the request, and the server cuts
+    them. Left to the collector, they made its passes, which stall the sidecar's loop."""
+    with BackgroundServer(echo_engine()) as engine:
+
+        async def main() -> list[str]:
+            async with proxy_app(engine.url) as app:
+                protocol, _, state = connect(app)
+                gc.collect()
+                gc.disable()
+                try:
+                    for i, stream in enumerate([False, True, False, True]):
+                        body = json.dumps({"stream": stream, "n": 2, "weight_version": {"min": 3}})
+                        protocol.data_received(
+                            post("/v1/completions", body.encode(), b"content-type: application/json")
+                        )
+                        await answered(state, i + 1)
+                    async with asyncio.timeout(TIMEOUT_S):
+                        while state.tasks:  # each request's task ends after its answer
+                            await asyncio.sleep(0.001)
+                    gc.set_debug(gc.DEBUG_SAVEALL)
+                    gc.collect()
+                    kinds = (f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
+                    return [kind for kind in kinds if kind.startswith("deltaboard.services.sidecar")]
+                finally:
+                    gc.set_debug(0)
+                    gc.garbage.clear()
+                    gc.enable()
+
+        assert asyncio.run(main()) == []
 
 
 def test_a_forwarded_stream_goes_to_the_callback_then_to_the_reader_every_byte_once_in_order() -> None:

@@ -4,6 +4,7 @@ runs (its figures' keys, no error and no missing stamp, across worker processes)
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -19,7 +20,7 @@ from deltaboard.clients.engines import make_adapter
 from deltaboard.services.bench import sidecar_bench
 from deltaboard.services.cli import build_app
 from deltaboard.services.sidecar import workers
-from deltaboard.services.sidecar.background import listen
+from deltaboard.services.sidecar.background import GC_YOUNG_THRESHOLD, listen
 from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
 from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
@@ -50,7 +51,10 @@ def _owner(engine_url: str, sock: Any, commands: Connection) -> None:
     adapter = make_adapter("reference", engine_url)
 
     def build(gate: VersionGate, lifespan: workers.Lifespan) -> Any:
-        status = lambda: {"served": gate.served, "healthy": gate.healthy}  # noqa: E731
+        def status() -> dict[str, Any]:  # with the worker's garbage collector, as it serves
+            collector = {"frozen": gc.get_freeze_count(), "threshold": gc.get_threshold()[0]}
+            return {"served": gate.served, "healthy": gate.healthy, "gc": collector}
+
         return create_proxy_app(gate, adapter, ProxySettings(engine_url), SidecarMetrics(), status, lifespan)
 
     def own(fleet: workers.FleetGate, stop: threading.Event) -> None:
@@ -88,6 +92,9 @@ def test_a_swap_stops_admissions_in_every_worker_before_the_engine_is_touched() 
             commands.send(("end", 1))
             assert all(s.served == 1 and not s.swapping for s in commands.recv())
             assert all(ask(url).headers["x-weight-version-end"] == "1" for _ in range(8))
+            # every worker serves with its startup's objects out of the collector's passes
+            collectors = [httpx.get(f"{url}/healthz", timeout=30).json()["gc"] for _ in range(8)]
+            assert all(c["frozen"] > 0 and c["threshold"] == GC_YOUNG_THRESHOLD for c in collectors)
 
             commands.send(("begin", 2))
             states = commands.recv()

@@ -14,13 +14,19 @@ time on memory latency. The loop therefore asks for the line of the element `_AH
 changes ahead (with the intent to write) while it swaps the current one, which keeps
 several lines in flight per core.
 
-Large passes are split over the process's cores (the loops release the GIL).
+Large passes are spread over the process's cores (the loops release the GIL) in chunks
+that the calling thread and the pool's threads claim in turn (`_spread`), not in one fixed
+share per thread: on a busy machine a thread that gets no core for a while leaves its
+chunks to the threads that run, so a pass takes what the running threads need instead of
+waiting for the slowest thread's share; the calling thread, already running, is one of
+them, so a pass never waits for a thread to wake up before it starts.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,6 +39,10 @@ from numba.extending import intrinsic
 
 # Below this many elements a second thread costs more than it saves.
 _SPLIT_MIN = 1 << 16
+# Chunks per thread in a spread pass: enough that a thread kept off its core leaves most
+# of its share to the others, few enough that claiming them (a call from Python each)
+# costs nothing next to the pass.
+_CHUNKS_PER_THREAD = 8
 # The cores this process may run on (a taskset or a container limit), not the machine's.
 _THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
 _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="deltaboard-scatter")
@@ -142,24 +152,53 @@ def _address(
     return -1
 
 
-def _split(n: int, fn: Callable[[int, int], Any]) -> list[tuple[int, int, Any]]:
-    """`fn(a, b)` over ranges covering [0, n), on several threads for large n."""
+def _spread(n: int, fn: Callable[[int, int], int]) -> list[tuple[int, int, int]]:
+    """`fn(a, b)` over chunks covering [0, n), claimed in turn by the calling thread and the
+    pool's threads, until none is left or a chunk fails (returns an index >= 0): then no
+    further chunk starts. Returns (a, b, result) of every chunk that ran; the chunks that
+    never ran were not touched."""
     if n < _SPLIT_MIN or _THREADS == 1:
         return [(0, n, fn(0, n))]
-    bounds = np.linspace(0, n, _THREADS + 1).astype(np.int64).tolist()
-    futures = [(a, b, _pool.submit(fn, a, b)) for a, b in itertools.pairwise(bounds)]
-    return [(a, b, f.result()) for a, b, f in futures]
+    step = max(_SPLIT_MIN // 2, -(-n // (_THREADS * _CHUNKS_PER_THREAD)))
+    starts = range(0, n, step)
+    claims = itertools.count()  # next() on it is atomic: each chunk goes to one thread
+    ran: list[tuple[int, int, int]] = []
+    failed = threading.Event()
+
+    def work() -> None:
+        while not failed.is_set():
+            k = next(claims)
+            if k >= len(starts):
+                return
+            a = starts[k]
+            b = min(n, a + step)
+            result = fn(a, b)
+            ran.append((a, b, result))
+            if result >= 0:
+                failed.set()
+
+    helpers = [_pool.submit(work) for _ in range(_THREADS - 1)]
+    try:
+        work()
+    finally:
+        for helper in helpers:
+            # the calling thread is out of chunks (or a failure stopped the pass): a helper
+            # that has not started yet (no core for it so far) is dropped, not waited for;
+            # one that has started is finishing the chunk it claimed
+            if not helper.cancel():
+                helper.result()
+    return ran
 
 
 def swap(addrs: np.ndarray, expect: np.ndarray, put: np.ndarray) -> int:
     """Replace `expect` by `put` at `addrs`, all or nothing: returns -1 when every element
     held `expect` and now holds `put`; otherwise the index of an element that did not, with
     memory left exactly as it was."""
-    results = _split(addrs.size, lambda a, b: _swap(addrs, expect, put, a, b))
+    results = _spread(addrs.size, lambda a, b: _swap(addrs, expect, put, a, b))
     bad = [j for _, _, j in results if j >= 0]
     if not bad:
         return -1
-    for a, b, j in results:  # the ranges that swapped completely go back too
+    for a, b, j in results:  # the chunks that swapped completely go back too
         if j < 0:
             _swap(addrs, put, expect, a, b)
     return int(min(bad))
@@ -190,8 +229,7 @@ def address(
             addrs[a:], old, new, old_out[a:], new_out[a:],
         )  # fmt: skip
 
-    results = _split(stop - start, part)
-    bad = [j for _, _, j in results if j >= 0]
+    bad = [j for _, _, j in _spread(stop - start, part) if j >= 0]
     return min(bad) if bad else -1
 
 

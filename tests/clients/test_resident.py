@@ -4,6 +4,7 @@ a corrupted patch leaves them bit-identical to before."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from deltaboard.clients.resident import (
     TensorPatch,
     prepare_patch,
     read_patch,
+    scatter,
     write_patch,
 )
 from tests.board.codec_cases import PATTERNS, make_case
@@ -343,3 +345,33 @@ def test_a_drift_found_by_one_thread_undoes_every_threads_writes() -> None:
         view.commit(staged)
     assert np.array_equal(raw(engine["w"]), drifted)
     assert np.count_nonzero(drifted != before) == 1
+
+
+def test_a_commit_does_not_wait_for_a_thread_that_gets_no_core() -> None:
+    """A large commit is spread over the scatter pool's threads; while none of them gets to
+    run (here: every one is held busy), the committing thread does every chunk itself and
+    the commit completes, all of it, instead of waiting for a share left to them."""
+    rng = np.random.default_rng(10)
+    data = {"w": rng.integers(0, 256, 2 * 2_000_000, dtype=np.uint8)}
+    engine = {"w": resident(data["w"], "BF16")}
+    patch = _bf16_patch(rng, data, 0.2, 0)  # `data` now holds version 1
+    assert patch.changed > 4 * 65536  # above the size that is spread over threads
+    view = ResidentView(engine, 0)
+    staged = view.stage(patch)
+    held, release = threading.Semaphore(0), threading.Event()
+
+    def hold() -> None:
+        held.release()
+        release.wait()
+
+    holders = [scatter._pool.submit(hold) for _ in range(scatter._THREADS)]
+    committer = ThreadPoolExecutor(1)
+    try:
+        for _ in holders:
+            assert held.acquire(timeout=120), "the scatter pool's threads did not start"
+        report = committer.submit(view.commit, staged).result(timeout=120)
+    finally:
+        release.set()
+        committer.shutdown()
+    assert report.version == 1
+    assert np.array_equal(raw(engine["w"]), data["w"])

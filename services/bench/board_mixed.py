@@ -19,9 +19,10 @@ connection, or a download of the wrong size.
 
 Each process reports its CPU seconds over the measured phase (the board's, the pollers',
 the committer's, the downloaders'), with the machine's load average at both ends, so that
-a run on a shared machine says who had the cores; and the board's own time per commit
+a run on a shared machine says who had the cores; the board's own time per commit
 (mean, p50 and p99 of its version records' `commit_s`), the part of a commit's latency
-spent in the store rather than queued on the way in and out.
+spent in the store rather than queued on the way in and out; and how late the pollers'
+own loop ran (`LoopLag`), the part of the wake figures that is the measuring side's.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ START_TIMEOUT_S = 120
 SLOWEST = 3
 LAST_WAKES_S = 60
 PIPE_BYTES = 1 << 20
+LAG_TICK_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,34 @@ class Poller(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not (self.tally.stopping or self.refused):
             self.tally.errors += 1
+
+
+class LoopLag:
+    """How late the pollers' loop runs a timer due every `LAG_TICK_S`: how long bytes that
+    have arrived wait there for their turn. A wake's arrival is stamped when the loop hands
+    its bytes over, so this wait is in the wake figures, and it is the measuring side's:
+    a thousand answers landing at once are read one after another by one process, which
+    on a loaded machine gets a fraction of a core."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.due = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self.due = time.monotonic() + LAG_TICK_S
+        self.timer = asyncio.get_running_loop().call_later(LAG_TICK_S, self.tick)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self.lags.append(max(0.0, now - self.due))  # a timer may fire a little early: no lag
+        self.due = now + LAG_TICK_S
+        self.timer = asyncio.get_running_loop().call_later(LAG_TICK_S, self.tick)
+
+    def stop(self) -> list[float]:
+        if self.timer is not None:
+            self.timer.cancel()
+        return self.lags or [float("nan")]
 
 
 class Sink:
@@ -375,6 +405,8 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
         await asyncio.to_thread(start.wait, START_TIMEOUT_S)
         board_cpu, own_cpu, load_start = cpu_seconds(board), time.process_time(), os.getloadavg()[0]
         began = time.monotonic()
+        lag = LoopLag()
+        lag.start()
         down_bytes, down_count, down_errors, down_cpu = await asyncio.to_thread(down_queue.get)
         committed = await asyncio.to_thread(commit_queue.get)
         done = committed.done
@@ -382,6 +414,7 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
             await asyncio.to_thread(process.join)
         await last_wakes(transports, max((version for version, _, _ in done), default=None))
         tally.stopping = True
+        lags = lag.stop()
         board_cpu, own_cpu = cpu_seconds(board) - board_cpu, time.process_time() - own_cpu
         own = await commit_seconds(http, {version for version, _, _ in done})
         for transport in transports:
@@ -403,6 +436,9 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
         "mixed_wakes": len(wakes),
         "mixed_wake_p50_ms": round(percentile(wakes, 50) * 1e3, 2),
         "mixed_wake_p99_ms": round(percentile(wakes, 99) * 1e3, 2),
+        # The pollers' own wait before stamping an arrival (`LoopLag`): part of the wakes
+        "mixed_poller_lag_p50_ms": round(percentile(lags, 50) * 1e3, 2),
+        "mixed_poller_lag_p99_ms": round(percentile(lags, 99) * 1e3, 2),
         "mixed_commit_p50_ms": round(percentile(latencies, 50) * 1e3, 2),
         "mixed_commit_p99_ms": round(percentile(latencies, 99) * 1e3, 2),
         "mixed_download_gbps": round(down_bytes / elapsed / 1e9, 3),

@@ -22,6 +22,8 @@ def test_a_small_mixed_run_reports_every_figure(tmp_path: Path) -> None:
     assert config.pollers <= results["mixed_wakes"] <= 3 * config.pollers
     for key in ("mixed_commit_p99_ms", "mixed_commit_in_board_p99_ms", "mixed_disk_sync_p99_ms"):
         assert math.isfinite(results[key]) and results[key] > 0, key
+    # The pollers' own lag is measured through the run (NaN, failing this, had it never ticked).
+    assert 0 <= results["mixed_poller_lag_p50_ms"] <= results["mixed_poller_lag_p99_ms"]
     # The board's own time is part of each commit's latency.
     assert all(own <= latency for _, latency, own in results["mixed_commit_slowest_ms"])
     assert len(results["mixed_commit_slowest_ms"]) == 3

@@ -31,7 +31,11 @@ tokens (`errors` counts those that do not, and every failed request). Sidecar CP
 from the sidecar's processes (`psutil`: user + system time of the owner and its workers)
 around each phase, so it counts the sidecar alone, whatever else shares the machine:
 `sidecar_cpu_us_per_token` (streaming) and `sidecar_cpu_ms_per_request` (not streaming).
-The added time to first token is the sidecar's p50/p99 minus the direct one's.
+The added time to first token is the sidecar's p50/p99 minus the direct one's. The paced
+phase's is also given without each client's first stream (`ttft_paced_warm_*`): that one
+opens the client's connection and, through the sidecar, the sidecar's to the engine, and the
+first streams of all the clients start at once, a burst of new connections that makes the
+p99 of a short phase (docs/design.md).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -243,8 +247,9 @@ def sidecar_process(engine_url: str, config: BenchConfig, port: Connection) -> N
 @dataclass
 class Phase:
     units: int = 0  # tokens (streams) or requests
-    ttft_ms: list[float] | None = None
-    latency_ms: list[float] | None = None
+    ttft_ms: list[float] = field(default_factory=list)
+    warm_ttft_ms: list[float] = field(default_factory=list)  # each client's streams after its first
+    latency_ms: list[float] = field(default_factory=list)
     errors: int = 0
     missing: int = 0
     cpu_s: float = 0.0  # the sidecar's
@@ -272,18 +277,17 @@ def _check(stamp: Any, versions: list[int], phase: Phase, through_sidecar: bool)
 BODY = {"model": "fake", "prompt": [1, 2, 3], "weight_version": {"min": 0}}
 
 
-async def _one_stream(pool: UpstreamPool, body: bytes, phase: Phase, sidecar: bool) -> None:
+async def _one_stream(pool: UpstreamPool, body: bytes, phase: Phase, sidecar: bool) -> float:
+    """One stream read to its end and checked; its time to first token (ms)."""
     started = time.perf_counter()
     response = await pool.request("POST", "/v1/completions", [(b"content-type", b"application/json")], body)
     if response.status_code != 200:
         raise UpstreamError(f"{response.status_code}: {(await response.aread())[:200]!r}")
     parts = []
-    first = True
+    ttft_ms = None
     async for part in response.aiter_raw():
-        if first:
-            assert phase.ttft_ms is not None
-            phase.ttft_ms.append((time.perf_counter() - started) * 1000)
-            first = False
+        if ttft_ms is None:
+            ttft_ms = (time.perf_counter() - started) * 1000
         parts.append(part)
     text = b"".join(parts)
     versions = [int(v) for v in TOKEN_VERSION.findall(text)]
@@ -291,19 +295,23 @@ async def _one_stream(pool: UpstreamPool, body: bytes, phase: Phase, sidecar: bo
     events = text.split(b"\n\n")
     last = next((e for e in reversed(events) if e.startswith(b"data: {")), b"")
     _check(json.loads(last[6:]).get("weight_version") if last else None, versions, phase, sidecar)
+    if ttft_ms is None:
+        raise UpstreamError("a stream without a body")
+    return ttft_ms
 
 
-async def _one_request(pool: UpstreamPool, body: bytes, phase: Phase, sidecar: bool) -> None:
+async def _one_request(pool: UpstreamPool, body: bytes, phase: Phase, sidecar: bool) -> float:
+    """One request answered and checked; its latency (ms)."""
     started = time.perf_counter()
     response = await pool.request("POST", "/v1/completions", [(b"content-type", b"application/json")], body)
     payload = await response.aread()
     if response.status_code != 200:
         raise UpstreamError(f"{response.status_code}: {payload[:200]!r}")
-    assert phase.latency_ms is not None
-    phase.latency_ms.append((time.perf_counter() - started) * 1000)
+    latency_ms = (time.perf_counter() - started) * 1000
     answer = json.loads(payload)
     phase.units += 1
     _check(answer.get("weight_version"), answer["choices"][0]["v"], phase, sidecar)
+    return latency_ms
 
 
 def _cpu_s(pid: int) -> float:
@@ -334,18 +342,25 @@ async def _phase(
     tokens = config.stream_tokens if stream else config.request_tokens
     pace = {"step_ms": config.paced_step_ms} if paced else {}
     body = json.dumps({**BODY, "max_tokens": tokens, "stream": stream, **pace}).encode()
-    phase = Phase(ttft_ms=[], latency_ms=[])
+    phase = Phase()
     one = _one_stream if stream else _one_request
     concurrency = config.streams if stream else config.requests
     deadline = time.monotonic() + config.duration_s
+    times, warm = (phase.ttft_ms, phase.warm_ttft_ms) if stream else (phase.latency_ms, [])
 
     async def client() -> None:
+        opened = False  # the client's connection (and, through the sidecar, the sidecar's to the engine)
         while time.monotonic() < deadline:
             try:
-                await one(pool, body, phase, sidecar_pid is not None)
+                value = await one(pool, body, phase, sidecar_pid is not None)
             except (UpstreamError, ValueError, KeyError) as exc:
                 phase.errors += 1
                 phase.first_error = phase.first_error or repr(exc)
+                continue
+            times.append(value)
+            if opened:
+                warm.append(value)
+            opened = True
 
     cpu = _cpu_s(sidecar_pid) if sidecar_pid is not None else 0.0
     engine_cpu, generator_cpu, busy = _cpu_s(engine_pid), time.process_time(), _busy_s()
@@ -360,14 +375,14 @@ async def _phase(
     return phase
 
 
-def _pct(values: list[float] | None, q: float) -> float:
+def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _p50_p99(direct: list[float] | None, sidecar: list[float] | None) -> dict[str, list[float]]:
+def _p50_p99(direct: list[float], sidecar: list[float]) -> dict[str, list[float]]:
     """[p50, p99] of a figure's values, direct and through the sidecar."""
     return {
         "direct": [round(_pct(direct, q), 2) for q in (0.5, 0.99)],
@@ -375,8 +390,8 @@ def _p50_p99(direct: list[float] | None, sidecar: list[float] | None) -> dict[st
     }
 
 
-def _added_ms(direct: Phase, sidecar: Phase, q: float) -> float:
-    return round(_pct(sidecar.ttft_ms, q) - _pct(direct.ttft_ms, q), 2)
+def _added_ms(direct: list[float], sidecar: list[float], q: float) -> float:
+    return round(_pct(sidecar, q) - _pct(direct, q), 2)
 
 
 def _per_token_us(cpu_s: float, phase: Phase) -> float:
@@ -392,10 +407,13 @@ def _summary(phases: dict[str, Phase], config: BenchConfig) -> dict[str, Any]:
         "sidecar_tokens_per_s": round(sidecar_s.units / sidecar_s.elapsed_s),
         "direct_rps": round(direct_r.units / direct_r.elapsed_s),
         "sidecar_rps": round(sidecar_r.units / sidecar_r.elapsed_s),
-        "ttft_p50_added_ms": _added_ms(direct_s, sidecar_s, 0.5),
-        "ttft_p99_added_ms": _added_ms(direct_s, sidecar_s, 0.99),
-        "ttft_paced_p50_added_ms": _added_ms(direct_p, sidecar_p, 0.5),
-        "ttft_paced_p99_added_ms": _added_ms(direct_p, sidecar_p, 0.99),
+        "ttft_p50_added_ms": _added_ms(direct_s.ttft_ms, sidecar_s.ttft_ms, 0.5),
+        "ttft_p99_added_ms": _added_ms(direct_s.ttft_ms, sidecar_s.ttft_ms, 0.99),
+        "ttft_paced_p50_added_ms": _added_ms(direct_p.ttft_ms, sidecar_p.ttft_ms, 0.5),
+        "ttft_paced_p99_added_ms": _added_ms(direct_p.ttft_ms, sidecar_p.ttft_ms, 0.99),
+        # the same without each client's first stream, whose connections open with it
+        "ttft_paced_warm_p50_added_ms": _added_ms(direct_p.warm_ttft_ms, sidecar_p.warm_ttft_ms, 0.5),
+        "ttft_paced_warm_p99_added_ms": _added_ms(direct_p.warm_ttft_ms, sidecar_p.warm_ttft_ms, 0.99),
         "sidecar_cpu_us_per_token": _per_token_us(sidecar_s.cpu_s, sidecar_s),
         "sidecar_cpu_ms_per_request": round(sidecar_r.cpu_s / max(sidecar_r.units, 1) * 1e3, 3),
         # the fake engine's own, direct: what a token or a request costs a minimal asyncio
@@ -414,6 +432,7 @@ def _summary(phases: dict[str, Phase], config: BenchConfig) -> dict[str, Any]:
         "paced": {
             "tokens_per_s": [round(p.units / p.elapsed_s) for p in (direct_p, sidecar_p)],
             "ttft_ms": _p50_p99(direct_p.ttft_ms, sidecar_p.ttft_ms),
+            "warm_ttft_ms": _p50_p99(direct_p.warm_ttft_ms, sidecar_p.warm_ttft_ms),
         },
         "latency_ms": _p50_p99(direct_r.latency_ms, sidecar_r.latency_ms),
         "first_error": next((p.first_error for p in phases.values() if p.first_error), None),
@@ -473,9 +492,9 @@ def render(report: dict[str, Any], console: Console) -> None:
     paced = report["paced"]
     step = report["config"]["paced_step_ms"]
     table.add_row(f"paced ({step} ms a token): tokens/s", *map(str, paced["tokens_per_s"]), "")
-    table.add_row(
-        "paced: TTFT p50 / p99 ms", _pair(paced["ttft_ms"]["direct"]), _pair(paced["ttft_ms"]["sidecar"]), ""
-    )
+    rows = (("ttft_ms", "paced: TTFT p50 / p99 ms"), ("warm_ttft_ms", "paced, connections open: same"))
+    for key, label in rows:
+        table.add_row(label, _pair(paced[key]["direct"]), _pair(paced[key]["sidecar"]), "")
     busy = report["busy_cores"]
     table.add_row(
         "busy cores (streams, paced, requests)",

@@ -41,6 +41,8 @@ REPORT_KEYS = {
     "missing_stamps",
     "ttft_paced_p50_added_ms",
     "ttft_paced_p99_added_ms",
+    "ttft_paced_warm_p50_added_ms",
+    "ttft_paced_warm_p99_added_ms",
     "busy_cores",
     "generator_cpu_us_per_token",
 }
@@ -137,6 +139,8 @@ def test_the_bench_runs_across_workers_with_swaps_and_misses_no_stamp() -> None:
     # the paced phase is paced: no stream gets more than a token per engine step
     ceiling = config.streams * 1000 / config.paced_step_ms
     assert all(0 < rate <= ceiling for rate in report["paced"]["tokens_per_s"]), report["paced"]
+    # each client's streams after its first are counted apart too (its connections open)
+    assert all(ms > 0 for side in report["paced"]["warm_ttft_ms"].values() for ms in side), report["paced"]
 
 
 def test_bench_sidecar_command_writes_the_figures(tmp_path: Path) -> None:

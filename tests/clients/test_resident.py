@@ -327,19 +327,22 @@ def test_a_patch_with_a_bad_position_is_refused_at_staging(where: str, message: 
         assert np.array_equal(raw(t), data[name]), name
 
 
-def test_a_drift_found_by_one_thread_undoes_every_threads_writes() -> None:
-    """A large commit is split over threads; a drifted element in the last range leaves
-    memory exactly as it was, the ranges that swapped completely included."""
+@pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
+def test_a_drift_found_by_one_thread_undoes_every_threads_writes(where: float) -> None:
+    """A large commit is spread over threads in chunks; a drifted element in the first,
+    a middle or the last chunk leaves memory exactly as it was: the chunks that swapped
+    completely (on any thread) go back, the chunks never started stay untouched."""
     rng = np.random.default_rng(9)
     data = {"w": rng.integers(0, 256, 2 * 2_000_000, dtype=np.uint8)}
     engine = {"w": resident(data["w"], "BF16")}
     before = raw(engine["w"])
     patch = _bf16_patch(rng, {"w": data["w"].copy()}, 0.2, 0)
-    assert patch.changed > 4 * 65536  # above the size that is split over threads
+    assert patch.changed > 4 * 65536  # above the size that is spread over threads
     view = ResidentView(engine, 0)
     staged = view.stage(patch)
-    last = int(patch.groups[0].positions[-1])
-    engine["w"].view(torch.int16)[last] ^= 2  # drifted, at the commit's very last change
+    positions = patch.groups[0].positions
+    at = int(positions[round(where * (positions.size - 1))])
+    engine["w"].view(torch.int16)[at] ^= 2  # drifted, at one of the commit's changes
     drifted = raw(engine["w"])
     with pytest.raises(BaseMismatch, match="'w'"):
         view.commit(staged)

@@ -12,6 +12,7 @@ of the old tensor: on the CPU the base buffer's own bytes (a view, no copy); on 
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -25,7 +26,7 @@ import numpy as np
 
 from deltaboard.board import codec
 from deltaboard.publisher.device_diff import iter_diffs
-from deltaboard.publisher.packer import BlobPacker, TensorPart
+from deltaboard.publisher.packer import BlobPacker, PackedParts, PackedTensor
 from deltaboard.publisher.snapshot import Slot, ViewBuffer
 
 
@@ -46,7 +47,7 @@ class RankVersion:
     """What one rank contributes to a version (picklable: it is gathered to rank 0)."""
 
     tensors: tuple[tuple[str, str, tuple[int, ...]], ...]  # every owned tensor: name, dtype, shape
-    parts: tuple[TensorPart, ...]  # encoded tensors (all for a keyframe, changed ones for a delta)
+    parts: PackedParts  # encoded tensors (all for a keyframe, changed ones for a delta)
     digests: Mapping[str, str]  # every owned tensor's digest after this version
     changed_elements: int
     total_elements: int
@@ -59,21 +60,26 @@ class RankVersion:
 
 
 T = TypeVar("T")
-Encoded = tuple[bytes, str, str | None]
-"""A patch, the digest of the local tensor it produces, and (a slice) the slice's digest at
-its positions in the whole tensor."""
+Encoded = tuple[codec.PatchBatch, list[str | None]]
+"""A bundle's patches (each with the digest of the local tensor it produces) and, per
+tensor, a slice's digest at its positions in the whole tensor (None: not a slice)."""
 
 
-def _keyframes(buffer: ViewBuffer, slots: list[Slot], slices: Mapping[str, LocalSlice]) -> list[Encoded]:
-    out: list[Encoded] = []
+def _keyframes(buffer: ViewBuffer, slots: list[Slot], slices: Mapping[str, LocalSlice]) -> Encoded:
+    patches: list[bytes] = []
+    digests: list[str] = []
+    global_digests: list[str | None] = []
     for slot in slots:
         data = buffer.host_bytes(slot)
-        patch = codec.keyframe(data, slot.dtype)
+        patches.append(codec.keyframe(data, slot.dtype))
+        digests.append(codec.read_header(patches[-1]).result_digest)
         global_digest = None
         if (where := slices.get(slot.name)) is not None:
             global_digest = codec.digest_slice(data, slot.dtype, where.offset, slot.shape, where.tensor_shape)
-        out.append((patch, codec.read_header(patch).result_digest, global_digest))
-    return out
+        global_digests.append(global_digest)
+    # one patch (a large tensor's bundle) is joined without a copy
+    ends = list(itertools.accumulate(len(p) for p in patches))
+    return codec.PatchBatch(b"".join(patches), ends, digests), global_digests
 
 
 Where = tuple[LocalSlice, tuple[int, ...], str]  # a slice's place, local shape, global digest before
@@ -85,26 +91,24 @@ def _deltas(
     wheres: list[Where | None],
     old: tuple[np.ndarray, list[int]] | None,
     hints: list[codec.ContextHint | None] | None,
-) -> list[Encoded]:
+) -> Encoded:
     """A bundle of tensors' patches in one codec call (`codec.encode_batch`): against the old
     bytes in place (`old`: a buffer and each tensor's first element) or with the device's
     hints, or neither (no context encoding)."""
     buffer, starts = old if old is not None else (None, None)
     patches = codec.encode_batch(changes, base_digests, old=buffer, old_starts=starts, hints=hints)
-    out: list[Encoded] = []
-    for c, (patch, digest), where in zip(changes, patches, wheres, strict=True):
-        global_digest = None
+    global_digests: list[str | None] = [None] * len(changes)
+    for i, (c, where) in enumerate(zip(changes, wheres, strict=True)):
         if where is not None:  # the slice's digest moves by its changes at their global positions
             at, shape, base_global = where
             positions = codec.slice_positions(c.positions, at.offset, shape, at.tensor_shape)
             moved = codec.Changes(c.dtype, math.prod(at.tensor_shape), positions, c.old_bits, c.new_bits)
-            global_digest = codec.digest_update(base_global, moved)
-        out.append((patch, digest, global_digest))
-    return out
+            global_digests[i] = codec.digest_update(base_global, moved)
+    return patches, global_digests
 
 
-Bundle = tuple[list[tuple[Slot, int]], Callable[[], list[Encoded]]]
-"""Tensors (each with its changed count) and the call that encodes them all, in order."""
+Bundle = tuple[list[PackedTensor], Callable[[], Encoded]]
+"""Tensors (as the packer takes them) and the call that encodes them all, in order."""
 
 
 def encode_rank(
@@ -145,13 +149,13 @@ def encode_rank(
     global_digests: dict[str, str] = {}
     if base is None:
         keyframes: list[Bundle] = [
-            ([(s, s.numel) for s in group], partial(_keyframes, buffer, group, slices))
+            ([(s.name, s.dtype, s.shape, s.numel) for s in group], partial(_keyframes, buffer, group, slices))
             for group in _bundles(layout.slots, lambda s: s.numel)
         ]
         _encode_in_order(keyframes, encoders, window, packer, digests, global_digests)
         return RankVersion(
             tensors,
-            tuple(packer.finish()),
+            packer.finish(),
             digests,
             total,
             total,
@@ -170,26 +174,27 @@ def encode_rank(
     # old bytes instead
     for part in iter_diffs(base, buffer, hints=context):
         diff_s += time.perf_counter() - started  # time waiting for the diff, not hidden by encoding
-        changed_slots = [(slots[name], c) for name, c in part.changes.items()]
-        deltas: list[Bundle] = [
-            (
-                [(slot, c.count) for slot, c in group],
-                partial(
-                    _deltas,
-                    [c for _, c in group],
-                    [base_digests[slot.name] for slot, _ in group],
-                    [_where(slices, global_digests, slot) for slot, _ in group],
-                    *_context(base, [slot for slot, _ in group], part.hints, context),
-                ),
+        counted = [(slots[name], c, c.count) for name, c in part.changes.items()]
+        deltas: list[Bundle] = []
+        for group in _bundles(counted, lambda item: item[2]):
+            in_group = [slot for slot, _, _ in group]
+            wheres: list[Where | None] = [None] * len(group)
+            if slices:
+                wheres = [_where(slices, global_digests, s) for s in in_group]
+            encode = partial(
+                _deltas,
+                [c for _, c, _ in group],
+                [base_digests[s.name] for s in in_group],
+                wheres,
+                *_context(base, in_group, part.hints, context),
             )
-            for group in _bundles(changed_slots, lambda item: item[1].count)
-        ]
+            deltas.append(([(s.name, s.dtype, s.shape, n) for s, _, n in group], encode))
         _encode_in_order(deltas, encoders, window, packer, digests, global_digests)
-        changed += sum(c.count for c in part.changes.values())
+        changed += sum(n for _, _, n in counted)
         host_bytes += part.host_bytes - part.hint_bytes
         hint_bytes += part.hint_bytes
         started = time.perf_counter()
-    parts = tuple(packer.finish())
+    parts = packer.finish()
     return RankVersion(
         tensors,
         parts,
@@ -252,15 +257,16 @@ def _encode_in_order(
     global_digests: dict[str, str],
 ) -> None:
     """Run `bundles` on `encoders` (at most `window` submitted) and pack the results in order."""
-    pending: deque[tuple[list[tuple[Slot, int]], Future[list[Encoded]]]] = deque()
+    pending: deque[tuple[list[PackedTensor], Future[Encoded]]] = deque()
 
     def pack_first() -> None:
-        items, fut = pending.popleft()
-        for (slot, changed), (patch, digest, global_digest) in zip(items, fut.result(), strict=True):
-            digests[slot.name] = digest
-            if global_digest is not None:
-                global_digests[slot.name] = global_digest
-            packer.add(slot.name, slot.dtype, slot.shape, patch, digest, changed)
+        tensors, fut = pending.popleft()
+        patches, slice_digests = fut.result()
+        names = [name for name, *_ in tensors]
+        digests.update(zip(names, patches.digests, strict=True))
+        if any(d is not None for d in slice_digests):
+            global_digests.update((n, d) for n, d in zip(names, slice_digests, strict=True) if d is not None)
+        packer.add(tensors, patches.data, patches.ends, patches.digests)
 
     try:
         for items, encode in bundles:

@@ -18,7 +18,7 @@ from deltaboard.board import codec
 from deltaboard.board.contract.schemas import Manifest, ManifestStats, TensorPart, ViewSpec
 from deltaboard.board.contract.view_spec import plan_layout
 from deltaboard.publisher.encode import RankVersion
-from deltaboard.publisher.packer import TensorPart as PackedPart
+from deltaboard.publisher.packer import PackedParts
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,9 @@ def build_manifest(
     run: str, proposal: Proposal, spec: ViewSpec, epoch: int, ranks: Sequence[RankVersion]
 ) -> Manifest:
     if any(r.slices for r in ranks):
-        tensors, rows, digests = _sliced(ranks)
+        tensors, entries, digests = _sliced(ranks)
     else:
-        tensors, rows, digests = _whole(ranks)
+        tensors, entries, digests = _whole(ranks)
     placement = plan_layout(tensors, spec).placement
     meta = dict(proposal.meta)
     if proposal.step is not None:
@@ -58,12 +58,12 @@ def build_manifest(
             "epoch": epoch,
             "created_at": time.time(),
             "meta": meta,
-            "tensors": _columns(rows, placement),
+            "tensors": _columns(entries, placement),
             "state_digest": codec.state_digest(digests.items()),
             "stats": ManifestStats(
                 changed_elements=sum(r.changed_elements for r in ranks),
                 total_elements=sum(r.total_elements for r in ranks),
-                encoded_bytes=sum(p.length for r in ranks for p in r.parts),
+                encoded_bytes=sum(sum(r.parts.lengths) for r in ranks),
                 view_bytes=sum(r.view_bytes for r in ranks),
             ),
         }
@@ -71,43 +71,50 @@ def build_manifest(
 
 
 Tensors = list[tuple[str, str, tuple[int, ...]]]
-Row = tuple[PackedPart, tuple[int, ...], str, TensorPart | None]
-"""An entry but its file, which the layout of every tensor decides: the rank's packed
-patch, the whole tensor's shape and digest, and the part of it the patch holds (None:
-the whole tensor)."""
 
 
-def _columns(rows: Sequence[Row], placement: Mapping[str, str]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Entries:
+    """The manifest's entries but their files, which the layout of every tensor decides:
+    the packed patches, and per entry the whole tensor's shape and digest and the part of
+    it the patch holds (None: the whole tensor), as columns."""
+
+    packed: PackedParts
+    shapes: list[tuple[int, ...]]
+    digests: list[str]
+    parts: list[TensorPart | None] | None  # None: every entry a whole tensor
+
+
+def _columns(entries: Entries, placement: Mapping[str, str]) -> dict[str, Any]:
     """`TensorColumns` of the entries (each blob's sha256 once, entries naming its index)."""
-    blobs: dict[str, int] = {}
-    blob = [blobs.setdefault(p.sha256, len(blobs)) for p, *_ in rows]
-    parts = [part for *_, part in rows]
+    packed = entries.packed
     return {
-        "blobs": list(blobs),
-        "name": [p.name for p, *_ in rows],
-        "dtype": [p.dtype for p, *_ in rows],
-        "shape": [shape for _, shape, _, _ in rows],
-        "file": [placement[p.name] for p, *_ in rows],
-        "blob": blob,
-        "offset": [p.offset for p, *_ in rows],
-        "length": [p.length for p, *_ in rows],
-        "digest": [digest for _, _, digest, _ in rows],
-        "changed": [p.changed for p, *_ in rows],
-        "part": parts if any(part is not None for part in parts) else None,
+        "blobs": packed.blobs,
+        "name": packed.names,
+        "dtype": packed.dtypes,
+        "shape": entries.shapes,
+        "file": [placement[name] for name in packed.names],
+        "blob": packed.blob,
+        "offset": packed.offsets,
+        "length": packed.lengths,
+        "digest": entries.digests,
+        "changed": packed.changed,
+        "part": entries.parts,
     }
 
 
-def _whole(ranks: Sequence[RankVersion]) -> tuple[Tensors, list[Row], dict[str, str]]:
+def _whole(ranks: Sequence[RankVersion]) -> tuple[Tensors, Entries, dict[str, str]]:
     """Every rank's own whole tensors, in rank order."""
     tensors = [t for r in ranks for t in r.tensors]
     names = [name for name, _, _ in tensors]
     if len(set(names)) != len(names):
         raise ValueError("two ranks published a tensor of the same name: partition the state dict")
-    rows: list[Row] = [(p, p.shape, p.digest, None) for r in ranks for p in r.parts]
-    return tensors, rows, {n: d for r in ranks for n, d in r.digests.items()}
+    packed = ranks[0].parts if len(ranks) == 1 else PackedParts.joined([r.parts for r in ranks])
+    entries = Entries(packed, packed.shapes, packed.digests, None)
+    return tensors, entries, {n: d for r in ranks for n, d in r.digests.items()}
 
 
-def _sliced(ranks: Sequence[RankVersion]) -> tuple[Tensors, list[Row], dict[str, str]]:
+def _sliced(ranks: Sequence[RankVersion]) -> tuple[Tensors, Entries, dict[str, str]]:
     """Slices of tensors from every rank: one entry per part, in the trainer's state order
     (then rank order); each tensor's digest is the combination of its slices' digests."""
     whole: dict[str, tuple[int, str, tuple[int, ...]]] = {}  # name: order, dtype, shape
@@ -124,12 +131,23 @@ def _sliced(ranks: Sequence[RankVersion]) -> tuple[Tensors, list[Row], dict[str,
     digests = {name: codec.combine_digests(found) for name, found in slice_digests.items()}
     ordered = sorted(whole.items(), key=lambda item: item[1][0])
     tensors = [(name, dtype, shape) for name, (_, dtype, shape) in ordered]
-    placed: list[tuple[int, int, Row]] = []
-    for rank, r in enumerate(ranks):
-        for p in r.parts:
-            at = r.slices[p.name]
-            part = None
-            if p.shape != at.tensor_shape:
-                part = TensorPart(offset=at.offset, shape=p.shape, digest=r.slice_digests[p.name])
-            placed.append((at.order, rank, (p, at.tensor_shape, digests[p.name], part)))
-    return tensors, [row for _, _, row in sorted(placed, key=lambda x: x[:2])], digests
+    joined = PackedParts.joined([r.parts for r in ranks])
+    owners = [(rank, name) for rank, r in enumerate(ranks) for name in r.parts.names]
+    keys = [(ranks[rank].slices[name].order, rank) for rank, name in owners]
+    order = sorted(range(len(owners)), key=keys.__getitem__)
+    shapes: list[tuple[int, ...]] = []
+    parts: list[TensorPart | None] = []
+    for i in order:
+        rank, name = owners[i]
+        at = ranks[rank].slices[name]
+        shapes.append(at.tensor_shape)
+        part = None
+        if joined.shapes[i] != at.tensor_shape:
+            part = TensorPart(
+                offset=at.offset, shape=joined.shapes[i], digest=ranks[rank].slice_digests[name]
+            )
+        parts.append(part)
+    packed = joined.take(order)
+    whole_only = all(part is None for part in parts)
+    entries = Entries(packed, shapes, [digests[name] for name in packed.names], None if whole_only else parts)
+    return tensors, entries, digests

@@ -10,13 +10,15 @@ encoder wait instead of buffering a whole keyframe in memory.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Upload = Callable[[str, bytes], None]
+PackedTensor = tuple[str, str, tuple[int, ...], int]  # name, dtype, shape, changed elements
 
 
 @dataclass(frozen=True)
@@ -34,14 +36,50 @@ class TensorPart:
 
 
 @dataclass
-class _Pending:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    digest: str
-    changed: int
-    offset: int
-    length: int
+class PackedParts:
+    """The tensors a packer placed, as columns: a model of 20,000 tensors is then a few
+    lists, not an object per tensor, from the encoder to the manifest's columns (which
+    have the same shape). Part i lies in blob `blobs[blob[i]]`; iterating gives each part
+    as a `TensorPart`."""
+
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)
+    changed: list[int] = field(default_factory=list)
+    blobs: list[str] = field(default_factory=list)  # each blob's sha256, once
+    blob: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __iter__(self) -> Iterator[TensorPart]:
+        columns = (self.names, self.dtypes, self.shapes, self.blob, self.offsets, self.lengths)
+        for (name, dtype, shape, blob, offset, length), digest, changed in zip(
+            zip(*columns, strict=True), self.digests, self.changed, strict=True
+        ):
+            yield TensorPart(name, dtype, shape, self.blobs[blob], offset, length, digest, changed)
+
+    @classmethod
+    def joined(cls, many: Sequence[PackedParts]) -> PackedParts:
+        """Several packers' parts one after the other (each rank's, in rank order)."""
+        out = cls()
+        for parts in many:
+            out.blob += [len(out.blobs) + b for b in parts.blob]
+            out.blobs += parts.blobs
+            for column in _PER_PART[:-1]:
+                getattr(out, column).extend(getattr(parts, column))
+        return out
+
+    def take(self, order: Sequence[int]) -> PackedParts:
+        """The parts at the indices `order`, in that order (in the same blobs)."""
+        picked = {column: [getattr(self, column)[i] for i in order] for column in _PER_PART}
+        return PackedParts(**picked, blobs=self.blobs)
+
+
+_PER_PART = ("names", "dtypes", "shapes", "digests", "changed", "offsets", "lengths", "blob")
 
 
 class BlobPacker:
@@ -61,25 +99,55 @@ class BlobPacker:
         self._blob_max = blob_max_bytes
         self._max_pending = max_pending_bytes
         self._on_uploaded = on_uploaded
-        self._chunks: list[bytes] = []
-        self._open: list[_Pending] = []
+        self._chunks: list[bytes | memoryview] = []
+        self._open = 0  # parts in the open blob (the last ones of `_parts`)
         self._open_bytes = 0
-        self._parts: list[TensorPart] = []
+        self._parts = PackedParts()
         self._futures: list[Future[None]] = []
         self._pending_bytes = 0
         self._cond = threading.Condition()
         self._error: BaseException | None = None
 
     def add(
-        self, name: str, dtype: str, shape: tuple[int, ...], patch: bytes, digest: str, changed: int
+        self,
+        tensors: Sequence[PackedTensor],
+        data: bytes,
+        ends: Sequence[int],
+        digests: Sequence[str],
     ) -> None:
-        if self._open and self._open_bytes + len(patch) > self._blob_max:
-            self._seal()
-        self._open.append(_Pending(name, dtype, shape, digest, changed, self._open_bytes, len(patch)))
-        self._chunks.append(patch)
-        self._open_bytes += len(patch)
+        """Patches end to end in `data` (patch i ends at `ends[i]`), of `tensors` (name,
+        dtype, shape, changed elements) in order, with their result digests.
 
-    def finish(self) -> list[TensorPart]:
+        A patch goes to the open blob unless it would take it past `blob_max_bytes` (then
+        the blob is sealed first; a larger patch gets a blob of its own): a run of patches
+        that fits is appended as one piece of `data`, so a batch of many small patches
+        costs a few list extensions, not an object per patch."""
+        view = memoryview(data)
+        i = 0
+        while i < len(ends):
+            start = ends[i - 1] if i else 0
+            room = self._blob_max - self._open_bytes
+            stop = bisect.bisect_right(ends, start + room, lo=i)  # patches i..stop-1 fit
+            if stop == i and self._open:
+                self._seal()
+                continue
+            stop = max(stop, i + 1)
+            at = self._open_bytes - start
+            parts = self._parts
+            for name, dtype, shape, changed in tensors[i:stop]:
+                parts.names.append(name)
+                parts.dtypes.append(dtype)
+                parts.shapes.append(shape)
+                parts.changed.append(changed)
+            parts.digests += digests[i:stop]
+            parts.offsets += [at + (ends[j - 1] if j else 0) for j in range(i, stop)]
+            parts.lengths += [ends[j] - (ends[j - 1] if j else 0) for j in range(i, stop)]
+            self._chunks.append(view[start : ends[stop - 1]])
+            self._open += stop - i
+            self._open_bytes += ends[stop - 1] - start
+            i = stop
+
+    def finish(self) -> PackedParts:
         """Seal the open blob, wait for every upload, return the parts (first error raised)."""
         if self._open:
             self._seal()
@@ -99,11 +167,9 @@ class BlobPacker:
         self._raise_if_failed()
         data = b"".join(self._chunks)
         sha = hashlib.sha256(data).hexdigest()
-        self._parts.extend(
-            TensorPart(p.name, p.dtype, p.shape, sha, p.offset, p.length, p.digest, p.changed)
-            for p in self._open
-        )
-        self._chunks, self._open, self._open_bytes = [], [], 0
+        self._parts.blob += [len(self._parts.blobs)] * self._open
+        self._parts.blobs.append(sha)
+        self._chunks, self._open, self._open_bytes = [], 0, 0
         with self._cond:
             while self._pending_bytes and self._pending_bytes + len(data) > self._max_pending:
                 self._cond.wait()

@@ -392,7 +392,7 @@ class Publisher:
             step=job.step,
             changed_elements=outcome.changed_elements,
             total_elements=outcome.total_elements,
-            encoded_bytes=sum(p.length for p in outcome.parts),
+            encoded_bytes=sum(outcome.parts.lengths),
             host_bytes=outcome.host_bytes,
             blocked_s=job.blocked_s,
             e2e_s=committed - job.called_at,

@@ -20,7 +20,7 @@ from deltaboard.board.codec.api import (
     keyframe_into,
     read_header,
 )
-from deltaboard.board.codec.batch import encode_batch
+from deltaboard.board.codec.batch import PatchBatch, encode_batch
 from deltaboard.board.codec.changes import Changes, diff, empty_changes
 from deltaboard.board.codec.context import (
     EXPONENT_FIELDS,
@@ -50,6 +50,7 @@ __all__ = [
     "WIDTHS",
     "Changes",
     "ContextHint",
+    "PatchBatch",
     "PatchError",
     "PatchHeader",
     "apply",

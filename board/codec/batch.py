@@ -4,7 +4,8 @@ A model of many small tensors (an MoE model has one per expert projection) pays 
 encoder's fixed cost per patch: validating the changes, the context hint, the ranks, the
 values, the digest, each a compiled call with its own dispatch, and the Python between
 them. Here one compiled call runs every step for every tensor of a batch and writes all
-the payloads into one buffer; Python then only frames each payload with its header.
+the payloads into one buffer, and their headers are written as columns around them
+(`header.pack_many`): the patches come out end to end in one buffer, no object per patch.
 
 The bytes are `encode_changes`' bytes, tensor by tensor (`tests/board/test_codec_batch.py`):
 the kernel takes the same decisions (the context encoding when its hint pays, else
@@ -14,7 +15,9 @@ the kernel takes the same decisions (the context encoding when its hint pays, el
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,7 +29,7 @@ from deltaboard.board.codec.context import EXPONENT_FIELDS
 from deltaboard.board.codec.digest import change_sums, raw_digests
 from deltaboard.board.codec.dtypes import as_bits, dtype_code, uint_dtype
 from deltaboard.board.codec.errors import PatchError
-from deltaboard.board.codec.header import ENCODINGS, pack_fields
+from deltaboard.board.codec.header import ENCODINGS, pack_many
 from deltaboard.board.codec.jit import kernel
 from deltaboard.board.codec.ranked import ContextHint, host_hint, put_ranks
 from deltaboard.board.codec.values import layout, put_values
@@ -119,6 +122,22 @@ def _encode_all(
     return buf, ends, encodings, status
 
 
+@dataclass(frozen=True)
+class PatchBatch:
+    """A batch's patches end to end in one buffer (`data`; patch i ends at `ends[i]`) and
+    each one's result digest: what a packer appends to a blob in one piece, with no object
+    per patch."""
+
+    data: bytes
+    ends: list[int]
+    digests: list[str]
+
+    def __iter__(self) -> Iterator[tuple[bytes, str]]:
+        """Each patch (a copy) and its digest, in order."""
+        for (start, end), digest in zip(itertools.pairwise([0, *self.ends]), self.digests, strict=True):
+            yield self.data[start:end], digest
+
+
 def encode_batch(
     changes: Sequence[Changes],
     old_digests: Sequence[str],
@@ -126,7 +145,7 @@ def encode_batch(
     old: np.ndarray | None = None,
     old_starts: Sequence[int] | None = None,
     hints: Sequence[ContextHint | None] | None = None,
-) -> list[tuple[bytes, str]]:
+) -> PatchBatch:
     """Each tensor's patch and its result digest: byte for byte what
     `encode_changes(changes[i], old_i, dtype, old_digest=old_digests[i], hint=hints[i])` gives.
 
@@ -136,7 +155,7 @@ def encode_batch(
     elements have one width.
     """
     if not changes:
-        return []
+        return PatchBatch(b"", [], [])
     if len(old_digests) != len(changes) or (hints is not None and len(hints) != len(changes)):
         raise PatchError("encode_batch: one base digest (and hint) per tensor expected")
     bits_dtype = uint_dtype(changes[0].dtype)
@@ -181,27 +200,34 @@ def encode_batch(
     failed = np.flatnonzero(status)
     if failed.size:
         raise PatchError(_FAILURES[int(status[failed[0]])])
-    view = payloads.data
-    out = []
-    # every result digest's 16 raw bytes and hex in one call each, as `bases`; and Python
-    # values once, not a numpy scalar per read (this loop runs once per tensor)
+    # every patch framed in one call, as columns; a tensor left to `encode_changes` gets an
+    # empty frame there, replaced by its patch below
     results = lanes.astype(">u8").tobytes()
-    results_hex = results.hex()
-    starts_of, ends_of = np.concatenate(([0], ends[:-1])).tolist(), ends.tolist()
-    chosen, counts, numbers = encodings.tolist(), np.diff(bounds).tolist(), numels.tolist()
-    for i, c in enumerate(changes):
-        if chosen[i] == _GENERAL:
-            tensor_old = None if old is None else old_bits[starts[i] : starts[i] + c.numel].view(np.uint8)
-            hint = None if hints is None else hints[i]
-            patch = api.encode_changes(c, tensor_old, c.dtype, old_digest=old_digests[i], hint=hint)
-            out.append((patch, api.read_header(patch).result_digest))
-            continue
-        at = 16 * i
-        base, after = bases[at : at + 16], results[at : at + 16]
-        payload = view[starts_of[i] : ends_of[i]]
-        patch = pack_fields(codes[c.dtype], chosen[i], numbers[i], counts[i], base, after, payload)
-        out.append((patch, results_hex[2 * at : 2 * at + 32]))
-    return out
+    data, patch_ends = pack_many(
+        np.array([codes[c.dtype] for c in changes], dtype=np.uint8),
+        encodings,
+        numels,
+        np.diff(bounds),
+        bases,
+        results,
+        payloads,
+        ends,
+    )
+    hexed = results.hex()  # every result digest in one call, as `bases` were parsed
+    digests = [hexed[at : at + 32] for at in range(0, len(hexed), 32)]
+    general = np.flatnonzero(encodings == _GENERAL).tolist()
+    if not general:
+        return PatchBatch(data, patch_ends.tolist(), digests)
+    pieces, sizes, at = [], np.diff(patch_ends, prepend=0), 0
+    for i in general:
+        c = changes[i]
+        tensor_old = None if old is None else old_bits[starts[i] : starts[i] + c.numel].view(np.uint8)
+        hint = None if hints is None else hints[i]
+        patch = api.encode_changes(c, tensor_old, c.dtype, old_digest=old_digests[i], hint=hint)
+        pieces += [data[at : patch_ends[i] - sizes[i]], patch]
+        at, sizes[i], digests[i] = patch_ends[i], len(patch), api.read_header(patch).result_digest
+    pieces.append(data[at:])
+    return PatchBatch(b"".join(pieces), np.cumsum(sizes).tolist(), digests)
 
 
 def _hints(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltaboard.board import codec
+from deltaboard.board.codec.header import pack_fields, pack_many
 from tests.board.codec_cases import PATTERNS, make_case
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,3 +108,43 @@ def test_bad_input_is_refused_as_encode_changes_refuses_it() -> None:
             codec.encode_changes(good, None, "BF16", old_digest=bad)
         with pytest.raises(codec.PatchError, match="digest"):
             codec.encode_batch([good, good], [digest, bad])
+
+
+@SETTINGS
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 255),
+            st.integers(0, len(codec.ENCODINGS) - 1),
+            st.integers(0, 2**64 - 1),
+            st.integers(0, 2**64 - 1),
+            st.binary(min_size=16, max_size=16),
+            st.binary(min_size=16, max_size=16),
+            st.binary(max_size=300),
+        ),
+        max_size=8,
+    ),
+    st.binary(max_size=16),
+)
+def test_patches_framed_together_are_each_framed_alone(
+    rows: list[tuple[int, int, int, int, bytes, bytes, bytes]], spare: bytes
+) -> None:
+    """`pack_many` writes what `pack_fields` writes patch by patch, end to end (payloads
+    read from a buffer with spare bytes after them, as the batch encoder's is)."""
+    dtypes, encodings, numels, changed, bases, results, payloads = (
+        zip(*rows, strict=True) if rows else ([],) * 7
+    )
+    ends = np.array(list(itertools.accumulate(len(p) for p in payloads)), dtype=np.int64)
+    data, patch_ends = pack_many(
+        np.array(dtypes, dtype=np.uint8),
+        np.array(encodings, dtype=np.int64),
+        np.array(numels, dtype=np.uint64),
+        np.array(changed, dtype=np.uint64),
+        b"".join(bases),
+        b"".join(results),
+        np.frombuffer(b"".join(payloads) + spare, dtype=np.uint8),
+        ends,
+    )
+    alone = [pack_fields(*row) for row in rows]
+    assert data == b"".join(alone)
+    assert patch_ends.tolist() == list(itertools.accumulate(len(p) for p in alone))

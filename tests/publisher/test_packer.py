@@ -1,0 +1,80 @@
+"""The packer places a batch of patches exactly as it would place them one at a time, and
+hands back its parts as columns."""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltaboard.publisher.packer import BlobPacker, PackedParts, PackedTensor, TensorPart
+
+
+def one_at_a_time(patches: list[bytes], blob_max: int) -> list[bytes]:
+    """The blobs of the packing rule stated patch by patch: a patch goes to the open blob
+    unless it would take it past `blob_max` (then the blob is sealed first)."""
+    blobs: list[list[bytes]] = []
+    size = 0
+    for patch in patches:
+        if not blobs or (blobs[-1] and size + len(patch) > blob_max):
+            blobs.append([])
+            size = 0
+        blobs[-1].append(patch)
+        size += len(patch)
+    return [b"".join(blob) for blob in blobs]
+
+
+def pack(batches: list[list[bytes]], blob_max: int) -> tuple[PackedParts, dict[str, bytes]]:
+    uploaded: dict[str, bytes] = {}
+    with ThreadPoolExecutor(2) as pool:
+        packer = BlobPacker(uploaded.__setitem__, pool, blob_max_bytes=blob_max, max_pending_bytes=1 << 20)
+        done = 0
+        for batch in batches:
+            tensors: list[PackedTensor] = [
+                (f"t{done + i}", "BF16", (len(p),), i) for i, p in enumerate(batch)
+            ]
+            ends = list(itertools.accumulate(len(p) for p in batch))
+            packer.add(tensors, b"".join(batch), ends, [f"d{done + i}" for i in range(len(batch))])
+            done += len(batch)
+        return packer.finish(), uploaded
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=60),
+    st.lists(st.integers(1, 12), min_size=1),
+    st.integers(1, 1000),
+)
+def test_a_batch_is_packed_as_its_patches_one_at_a_time(lengths: list[int], cuts: list[int], blob_max: int):
+    patches = [bytes([i % 251]) * n for i, n in enumerate(lengths)]
+    batches, at = [], 0
+    for cut in itertools.cycle(cuts):  # the same patches handed over in batches of any size
+        batches.append(patches[at : at + cut])
+        at += cut
+        if at >= len(patches):
+            break
+    parts, uploaded = pack(batches, blob_max)
+    assert [uploaded[sha] for sha in parts.blobs] == one_at_a_time(patches, blob_max)
+    assert len(parts) == len(patches)
+    for i, (part, patch) in enumerate(zip(parts, patches, strict=True)):
+        assert part == TensorPart(
+            f"t{i}", "BF16", (len(patch),), part.sha256, part.offset, len(patch), f"d{i}", part.changed
+        )
+        assert uploaded[part.sha256][part.offset : part.offset + part.length] == patch
+
+
+def test_parts_of_several_packers_are_joined_and_reordered_in_their_blobs():
+    first, first_blobs = pack([[b"a" * 5, b"b" * 5], [b"c" * 5]], blob_max=10)
+    second, second_blobs = pack([[b"d" * 3]], blob_max=10)
+    joined = PackedParts.joined([first, second])
+    assert list(joined) == [*first, *second] and len(joined.blobs) == 3
+    blobs = {**first_blobs, **second_blobs}
+    reordered = joined.take([3, 0, 2])
+    assert [p.name for p in reordered] == ["t0", "t0", "t2"]
+    assert [blobs[p.sha256][p.offset : p.offset + p.length] for p in reordered] == [
+        b"ddd",
+        b"a" * 5,
+        b"c" * 5,
+    ]

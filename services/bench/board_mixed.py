@@ -22,7 +22,7 @@ the committer's, the downloaders'), with the machine's load average at both ends
 a run on a shared machine says who had the cores; the board's own time per commit
 (mean, p50 and p99 of its version records' `commit_s`), the part of a commit's latency
 spent in the store rather than queued on the way in and out; and how late the pollers'
-own loop ran (`LoopLag`), the part of the wake figures that is the measuring side's.
+own loop ran (`LoopLag`), a lower bound of the measuring side's part of the wake figures.
 """
 
 from __future__ import annotations
@@ -150,11 +150,12 @@ class Poller(asyncio.Protocol):
 
 
 class LoopLag:
-    """How late the pollers' loop runs a timer due every `LAG_TICK_S`: how long bytes that
-    have arrived wait there for their turn. A wake's arrival is stamped when the loop hands
-    its bytes over, so this wait is in the wake figures, and it is the measuring side's:
-    a thousand answers landing at once are read one after another by one process, which
-    on a loaded machine gets a fraction of a core."""
+    """How late the pollers' loop runs a timer due every `LAG_TICK_S`: the longest stretch
+    it spends on one batch of reads. A wake's arrival is stamped when the loop hands its
+    bytes over, and a thousand answers landing at once are read one after another, in
+    several such batches, by one process that gets a fraction of a core on a loaded
+    machine: the wait of the last ones is the measuring side's, and this lag is a lower
+    bound of it (the whole wait is only seen with the board's write times beside it)."""
 
     def __init__(self) -> None:
         self.lags: list[float] = []
@@ -436,7 +437,7 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
         "mixed_wakes": len(wakes),
         "mixed_wake_p50_ms": round(percentile(wakes, 50) * 1e3, 2),
         "mixed_wake_p99_ms": round(percentile(wakes, 99) * 1e3, 2),
-        # The pollers' own wait before stamping an arrival (`LoopLag`): part of the wakes
+        # The pollers' own delay in stamping arrivals, a lower bound (`LoopLag`)
         "mixed_poller_lag_p50_ms": round(percentile(lags, 50) * 1e3, 2),
         "mixed_poller_lag_p99_ms": round(percentile(lags, 99) * 1e3, 2),
         "mixed_commit_p50_ms": round(percentile(latencies, 50) * 1e3, 2),

@@ -277,6 +277,16 @@ def test_a_rewritten_record_keeps_its_file(tmp_path):
     assert store.get("runs/r/manifests/000000000001.json") == b"m1"
 
 
+def test_a_manifest_is_never_read_as_slots(tmp_path):
+    """A manifest's bytes are the publisher's: one holding a valid slot where a slotted
+    file's second slot would begin is still read whole."""
+    crafted = b"{".ljust(slots.SLOT_PAGE, b" ") + slots.slot(99, b"other", slots.SLOT_PAGE)
+    store = LocalStore(tmp_path)
+    key = "runs/r/manifests/000000000001.json"
+    tag = store.write_record(key, crafted, None)
+    assert store.read_record(key) == (crafted, tag) and store.get(key) == crafted
+
+
 def test_a_record_written_whole_by_an_older_store_is_read_and_then_slotted(tmp_path):
     (tmp_path / "runs" / "r").mkdir(parents=True)
     (tmp_path / "runs" / "r" / "head.json").write_bytes(b'{"version": 3}')

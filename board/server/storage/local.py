@@ -4,18 +4,18 @@ Writes go to a temporary file and are renamed into place, so a reader never sees
 object; with `fsync` (the default) the file is synced before and its directory after the
 rename, so a crash keeps both the bytes and the name (records written together,
 `write_records`, sync all but the last just after their renames, at once).
-Create-if-absent uses `link(2)` (atomic, fails if the name exists). A record's version tag
-is a generation number kept in its lock file; compare-and-set holds that file's `flock`,
-so that processes sharing the directory agree, and the number only grows, so a tag never
-comes back even when the same bytes are written again. The number is rewritten in place
-at a fixed width: truncating the file first would make ext4 flush it (its `auto_da_alloc`
-heuristic), a millisecond on every commit.
+Create-if-absent uses `link(2)` (atomic, fails if the name exists). Compare-and-set on a
+record holds its lock file's `flock`, so that processes sharing the directory agree. A
+record's version tag is a generation number that only grows, so a tag never comes back
+even when the same bytes are written again; each write also puts it in the lock file,
+rewritten in place at a fixed width: truncating the file first would make ext4 flush it
+(its `auto_da_alloc` heuristic), a millisecond on every commit.
 
 Records other than manifests (head.json, lease.json: read only as records) are slotted
 files (`slots`), rewritten in place; their tag is their current slot's, which is durable
-with its bytes. Manifests stay whole files: they are read as plain objects too (`get`,
-by retention and listings). A record a store before slots wrote whole is read as it is
-and becomes slotted at its next write.
+with its bytes. Manifests stay whole files, their tag the lock file's number: they are
+read as plain objects too (`get`, by retention and listings). A record a store before
+slots wrote whole is read as it is and becomes slotted at its next write.
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ def remove_stale_files(directory: Path, older_than_s: float = STALE_TEMP_S) -> i
                 os.unlink(entry.path)
                 removed += 1
     return removed
+
+
+def in_place(key: str) -> bool:
+    """Whether the record at `key` is a slotted file: every record but manifests."""
+    return manifest_version(key) is None
 
 
 def _write_at(fd: int, data: bytes, offset: int) -> None:
@@ -181,21 +186,23 @@ class LocalStore:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _stored(self, path: Path, lock: int) -> tuple[bytes, int, slots.Slotted | None] | None:
+    def _stored(self, key: str, lock: int) -> tuple[bytes, int, slots.Slotted | None] | None:
         """The record's bytes and tag, with its slots where it is a slotted file; None when
         absent. (Called with the record's lock held.)"""
         try:
-            raw = self._read_file(path)
+            raw = self._read_file(self._path(key))
         except (FileNotFoundError, NotADirectoryError):
             return None
-        slotted = slots.read(raw)
+        # A manifest is never read as slots: its bytes are the publisher's, which could
+        # hold a valid slot where the second one would begin.
+        slotted = slots.read(raw) if in_place(key) else None
         if slotted is None:
             return raw, self._generation(lock), None
         return slotted.data, slotted.tag, slotted
 
     def read_record(self, key: str) -> tuple[bytes, str] | None:
         with self._record(key, exclusive=False) as lock:
-            found = self._stored(self._path(key), lock)
+            found = self._stored(key, lock)
             return None if found is None else (found[0], str(found[1]))
 
     def write_record(self, key: str, data: bytes, expected: str | None) -> str:
@@ -232,7 +239,7 @@ class LocalStore:
         file with room, else rename a new file onto it; with `sync`, durable on return."""
         path = self._path(key)
         with self._record(key, exclusive=True) as lock:
-            found = self._stored(path, lock)
+            found = self._stored(key, lock)
             if (expected is None) != (found is None) or (found is not None and expected != str(found[1])):
                 raise PreconditionFailed(key)
             # A new number even for the same bytes: a tag never comes back (no ABA). The
@@ -242,7 +249,7 @@ class LocalStore:
             if slotted is not None and slotted.fits(data):
                 self._write_slot(path, *slotted.rewrite(tag, data), sync=sync)
             else:
-                whole = data if manifest_version(key) is not None else slots.new_file(tag, data)
+                whole = slots.new_file(tag, data) if in_place(key) else data
                 self._replace(path, whole, sync=sync)
             os.pwrite(lock, str(tag).zfill(GENERATION_WIDTH).encode(), 0)
         return str(tag)

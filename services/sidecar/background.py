@@ -58,8 +58,8 @@ def settle_gc() -> None:
     walks only what was made since; and the youngest generation is collected every
     `GC_YOUNG_THRESHOLD` allocations instead of every 700. A request's objects are freed
     by their reference counts as it ends (the sidecar's server cuts the cycles a request
-    would leave, `services.sidecar.server`), so the collections found nothing to free and
-    cost each request its share of them (figures in docs/design.md). Only for a process
+    would leave, `services.sidecar.server`): the collections found nothing to free, and
+    each request paid its share of them (figures in docs/design.md). Only for a process
     of its own (a sidecar's, a worker's): a frozen object is never collected, so a test
     process that started servers again and again would keep its garbage."""
     gc.collect()

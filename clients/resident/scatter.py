@@ -156,7 +156,8 @@ def _spread(n: int, fn: Callable[[int, int], int]) -> list[tuple[int, int, int]]
     """`fn(a, b)` over chunks covering [0, n), claimed in turn by the calling thread and the
     pool's threads, until none is left or a chunk fails (returns an index >= 0): then no
     further chunk starts. Returns (a, b, result) of every chunk that ran; the chunks that
-    never ran were not touched."""
+    never ran were not touched. Chunks are claimed in increasing order and a claimed chunk
+    runs to its end, so the smallest failing index returned is the first of the pass."""
     if n < _SPLIT_MIN or _THREADS == 1:
         return [(0, n, fn(0, n))]
     step = max(_SPLIT_MIN // 2, -(-n // (_THREADS * _CHUNKS_PER_THREAD)))

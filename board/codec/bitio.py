@@ -16,11 +16,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from deltaboard.board.codec.errors import PatchError
-from deltaboard.board.codec.jit import kernel, leading_zeros
+from deltaboard.board.codec.jit import inlined, kernel, leading_zeros, popcount, word_be
 
 _GOLDEN = (1 + math.sqrt(5)) / 2
 
@@ -159,23 +160,14 @@ def put_fixed(buf: np.ndarray, at: int, values: np.ndarray, k: int) -> tuple[np.
     return buf, at + size
 
 
-@kernel
-def _word_at(data: np.ndarray, i: int) -> np.uint64:
-    """The 8 bytes of `data` from `i` as one big-endian word (one load and a byte swap)."""
-    x = np.uint64(0)
-    for b in range(8):
-        x = (x << np.uint64(8)) | np.uint64(data[i + b])
-    return x
-
-
-@kernel
+@inlined
 def _short_field(data: np.ndarray, bit: int, k: int) -> np.uint64:
     """The field of up to 56 bits at bit offset `bit` of `data`, read from the big-endian
     word at its first byte (it fits in that word whatever its bit offset)."""
-    return _low_bits(_word_at(data, bit >> 3) >> np.uint64(64 - k - (bit & 7)), k)
+    return _low_bits(word_be(data, bit >> 3) >> np.uint64(64 - k - (bit & 7)), k)
 
 
-@kernel
+@inlined
 def read_field(data: np.ndarray, bit: int, k: int) -> np.uint64:
     """The field of 1 to 63 bits at bit offset `bit` of `data`, which holds a word of
     padding past its last field: one word read, two for more than 56 bits."""
@@ -186,81 +178,103 @@ def read_field(data: np.ndarray, bit: int, k: int) -> np.uint64:
 
 
 @kernel
-def _unpack_fixed(data: np.ndarray, high: np.ndarray, k: int) -> np.ndarray:
-    """`high[j] << k` joined with the j-th k-bit field; the caller has checked that `data`
-    holds high.size * k bits.
+def _group_starts(unary: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The bit where each group's quotients start in the unary stream (group g after the
+    ones of the groups before it), and whether the stream holds a one for every value.
 
-    Fields of up to 56 bits are read each from the big-endian word at its first byte (a
-    field then fits in the word whatever its bit offset), from a copy of `data` padded by
-    a word: no bit buffer to refill byte by byte; wider fields go through one."""
-    out = np.empty(high.size, dtype=np.uint64)
-    if k <= 56:
-        padded = np.zeros(data.size + 8, dtype=np.uint8)
-        padded[: data.size] = data
-        for j in range(high.size):
-            bit = j * k
-            field = _short_field(padded, bit, k)
-            out[j] = (high[j] << np.uint64(k)) | field
-        return out
-    acc = np.uint64(0)
-    held = 0
-    i = 0
-    for j in range(high.size):
-        v = high[j]
-        left = k
-        while left > 0:
-            take = min(left, 32)
-            left -= take
-            while held < take:
-                acc = (acc << np.uint64(8)) | np.uint64(data[i])
-                i += 1
-                held += 8
-            held -= take
-            v = (v << np.uint64(take)) | _low_bits(acc >> np.uint64(held), take)
-        out[j] = v
-    return out
+    `unary` is the stream padded with zeros to whole words (the padding holds no one); a
+    word at a time, by popcount, with a group's first bit located in its word by counts
+    of leading zeros: one pass that reads the stream, writes nothing per value."""
+    starts = np.zeros(counts.size, dtype=np.int64)
+    total = 0
+    for c in counts:
+        total += c
+    g = 1
+    target = counts[0] if counts.size else 0  # ones before group g's first quotient
+    while g < counts.size and target == 0:  # the groups after empty ones start at bit 0
+        target += counts[g]
+        g += 1
+    seen = 0  # ones before word w
+    for w in range(unary.size // 8):
+        if seen >= total:
+            break
+        x = word_be(unary, 8 * w)
+        ones = int(popcount(x))
+        while g < counts.size and target <= seen + ones:  # its last one is in this word
+            y = x
+            for _ in range(target - seen - 1):  # drop the ones before that one
+                y &= ~(np.uint64(0x8000000000000000) >> leading_zeros(y))
+            starts[g] = 64 * w + int(leading_zeros(y)) + 1
+            target += counts[g]
+            g += 1
+        seen += ones
+    return starts, seen >= total
 
 
-def unpack_fixed(data: memoryview | bytes, high: np.ndarray, k: int) -> np.ndarray:
-    """The fields of a `put_fixed` section's body joined to known high parts:
-    `(high[j] << k) | field_j` as uint64, for as many fields as `high` has values."""
-    if len(data) * 8 < high.size * k:
-        raise PatchError("patch is truncated or corrupted (fixed-width bits missing)")
-    out: np.ndarray = _unpack_fixed(
-        np.frombuffer(data, dtype=np.uint8), high.astype(np.uint64, copy=False), k
-    )
-    return out
+# A group's read position: (byte of the next unary word, the current word's bits not yet
+# read, left-aligned, how many they are, the bit of the next fixed-width field, k)
+RiceCursor = tuple[int, np.uint64, int, int, int]
+
+
+@inlined
+def rice_cursor(buf: np.ndarray, unary_bit: int, field_bit: int, k: int) -> RiceCursor:
+    """The cursor of a group whose quotients start at `unary_bit` of `buf` (a word-aligned
+    unary stream) and whose fields start at `field_bit`."""
+    at = unary_bit >> 6 << 3
+    skip = unary_bit & 63
+    return at + 8, word_be(buf, at) << np.uint64(skip), 64 - skip, field_bit, k
+
+
+@inlined
+def next_value(buf: np.ndarray, cursor: RiceCursor) -> tuple[np.uint64, RiceCursor]:
+    """One Rice-coded value read at a group's cursor: (value, the cursor moved past it).
+
+    The current unary word is kept in the cursor, so that a quotient costs a count of
+    leading zeros and two shifts, not a load whose address waits for the last quotient.
+    The caller guarantees a one ahead of the cursor in the unary stream (`rice_groups`
+    counted them) and a word of padding after the fields, so that every word read lies
+    in `buf` and the first one found ends the quotient."""
+    at, bits, held, field_bit, k = cursor
+    q = np.uint64(0)
+    while bits == 0:  # the rest of the word is zeros of this quotient
+        q += np.uint64(held)
+        bits = word_be(buf, at)
+        at += 8
+        held = 64
+    lead = leading_zeros(bits)
+    q += lead
+    bits = (bits << lead) << np.uint64(1)  # lead + 1 may be 64: two shifts
+    held -= int(lead) + 1
+    if k == 0:
+        return q, (at, bits, held, field_bit, k)
+    return (q << np.uint64(k)) | read_field(buf, field_bit, k), (at, bits, held, field_bit + k, k)
+
+
+@inlined
+def next_index(buf: np.ndarray, cursor: RiceCursor, last: int, limit: int) -> tuple[int, RiceCursor]:
+    """The index after `last` in a strictly increasing set coded as gaps (`encode_index_sets`),
+    read at the set's cursor, or -1 where it leaves [0, limit): (index, the cursor moved on)."""
+    gap, cursor = next_value(buf, cursor)
+    if gap >= np.uint64(limit):  # bounded first, so that the sum stays far from wrap-around
+        return -1, cursor
+    index = last + int(gap) + 1
+    return (index if index < limit else -1), cursor
 
 
 @kernel
-def _unpack_unary(data: np.ndarray, count: int) -> tuple[np.ndarray, int]:
-    """(quotients, how many were found): the zeros before each of the first `count` ones.
-
-    A big-endian word at a time (a word of zeros is one step, each one found by a count of
-    leading zeros), from a copy of `data` padded with zeros to whole words: the padding
-    holds no one, so it adds no quotient."""
-    out = np.empty(count, dtype=np.uint64)
-    padded = np.zeros(-(-data.size // 8) * 8, dtype=np.uint8)
-    padded[: data.size] = data
-    found = 0
-    zeros = 0
-    for w in range(padded.size // 8):
-        if found == count:
-            break
-        x = _word_at(padded, 8 * w)
-        if x == 0:
-            zeros += 64
-            continue
-        used = 0
-        while x != 0 and found < count:
-            lead = int(leading_zeros(x))
-            out[found] = zeros + lead
-            found += 1
-            zeros = 0
-            x = (x << np.uint64(lead)) << np.uint64(1)  # lead + 1 may be 64: two shifts
-            used += lead + 1
-        zeros = 64 - used
-    return out, found
+def _set_indices(
+    buf: np.ndarray, unary_bit: int, field_bit: int, k: int, count: int, limit: int
+) -> np.ndarray:
+    """A set of `count` indices coded as gaps, or an empty array if one leaves [0, limit)."""
+    out = np.empty(count, dtype=np.int64)
+    cursor = rice_cursor(buf, unary_bit, field_bit, k)
+    last = -1
+    for j in range(count):
+        last, cursor = next_index(buf, cursor, last, limit)
+        if last < 0:
+            return out[:0]
+        out[j] = last
+    return out
 
 
 @kernel
@@ -346,8 +360,24 @@ def written(put: Callable[..., tuple[np.ndarray, int]], *args: object) -> bytes:
     return bytes(buf[:end])
 
 
-def rice_decode(r: Reader, counts: Sequence[int]) -> list[np.ndarray]:
-    """Read groups of `counts` values Rice-coded by `put_rice` back as uint64 arrays."""
+@dataclass(frozen=True)
+class RiceGroups:
+    """Groups of values written by `put_rice`, checked and ready to read in place: where
+    each group starts in `buf` (`rice_cursor`, then `next_value`), so that a decoder can
+    take the values as it needs them, with no array of quotients, fields or values in
+    between."""
+
+    buf: np.ndarray
+    unary_bits: np.ndarray
+    field_bits: np.ndarray
+    ks: np.ndarray
+    counts: np.ndarray
+
+
+def rice_groups(r: Reader, counts: Sequence[int]) -> RiceGroups:
+    """Read the parameters and sections of groups of `counts` values written by `put_rice`:
+    PatchError if a section holds too few bits for its values. `buf` is the unary stream
+    then the groups' fixed-width sections, each followed by a word of zeros."""
     ks = [r.u64() for _ in counts]
     if any(k > 63 for k in ks):
         raise PatchError(f"corrupted patch: Rice parameters {ks}")
@@ -355,11 +385,20 @@ def rice_decode(r: Reader, counts: Sequence[int]) -> list[np.ndarray]:
     total = sum(counts)
     if total > len(unary) * 8:
         raise PatchError("patch is truncated or corrupted (too few coded values)")
-    q, found = _unpack_unary(np.frombuffer(unary, dtype=np.uint8), total)
-    if found < total:
+    fields = [r.section() for _ in counts]
+    if any(len(f) * 8 < n * k for f, n, k in zip(fields, counts, ks, strict=True)):
+        raise PatchError("patch is truncated or corrupted (fixed-width bits missing)")
+    words = -(-len(unary) // 8) * 8 + 8
+    field_at = np.array([0, *itertools.accumulate(len(f) for f in fields)], dtype=np.int64) + words
+    buf = np.zeros(int(field_at[-1]) + 8, dtype=np.uint8)
+    buf[: len(unary)] = np.frombuffer(unary, dtype=np.uint8)
+    for f, at in zip(fields, field_at[:-1].tolist(), strict=True):
+        buf[at : at + len(f)] = np.frombuffer(f, dtype=np.uint8)
+    sizes = np.array(counts, dtype=np.int64)
+    unary_bits, complete = _group_starts(buf[:words], sizes)
+    if not complete:
         raise PatchError("patch is truncated or corrupted (too few coded values)")
-    quotients = np.split(q, np.cumsum(counts)[:-1]) if counts else []
-    return [unpack_fixed(r.section(), qg, k) for qg, k in zip(quotients, ks, strict=True)]
+    return RiceGroups(buf, unary_bits, field_at[:-1] * 8, np.array(ks, dtype=np.int64), sizes)
 
 
 def encode_index_sets(w: Writer, sets: Sequence[np.ndarray]) -> None:
@@ -369,28 +408,11 @@ def encode_index_sets(w: Writer, sets: Sequence[np.ndarray]) -> None:
 
 def decode_index_sets(r: Reader, counts: Sequence[int], limits: Sequence[int]) -> list[np.ndarray]:
     """Position sets written by `encode_index_sets`, each checked to lie in [0, limit)."""
-    return [positions_from_gaps(g, limit) for g, limit in zip(rice_decode(r, counts), limits, strict=True)]
-
-
-@kernel
-def _positions(gaps: np.ndarray, limit: int) -> tuple[np.ndarray, bool]:
-    out = np.empty(gaps.size, dtype=np.int64)
-    p = -1
-    for j in range(gaps.size):
-        # bounding each gap first keeps the sum far from wrap-around
-        if gaps[j] >= np.uint64(limit):
-            return out, False
-        p += int(gaps[j]) + 1
-        if p >= limit:
-            return out, False
-        out[j] = p
-    return out, True
-
-
-def positions_from_gaps(gaps: np.ndarray, limit: int) -> np.ndarray:
-    """Strictly increasing positions from their gaps, checked to lie in [0, limit)."""
-    positions, ok = _positions(gaps.astype(np.uint64, copy=False), limit)
-    if not ok:
+    g = rice_groups(r, counts)
+    sets = [
+        _set_indices(g.buf, g.unary_bits[i], g.field_bits[i], g.ks[i], n, limit)
+        for i, (n, limit) in enumerate(zip(counts, limits, strict=True))
+    ]
+    if any(s.size != n for s, n in zip(sets, counts, strict=True)):
         raise PatchError("corrupted patch: a position lies outside its range")
-    out: np.ndarray = positions
-    return out
+    return sets

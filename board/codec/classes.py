@@ -20,11 +20,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from deltaboard.board.codec.bitio import RiceCursor, RiceGroups, next_index, rice_cursor
 from deltaboard.board.codec.context import EXPONENT_FIELDS, class_limits
 from deltaboard.board.codec.errors import PatchError
-from deltaboard.board.codec.jit import FAST_DEPOSIT, below_mask, deposit, kernel, popcount, trailing_zeros
+from deltaboard.board.codec.jit import (
+    FAST_DEPOSIT,
+    below_mask,
+    deposit,
+    inlined,
+    kernel,
+    popcount,
+    trailing_zeros,
+)
 
-_PAST = np.iinfo(np.int64).max  # a rank past every class: ends each list of wanted ranks
+_PAST = np.iinfo(np.int64).max  # a rank past every class: the next wanted rank of a class with none left
 
 
 def _limits(
@@ -172,42 +181,42 @@ def _select_bit_deposit(word: np.uint64, k: int) -> np.uint64:
 _select_bit = _select_bit_deposit if FAST_DEPOSIT else _select_bit_search
 
 
-@kernel
-def _pick(mask: np.uint64, count: int, ranks: np.ndarray, i: int) -> tuple[np.uint64, int]:
-    """(bits of the wanted members in this word, next wanted index) for one class whose
-    members before the word number `count`; `ranks` ends with a sentinel past every class."""
+# A class of `_select`: its next wanted rank, its ranks' Rice cursor, how many of its ranks
+# are left to read, its members before the current word
+ClassState = tuple[int, RiceCursor, int, int]
+
+
+@inlined
+def _next_rank(buf: np.ndarray, state: ClassState, limit: int) -> ClassState:
+    """The class with its next wanted rank read (`bitio.next_index`), or `_PAST` when it
+    has none left or the rank leaves [0, limit)."""
+    rank, cursor, left, members = state
+    if left == 0:
+        return _PAST, cursor, 0, members
+    rank, cursor = next_index(buf, cursor, rank, limit)
+    if rank < 0:  # never found: the select reports it
+        return _PAST, cursor, 0, members
+    return rank, cursor, left - 1, members
+
+
+@inlined
+def _pick(mask: np.uint64, state: ClassState, buf: np.ndarray, limit: int) -> tuple[np.uint64, ClassState]:
+    """(bits of one class's wanted members in this word, the class after the word)."""
     hits = np.uint64(0)
+    count = state[3]
     members = count + int(popcount(mask))
-    while ranks[i] < members:
-        hits |= _select_bit(mask, ranks[i] - count)
-        i += 1
-    return hits, i
+    while state[0] < members:
+        hits |= _select_bit(mask, state[0] - count)
+        state = _next_rank(buf, state, limit)
+    return hits, (state[0], state[1], state[2], members)
 
 
-@kernel
-def _take(
-    old: np.ndarray,
-    base: int,
-    masks: tuple[np.uint64, np.uint64, np.uint64],
-    state: np.ndarray,
-    r0: np.ndarray,
-    r1: np.ndarray,
-    r2: np.ndarray,
-    out: np.ndarray,
-    out_old: np.ndarray,
-    found: int,
+@inlined
+def _emit(
+    old: np.ndarray, base: int, hits: np.uint64, out: np.ndarray, out_old: np.ndarray, found: int
 ) -> int:
-    """One word of `_select`: its wanted members' positions and old bits written from
-    `found` (the new count returned); `state` holds each class's members before the word
-    (0-2) and next wanted index (3-5)."""
-    m0, m1, m2 = masks
-    h0, state[3] = _pick(m0, state[0], r0, state[3])
-    h1, state[4] = _pick(m1, state[1], r1, state[4])
-    h2, state[5] = _pick(m2, state[2], r2, state[5])
-    state[0] += int(popcount(m0))
-    state[1] += int(popcount(m1))
-    state[2] += int(popcount(m2))
-    hits = h0 | h1 | h2
+    """The positions of a word's wanted members and their old bits, written in order from
+    `found` (the new count returned)."""
     while hits:
         p = base + int(trailing_zeros(hits))
         out[found] = p
@@ -217,26 +226,59 @@ def _take(
     return found
 
 
+@inlined
+def _word(
+    old: np.ndarray,
+    base: int,
+    masks: tuple[np.uint64, np.uint64, np.uint64],
+    classes: tuple[ClassState, ClassState, ClassState],
+    buf: np.ndarray,
+    out: np.ndarray,
+    out_old: np.ndarray,
+    found: int,
+) -> tuple[tuple[ClassState, ClassState, ClassState], int]:
+    """One word of `_select`: its wanted members' positions and old bits written from
+    `found`; (the classes after the word, the new count)."""
+    h0, c0 = _pick(masks[0], classes[0], buf, old.size)
+    h1, c1 = _pick(masks[1], classes[1], buf, old.size)
+    h2, c2 = _pick(masks[2], classes[2], buf, old.size)
+    return (c0, c1, c2), _emit(old, base, h0 | h1 | h2, out, out_old, found)
+
+
+@inlined
+def _first(buf: np.ndarray, ranks: int, unary_bit: int, field_bit: int, k: int, limit: int) -> ClassState:
+    """A class before the first word, its first wanted rank read."""
+    return _next_rank(buf, (-1, rice_cursor(buf, unary_bit, field_bit, k), ranks, 0), limit)
+
+
 @kernel
 def _select(
     old: np.ndarray,
     sign: np.generic,
     low: np.generic,
     top: np.generic,
-    r0: np.ndarray,
-    r1: np.ndarray,
-    r2: np.ndarray,
+    buf: np.ndarray,
+    unary_bits: np.ndarray,
+    field_bits: np.ndarray,
+    ks: np.ndarray,
+    counts: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(positions, old bits there, how many were found) of the wanted members (strictly
-    increasing ranks per class, each list ending with the sentinel `_PAST`); fewer are
-    found when a rank lies past its class.
+    """(positions, old bits there, how many were found) of the wanted members, each
+    class's ranks read from its Rice-coded gaps (`bitio.RiceGroups`) as the pass reaches
+    them; fewer are found when a rank lies past its class or the tensor.
 
-    Whole words go through a loop of their own and the last, partial word through
-    `_masks` once: with the partial word's branch inside it, the loop ran several times
-    slower (docs/design.md)."""
-    out = np.empty(r0.size + r1.size + r2.size - 3, dtype=np.int64)
+    A whole word's masks are two vector compares; the last, partial word's come from
+    `_masks`, a call off the hot path (compiled into the loop, its scalar loop made the
+    pass several times slower: docs/design.md). One word body serves both, so that each
+    class's Rice decoding is compiled once (twice doubled the compile time). The classes
+    are tuples of scalars, not arrays, so that they stay in registers."""
+    out = np.empty(counts[0] + counts[1] + counts[2], dtype=np.int64)
     out_old = np.empty(out.size, dtype=old.dtype)
-    state = np.zeros(6, dtype=np.int64)
+    classes = (
+        _first(buf, counts[0], unary_bits[0], field_bits[0], ks[0], old.size),
+        _first(buf, counts[1], unary_bits[1], field_bits[1], ks[1], old.size),
+        _first(buf, counts[2], unary_bits[2], field_bits[2], ks[2], old.size),
+    )
     found = 0
     whole = old.size - old.size % 64
     for base in range(0, whole, 64):
@@ -244,21 +286,34 @@ def _select(
             break
         low_mask = below_mask(old, base, low)
         small = below_mask(old, base, top)
-        masks = (low_mask, small & ~low_mask, ~small)
-        found = _take(old, base, masks, state, r0, r1, r2, out, out_old, found)
+        classes, found = _word(
+            old, base, (low_mask, small & ~low_mask, ~small), classes, buf, out, out_old, found
+        )
     if whole < old.size and found < out.size:
-        found = _take(old, whole, _masks(old, whole, sign, low, top), state, r0, r1, r2, out, out_old, found)
+        classes, found = _word(
+            old, whole, _masks(old, whole, sign, low, top), classes, buf, out, out_old, found
+        )
     return out, out_old, found
 
 
 def class_positions(
-    old_bits: np.ndarray, dtype: str, t_low: int, t_top: int, ranks: list[np.ndarray]
+    old_bits: np.ndarray, dtype: str, t_low: int, t_top: int, ranks: RiceGroups
 ) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of `class_ranks`: the sorted positions of the members of each class whose
-    (strictly increasing) ranks are given, and the old bits there; PatchError if a rank
-    lies past its class."""
-    r0, r1, r2 = (np.append(r.astype(np.int64, copy=False), _PAST) for r in ranks)
-    positions, old_at, found = _select(old_bits, *_limits(old_bits, dtype, t_low, t_top), r0, r1, r2)
+    ranks are given as Rice-coded gaps (`bitio.encode_index_sets` of each class's strictly
+    increasing ranks), and the old bits there; PatchError if a rank lies past its class
+    or the tensor."""
+    if ranks.counts.size != 3:
+        raise PatchError("corrupted patch: context positions need the ranks of three classes")
+    positions, old_at, found = _select(
+        old_bits,
+        *_limits(old_bits, dtype, t_low, t_top),
+        ranks.buf,
+        ranks.unary_bits,
+        ranks.field_bits,
+        ranks.ks,
+        ranks.counts,
+    )
     if found != positions.size:
         raise PatchError("corrupted patch: a changed element's rank lies past its class")
     return positions, old_at

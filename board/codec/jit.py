@@ -6,7 +6,8 @@ step streams a fresh temporary through memory and pays a call per array; one com
 does the same work in registers, which is what the throughput targets need.
 
 Besides `kernel`, this module holds the few LLVM intrinsics the kernels need (popcount,
-64-lane compares straight into bit masks, BMI2's bit deposit where it is fast).
+64-lane compares straight into bit masks, big-endian word loads, BMI2's bit deposit where
+it is fast).
 
 `kernel` compiles with `nogil`, so the codec's thread pools (`deltaboard.board.codec.parallel`, and
 callers that code several tensors at once) run kernels on every core. numba does not check
@@ -40,6 +41,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 def kernel(fn: F) -> F:
     """Compile `fn` (nopython, GIL released, cached next to its module)."""
     return cast(F, numba.njit(cache=True, nogil=True)(fn))
+
+
+def inlined(fn: F) -> F:
+    """`kernel`, and inlined into the kernels that call it (numba's own inlining, before
+    LLVM's): for the small steps of a per-element or per-word loop, which LLVM kept as
+    calls that passed their tuples through memory and counted references to their arrays
+    on every call."""
+    return cast(F, numba.njit(cache=True, nogil=True, inline="always")(fn))
 
 
 @intrinsic
@@ -103,6 +112,24 @@ def _differ_mask(typingctx: Any, a: Any, b: Any, start: Any) -> Any:
     return types.uint64(a, b, start), codegen
 
 
+@intrinsic
+def _word_be(typingctx: Any, array: Any, start: Any) -> Any:
+    """The 8 bytes of a uint8 `array` from byte `start` as one big-endian word: one
+    unaligned load and a byte swap (the caller guarantees 8 bytes from `start`). Built
+    from eight byte loads instead, numba kept a negative-index check on each and LLVM
+    did not combine them, which put ~20 instructions on every bit reader's path."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        word = ir.IntType(64)
+        loaded = builder.load(builder.bitcast(builder.gep(data, [args[1]]), word.as_pointer()), align=1)
+        return builder.bswap(loaded)
+
+    if not _contiguous(array) or array.dtype != types.uint8 or not isinstance(start, types.Integer):
+        return None
+    return types.uint64(array, start), codegen
+
+
 def _fast_deposit() -> bool:
     """Whether the compiled code may use BMI2's `pdep` and it is fast: an x86-64 host with
     BMI2 whose code numba compiles for the host itself (not `NUMBA_CPU_NAME`), and not AMD
@@ -143,4 +170,5 @@ leading_zeros = cast(Callable[[Word], Word], _leading_zeros)
 trailing_zeros = cast(Callable[[Word], Word], _trailing_zeros)
 below_mask = cast(Callable[[np.ndarray, int, np.generic], Word], _below_mask)
 differ_mask = cast(Callable[[np.ndarray, np.ndarray, int], Word], _differ_mask)
+word_be = cast(Callable[[np.ndarray, int], Word], _word_be)
 deposit = cast(Callable[[Word, Word], Word], _deposit)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deltaboard.board.codec.bitio import Reader, Writer, decode_index_sets, put_index_sets, put_u64, written
+from deltaboard.board.codec.bitio import Reader, Writer, put_index_sets, put_u64, rice_groups, written
 from deltaboard.board.codec.changes import Changes
 from deltaboard.board.codec.classes import class_positions, ranks_within, split_ranks
 from deltaboard.board.codec.context import EXPONENT_FIELDS, count_exponents, plan, sample_stride
@@ -97,6 +97,6 @@ def decode(r: Reader, changed: int, old_bits: np.ndarray, dtype: str) -> tuple[n
     counts = [r.u64() for _ in range(3)]
     if sum(counts) != changed:
         raise PatchError("corrupted patch: class counts do not add up to the changed count")
-    # ranks past their class are caught by `class_positions`; numel bounds them here
-    ranks = decode_index_sets(r, counts, [old_bits.size] * 3)
-    return class_positions(old_bits, dtype, t_low, t_top, ranks)
+    # read in the select's pass, as it reaches them: ranks past their class or the tensor
+    # are never found, which `class_positions` reports
+    return class_positions(old_bits, dtype, t_low, t_top, rice_groups(r, counts))

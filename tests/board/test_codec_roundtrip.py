@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,6 +13,15 @@ from hypothesis import strategies as st
 
 from deltaboard.board import codec
 from deltaboard.board.codec import zstd
+from deltaboard.board.codec.bitio import (
+    Reader,
+    best_k,
+    next_value,
+    put_rice,
+    rice_cursor,
+    rice_groups,
+    written,
+)
 from deltaboard.board.codec.header import pack, unpack
 from tests.board.codec_cases import PATTERNS, Case, cases, make_case
 
@@ -156,16 +166,45 @@ def test_encode_changes_from_a_device_like_producer() -> None:
         assert codec.apply(case.old, patch, old_digest=base).tobytes() == case.new.tobytes()
 
 
-@SETTINGS
-@given(st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=200), max_size=4))
-def test_rice_roundtrip(groups: list[list[int]]) -> None:
-    from deltaboard.board.codec.bitio import Reader, put_rice, rice_decode, written
+@numba.njit
+def _group(buf: np.ndarray, unary_bit: int, field_bit: int, k: int, count: int) -> np.ndarray:
+    """One group's values read one at a time at its cursor, as the decoders read them."""
+    out = np.empty(count, dtype=np.uint64)
+    cursor = rice_cursor(buf, unary_bit, field_bit, k)
+    for j in range(count):
+        out[j], cursor = next_value(buf, cursor)
+    return out
 
+
+def _rice_roundtrip(groups: list[list[int]]) -> None:
     values = np.array([v for g in groups for v in g], dtype=np.uint64)
     bounds = np.array([0, *itertools.accumulate(len(g) for g in groups)], dtype=np.int64)
     r = Reader(written(put_rice, values, bounds))
-    assert [g.tolist() for g in rice_decode(r, [len(g) for g in groups])] == groups
+    g = rice_groups(r, [len(g) for g in groups])
     r.done()
+    got = [
+        _group(g.buf, g.unary_bits[i], g.field_bits[i], g.ks[i], len(v)).tolist()
+        for i, v in enumerate(groups)
+    ]
+    assert got == groups
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=200), max_size=4))
+def test_rice_roundtrip(groups: list[list[int]]) -> None:
+    _rice_roundtrip(groups)
+
+
+@pytest.mark.parametrize("ones", [0, 1, 63, 64, 65, 200])
+def test_rice_groups_start_anywhere_after_long_quotients(ones: int) -> None:
+    """Quotients longer than a word and than several (one large value among many zeros
+    keeps k low), and each group's first quotient anywhere in a word of the unary stream
+    (`ones` one-bit quotients before it), empty groups between them: every group is read
+    from where `rice_groups` says it starts."""
+    long = [0] * 1000 + [1 << 20]
+    assert (1 << 20) >> best_k(np.array(long, dtype=np.uint64)) > 3 * 64
+    for groups in ([[0] * ones, long, [], [7]], [[], [0] * ones, long, [], [1] * ones], [[3] * ones, [], []]):
+        _rice_roundtrip(groups)
 
 
 # sha256 of the patches below as the numpy encoder (commit e18a3dc) wrote them, before the

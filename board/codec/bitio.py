@@ -216,7 +216,7 @@ def _group_starts(unary: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, bo
 RiceCursor = tuple[int, np.uint64, int, int, int]
 
 
-@inlined
+@kernel
 def rice_cursor(buf: np.ndarray, unary_bit: int, field_bit: int, k: int) -> RiceCursor:
     """The cursor of a group whose quotients start at `unary_bit` of `buf` (a word-aligned
     unary stream) and whose fields start at `field_bit`."""
@@ -225,7 +225,7 @@ def rice_cursor(buf: np.ndarray, unary_bit: int, field_bit: int, k: int) -> Rice
     return at + 8, word_be(buf, at) << np.uint64(skip), 64 - skip, field_bit, k
 
 
-@inlined
+@kernel
 def next_value(buf: np.ndarray, cursor: RiceCursor) -> tuple[np.uint64, RiceCursor]:
     """One Rice-coded value read at a group's cursor: (value, the cursor moved past it).
 
@@ -250,7 +250,7 @@ def next_value(buf: np.ndarray, cursor: RiceCursor) -> tuple[np.uint64, RiceCurs
     return (q << np.uint64(k)) | read_field(buf, field_bit, k), (at, bits, held, field_bit + k, k)
 
 
-@inlined
+@kernel
 def next_index(buf: np.ndarray, cursor: RiceCursor, last: int, limit: int) -> tuple[int, RiceCursor]:
     """The index after `last` in a strictly increasing set coded as gaps (`encode_index_sets`),
     read at the set's cursor, or -1 where it leaves [0, limit): (index, the cursor moved on)."""

@@ -186,7 +186,7 @@ _select_bit = _select_bit_deposit if FAST_DEPOSIT else _select_bit_search
 ClassState = tuple[int, RiceCursor, int, int]
 
 
-@inlined
+@kernel
 def _next_rank(buf: np.ndarray, state: ClassState, limit: int) -> ClassState:
     """The class with its next wanted rank read (`bitio.next_index`), or `_PAST` when it
     has none left or the rank leaves [0, limit)."""
@@ -245,7 +245,7 @@ def _word(
     return (c0, c1, c2), _emit(old, base, h0 | h1 | h2, out, out_old, found)
 
 
-@inlined
+@kernel
 def _first(buf: np.ndarray, ranks: int, unary_bit: int, field_bit: int, k: int, limit: int) -> ClassState:
     """A class before the first word, its first wanted rank read."""
     return _next_rank(buf, (-1, rice_cursor(buf, unary_bit, field_bit, k), ranks, 0), limit)
@@ -270,8 +270,8 @@ def _select(
     A whole word's masks are two vector compares; the last, partial word's come from
     `_masks`, a call off the hot path (compiled into the loop, its scalar loop made the
     pass several times slower: docs/design.md). One word body serves both, so that each
-    class's Rice decoding is compiled once (twice doubled the compile time). The classes
-    are tuples of scalars, not arrays, so that they stay in registers."""
+    class's steps are compiled once, not twice: every test run compiles the codec. The
+    classes are tuples of scalars, not arrays, so that they stay in registers."""
     out = np.empty(counts[0] + counts[1] + counts[2], dtype=np.int64)
     out_old = np.empty(out.size, dtype=old.dtype)
     classes = (

@@ -45,9 +45,11 @@ def kernel(fn: F) -> F:
 
 def inlined(fn: F) -> F:
     """`kernel`, and inlined into the kernels that call it (numba's own inlining, before
-    LLVM's): for the small steps of a per-element or per-word loop, which LLVM kept as
+    LLVM's): for the steps of a per-word loop and the bit field reader, which LLVM kept as
     calls that passed their tuples through memory and counted references to their arrays
-    on every call."""
+    on every call. Each inlined copy is typed and compiled again, so only those: the Rice
+    reader (`bitio.next_value`), which LLVM inlines itself, stays a `kernel` (inlined by
+    numba too, the codec took much longer to compile)."""
     return cast(F, numba.njit(cache=True, nogil=True, inline="always")(fn))
 
 

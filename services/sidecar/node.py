@@ -80,7 +80,6 @@ class Sidecar:
         self._thread: threading.Thread | None = None
         self._give_up_on_run = 0.0
         self._server: Any = None
-        self._own_process = False  # `serve` runs in a process's main thread: the process is ours
         self.follower: Any = None
         self._from_owner: dict[str, Any] | None = None  # in a worker process: the owner's news
         self._settings = ProxySettings(config.engine_url, config.default_wait_s, config.max_wait_s)
@@ -109,9 +108,6 @@ class Sidecar:
                 shared,
             )
         else:
-            # the lifespan settles the collector (`settle_gc`) in the sidecar's own process,
-            # not in one that serves it from a thread of its own (a test's, the demo's)
-            self._own_process = threading.current_thread() is threading.main_thread()
             self._server = uvicorn_server(self.app)
             self._server.run(sockets=[sock])
         if self.sync.fatal is not None:
@@ -203,7 +199,10 @@ class Sidecar:
             daemon=True,
         )
         self._thread.start()
-        if self._own_process:
+        # served from a process's main thread (`serve`), the process is the sidecar's own:
+        # settle its collector (`settle_gc`); not one that serves it from a thread of its
+        # own (a test's, the demo's, through `BackgroundServer`)
+        if threading.current_thread() is threading.main_thread():
             settle_gc()
         try:
             yield

@@ -59,12 +59,12 @@ class Index(Protocol):
         flushed, or restarted without persistence) and must be rebuilt from the store."""
         ...
 
-    async def load_run(self, run: RunRecord, versions: list[VersionRecord], head: Head) -> bool:
+    async def load_run(self, run: RunRecord, versions: list[VersionRecord], head: Head) -> None:
         """Put the run with its versions and its head, all or nothing (the head only where
         it ranks above the cached one, as `advance_head`). A run in the index therefore
         always has the versions its head needs: a Redis restarted between separate writes
         would otherwise hold the run and its head without them, and answer `NoChain` for
-        committed versions until the next rebuild. Returns whether the head advanced."""
+        committed versions until the next rebuild."""
         ...
 
     async def get_run(self, name: str) -> RunRecord | None: ...

@@ -29,11 +29,10 @@ class EmbeddedIndex:
     async def close(self) -> None:
         return None
 
-    async def load_run(self, run: RunRecord, versions: list[VersionRecord], head: Head) -> bool:
+    async def load_run(self, run: RunRecord, versions: list[VersionRecord], head: Head) -> None:
         await self.put_versions(run.name, versions)
-        advanced = await self.advance_head(head)
+        await self.advance_head(head)
         self._runs[run.name] = run
-        return advanced
 
     async def get_run(self, name: str) -> RunRecord | None:
         return self._runs.get(name)

@@ -143,7 +143,7 @@ class RedisIndex:
         return found.decode()
 
     @reachable
-    async def load_run(self, run: RunRecord, versions: list[VersionRecord], head: Head) -> bool:
+    async def load_run(self, run: RunRecord, versions: list[VersionRecord], head: Head) -> None:
         """One MULTI/EXEC: a restart lands before it or after it, never inside it."""
         version, epoch = head_rank(head)
         async with self.redis.pipeline(transaction=True) as tx:
@@ -153,10 +153,8 @@ class RedisIndex:
             tx.eval(ADVANCE_HEAD, 2, head_key, self.channel, head.model_dump_json(), version, epoch)
             tx.hset(self._k("runs"), run.name, run.model_dump_json())
             answers = await tx.execute()
-        advanced = bool(answers[-2])
-        if advanced:
+        if answers[-2]:  # the head advanced: our own pollers need not wait for the round trip
             self.waiters.notify(head)
-        return advanced
 
     @reachable
     async def get_run(self, name: str) -> RunRecord | None:

@@ -88,13 +88,18 @@ class Entries:
 def _columns(entries: Entries, placement: Mapping[str, str]) -> dict[str, Any]:
     """`TensorColumns` of the entries (each blob's sha256 once, entries naming its index)."""
     packed = entries.packed
+    # two sealed blobs of the same bytes (identical tensors, in one packer or two ranks')
+    # are one blob: the columns name each sha256 once
+    index: dict[str, int] = {}
+    renamed = [index.setdefault(sha, len(index)) for sha in packed.blobs]
+    blob = packed.blob if len(index) == len(renamed) else [renamed[b] for b in packed.blob]
     return {
-        "blobs": packed.blobs,
+        "blobs": list(index),
         "name": packed.names,
         "dtype": packed.dtypes,
         "shape": entries.shapes,
         "file": [placement[name] for name in packed.names],
-        "blob": packed.blob,
+        "blob": blob,
         "offset": packed.offsets,
         "length": packed.lengths,
         "digest": entries.digests,

@@ -6,10 +6,15 @@ from __future__ import annotations
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deltaboard.board.contract.schemas import ViewSpec
+from deltaboard.publisher.encode import encode_rank
+from deltaboard.publisher.manifest import Proposal, build_manifest
 from deltaboard.publisher.packer import BlobPacker, PackedParts, PackedTensor, TensorPart
+from deltaboard.publisher.snapshot import ViewBuffer, ViewLayout
 
 
 def one_at_a_time(patches: list[bytes], blob_max: int) -> list[bytes]:
@@ -78,3 +83,20 @@ def test_parts_of_several_packers_are_joined_and_reordered_in_their_blobs():
         b"a" * 5,
         b"c" * 5,
     ]
+
+
+def test_blobs_of_the_same_bytes_are_one_blob_of_the_manifest():
+    """Identical tensors, each past `blob_max_bytes`, seal two blobs of the same bytes: the
+    manifest names that sha256 once (it refuses a blob named twice)."""
+    x = torch.randn(4096)
+    state = {"a": x.clone(), "b": x.clone()}
+    spec = ViewSpec()
+    buffer = ViewBuffer(ViewLayout.of(state, spec))
+    buffer.fill(state)
+    uploaded: dict[str, bytes] = {}
+    with ThreadPoolExecutor(2) as uploads, ThreadPoolExecutor(2) as encoders:
+        packer = BlobPacker(uploaded.__setitem__, uploads, blob_max_bytes=2000, max_pending_bytes=1 << 24)
+        version = encode_rank(buffer, None, {}, packer, encoders, window=4)
+    assert len(version.parts.blobs) == 2 and len(set(version.parts.blobs)) == 1
+    manifest = build_manifest("run", Proposal(0, "full", None, {}), spec, 1, [version])
+    assert [e.blob.sha256 for e in manifest.tensors] == version.parts.blobs

@@ -264,8 +264,7 @@ def _encode_in_order(
         patches, slice_digests = fut.result()
         names = [name for name, *_ in tensors]
         digests.update(zip(names, patches.digests, strict=True))
-        if any(d is not None for d in slice_digests):
-            global_digests.update((n, d) for n, d in zip(names, slice_digests, strict=True) if d is not None)
+        global_digests.update((n, d) for n, d in zip(names, slice_digests, strict=True) if d is not None)
         packer.add(tensors, patches.data, patches.ends, patches.digests)
 
     try:

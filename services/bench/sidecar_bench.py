@@ -36,6 +36,14 @@ phase's is also given without each client's first stream (`ttft_paced_warm_*`): 
 opens the client's connection and, through the sidecar, the sidecar's to the engine, and the
 first streams of all the clients start at once, a burst of new connections that makes the
 p99 of a short phase (docs/design.md).
+
+The same load also goes through a **pass-through proxy** (`services.bench.passthrough`: a
+process that passes bytes both ways and does nothing else), the floor under the sidecar's
+figures: what one more process in the path costs on this machine (its wake-ups, reads,
+writes and connections), with the sidecar's own work left out. Its figures are under
+`passthrough` (requests/s, added time to first token, CPU per token and per request), and
+`sidecar_paced_cpu_us_per_token` beside its `paced_cpu_us_per_token` gives the cost per
+token at a GPU's pace, where each read of the engine brings one token.
 """
 
 from __future__ import annotations
@@ -57,10 +65,13 @@ import uvloop
 from rich.console import Console
 from rich.table import Table
 
+from deltaboard.services.bench.passthrough import passthrough_process
 from deltaboard.services.sidecar.upstream import UpstreamError, UpstreamPool
 
 Status = Callable[[str], None]
 TOKEN_VERSION = re.compile(rb'"v":(\d+)')
+PASSTHROUGH = "pass-through"  # the phases' name for the proxy that does nothing
+NAMES = ("direct", PASSTHROUGH, "sidecar")  # each phase's load goes to these, in this order
 TARGETS = {"sidecar_cpu_us_per_token": 15.0, "sidecar_cpu_ms_per_request": 0.5}  # issue 19
 
 
@@ -252,7 +263,7 @@ class Phase:
     latency_ms: list[float] = field(default_factory=list)
     errors: int = 0
     missing: int = 0
-    cpu_s: float = 0.0  # the sidecar's
+    cpu_s: float = 0.0  # the proxy's (the sidecar's, the pass-through's)
     engine_cpu_s: float = 0.0
     generator_cpu_s: float = 0.0  # this process's
     busy_cores: float = 0.0  # the machine's, every process's, on average over the phase
@@ -336,8 +347,16 @@ def _busy_s() -> float:
 
 
 async def _phase(
-    url: str, stream: bool, config: BenchConfig, engine_pid: int, sidecar_pid: int | None, paced: bool = False
+    url: str,
+    stream: bool,
+    config: BenchConfig,
+    engine_pid: int,
+    proxy_pid: int | None,
+    stamped: bool,
+    paced: bool = False,
 ) -> Phase:
+    """One phase's load against `url`, with the CPU of the proxy process `proxy_pid` (the
+    sidecar, the pass-through; None: direct) around it; `stamped`: check every response's stamp."""
     pool = UpstreamPool(url)
     tokens = config.stream_tokens if stream else config.request_tokens
     pace = {"step_ms": config.paced_step_ms} if paced else {}
@@ -352,7 +371,7 @@ async def _phase(
         opened = False  # the client's connection (and, through the sidecar, the sidecar's to the engine)
         while time.monotonic() < deadline:
             try:
-                value = await one(pool, body, phase, sidecar_pid is not None)
+                value = await one(pool, body, phase, stamped)
             except (UpstreamError, ValueError, KeyError) as exc:
                 phase.errors += 1
                 phase.first_error = phase.first_error or repr(exc)
@@ -362,12 +381,12 @@ async def _phase(
                 warm.append(value)
             opened = True
 
-    cpu = _cpu_s(sidecar_pid) if sidecar_pid is not None else 0.0
+    cpu = _cpu_s(proxy_pid) if proxy_pid is not None else 0.0
     engine_cpu, generator_cpu, busy = _cpu_s(engine_pid), time.process_time(), _busy_s()
     started = time.monotonic()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     phase.elapsed_s = time.monotonic() - started
-    phase.cpu_s = _cpu_s(sidecar_pid) - cpu if sidecar_pid is not None else 0.0
+    phase.cpu_s = _cpu_s(proxy_pid) - cpu if proxy_pid is not None else 0.0
     phase.engine_cpu_s = _cpu_s(engine_pid) - engine_cpu
     phase.generator_cpu_s = time.process_time() - generator_cpu
     phase.busy_cores = (_busy_s() - busy) / phase.elapsed_s
@@ -382,12 +401,14 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _quantiles(values: list[float]) -> list[float]:
+    """[p50, p99] of a figure's values."""
+    return [round(_pct(values, q), 2) for q in (0.5, 0.99)]
+
+
 def _p50_p99(direct: list[float], sidecar: list[float]) -> dict[str, list[float]]:
     """[p50, p99] of a figure's values, direct and through the sidecar."""
-    return {
-        "direct": [round(_pct(direct, q), 2) for q in (0.5, 0.99)],
-        "sidecar": [round(_pct(sidecar, q), 2) for q in (0.5, 0.99)],
-    }
+    return {"direct": _quantiles(direct), "sidecar": _quantiles(sidecar)}
 
 
 def _added_ms(direct: list[float], sidecar: list[float], q: float) -> float:
@@ -398,24 +419,53 @@ def _per_token_us(cpu_s: float, phase: Phase) -> float:
     return round(cpu_s / max(phase.units, 1) * 1e6, 2)
 
 
+def _through(phases: dict[str, Phase], proxy: str) -> dict[str, Any]:
+    """What a proxy (`proxy`: the phases' name for it) gave and cost against direct."""
+    direct_s, proxy_s = phases["streams, direct"], phases[f"streams, {proxy}"]
+    direct_p, proxy_p = phases["paced streams, direct"], phases[f"paced streams, {proxy}"]
+    proxy_r = phases[f"requests, {proxy}"]
+    return {
+        "tokens_per_s": round(proxy_s.units / proxy_s.elapsed_s),
+        "rps": round(proxy_r.units / proxy_r.elapsed_s),
+        "ttft_p50_added_ms": _added_ms(direct_s.ttft_ms, proxy_s.ttft_ms, 0.5),
+        "ttft_p99_added_ms": _added_ms(direct_s.ttft_ms, proxy_s.ttft_ms, 0.99),
+        "ttft_paced_p50_added_ms": _added_ms(direct_p.ttft_ms, proxy_p.ttft_ms, 0.5),
+        "ttft_paced_p99_added_ms": _added_ms(direct_p.ttft_ms, proxy_p.ttft_ms, 0.99),
+        "ttft_paced_warm_p50_added_ms": _added_ms(direct_p.warm_ttft_ms, proxy_p.warm_ttft_ms, 0.5),
+        "ttft_paced_warm_p99_added_ms": _added_ms(direct_p.warm_ttft_ms, proxy_p.warm_ttft_ms, 0.99),
+        "cpu_us_per_token": _per_token_us(proxy_s.cpu_s, proxy_s),
+        # at a GPU's pace a read of the engine holds one token: the per-read cost, per token
+        "paced_cpu_us_per_token": _per_token_us(proxy_p.cpu_s, proxy_p),
+        "cpu_ms_per_request": round(proxy_r.cpu_s / max(proxy_r.units, 1) * 1e3, 3),
+        "ttft_ms": _quantiles(proxy_s.ttft_ms),
+        "paced_ttft_ms": _quantiles(proxy_p.ttft_ms),
+        "latency_ms": _quantiles(proxy_r.latency_ms),
+    }
+
+
 def _summary(phases: dict[str, Phase], config: BenchConfig) -> dict[str, Any]:
     direct_s, sidecar_s = phases["streams, direct"], phases["streams, sidecar"]
     direct_p, sidecar_p = phases["paced streams, direct"], phases["paced streams, sidecar"]
     direct_r, sidecar_r = phases["requests, direct"], phases["requests, sidecar"]
+    sidecar = _through(phases, "sidecar")
     return {
         "direct_tokens_per_s": round(direct_s.units / direct_s.elapsed_s),
-        "sidecar_tokens_per_s": round(sidecar_s.units / sidecar_s.elapsed_s),
+        "sidecar_tokens_per_s": sidecar["tokens_per_s"],
         "direct_rps": round(direct_r.units / direct_r.elapsed_s),
-        "sidecar_rps": round(sidecar_r.units / sidecar_r.elapsed_s),
-        "ttft_p50_added_ms": _added_ms(direct_s.ttft_ms, sidecar_s.ttft_ms, 0.5),
-        "ttft_p99_added_ms": _added_ms(direct_s.ttft_ms, sidecar_s.ttft_ms, 0.99),
-        "ttft_paced_p50_added_ms": _added_ms(direct_p.ttft_ms, sidecar_p.ttft_ms, 0.5),
-        "ttft_paced_p99_added_ms": _added_ms(direct_p.ttft_ms, sidecar_p.ttft_ms, 0.99),
+        "sidecar_rps": sidecar["rps"],
+        "ttft_p50_added_ms": sidecar["ttft_p50_added_ms"],
+        "ttft_p99_added_ms": sidecar["ttft_p99_added_ms"],
+        "ttft_paced_p50_added_ms": sidecar["ttft_paced_p50_added_ms"],
+        "ttft_paced_p99_added_ms": sidecar["ttft_paced_p99_added_ms"],
         # the same without each client's first stream, whose connections open with it
-        "ttft_paced_warm_p50_added_ms": _added_ms(direct_p.warm_ttft_ms, sidecar_p.warm_ttft_ms, 0.5),
-        "ttft_paced_warm_p99_added_ms": _added_ms(direct_p.warm_ttft_ms, sidecar_p.warm_ttft_ms, 0.99),
-        "sidecar_cpu_us_per_token": _per_token_us(sidecar_s.cpu_s, sidecar_s),
-        "sidecar_cpu_ms_per_request": round(sidecar_r.cpu_s / max(sidecar_r.units, 1) * 1e3, 3),
+        "ttft_paced_warm_p50_added_ms": sidecar["ttft_paced_warm_p50_added_ms"],
+        "ttft_paced_warm_p99_added_ms": sidecar["ttft_paced_warm_p99_added_ms"],
+        "sidecar_cpu_us_per_token": sidecar["cpu_us_per_token"],
+        "sidecar_cpu_ms_per_request": sidecar["cpu_ms_per_request"],
+        "sidecar_paced_cpu_us_per_token": sidecar["paced_cpu_us_per_token"],
+        # the same figures through a proxy that does nothing (`services.bench.passthrough`):
+        # what any process in the path costs on this machine, the floor the sidecar's stand on
+        "passthrough": _through(phases, PASSTHROUGH),
         # the fake engine's own, direct: what a token or a request costs a minimal asyncio
         # server on the same machine at the same time, to read the sidecar's figures against
         "engine_cpu_us_per_token": _per_token_us(direct_s.engine_cpu_s, direct_s),
@@ -446,9 +496,13 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
     engine_port, engine_end = context.Pipe()
     engine = context.Process(target=engine_process, args=(engine_end,), daemon=True)
     engine.start()
-    sidecar = None
+    sidecar = passthrough = None
     try:
         engine_url = f"http://127.0.0.1:{engine_port.recv()}"
+        floor_port, floor_end = context.Pipe()
+        passthrough = context.Process(target=passthrough_process, args=(engine_url, floor_end), daemon=True)
+        passthrough.start()
+        floor_url = f"http://127.0.0.1:{floor_port.recv()}"
         sidecar_port, sidecar_end = context.Pipe()
         sidecar = context.Process(target=sidecar_process, args=(engine_url, config, sidecar_end))
         sidecar.start()
@@ -457,19 +511,25 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
             if not sidecar.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the sidecar did not start")
         sidecar_url = f"http://127.0.0.1:{sidecar_port.recv()}"
-        assert sidecar.pid is not None and engine.pid is not None
+        assert sidecar.pid is not None and engine.pid is not None and passthrough.pid is not None
+        targets = (
+            ("direct", engine_url, None),
+            (PASSTHROUGH, floor_url, passthrough.pid),
+            ("sidecar", sidecar_url, sidecar.pid),
+        )
         phases = {}
         for what, stream, paced in (
             ("streams", True, False),
             ("paced streams", True, True),
             ("requests", False, False),
         ):
-            for name, url, pid in (("direct", engine_url, None), ("sidecar", sidecar_url, sidecar.pid)):
+            for name, url, pid in targets:  # in the order of NAMES
                 status(f"{what}, {name}")
-                phases[f"{what}, {name}"] = uvloop.run(_phase(url, stream, config, engine.pid, pid, paced))
+                phase = _phase(url, stream, config, engine.pid, pid, name == "sidecar", paced)
+                phases[f"{what}, {name}"] = uvloop.run(phase)
         return _summary(phases, config)
     finally:
-        for process in (sidecar, engine):
+        for process in (sidecar, passthrough, engine):
             if process is not None:
                 process.terminate()
                 process.join(10)
@@ -482,36 +542,58 @@ def _pair(values: list[float]) -> str:
 def render(report: dict[str, Any], console: Console) -> None:
     workers = report["config"]["workers"]
     table = Table(title=f"sidecar beside a fast fake engine ({report['cores']} cores, {workers} worker(s))")
-    for column in ("figure", "direct", "through the sidecar", "target"):
+    for column in ("figure", "direct", "through a pass-through", "through the sidecar", "target"):
         table.add_column(column)
-    ttft, latency = report["ttft_ms"], report["latency_ms"]
+    ttft, latency, floor = report["ttft_ms"], report["latency_ms"], report["passthrough"]
+    tokens = (report["direct_tokens_per_s"], floor["tokens_per_s"], report["sidecar_tokens_per_s"])
+    table.add_row("tokens/s (streams)", *map(str, tokens), "")
     table.add_row(
-        "tokens/s (streams)", str(report["direct_tokens_per_s"]), str(report["sidecar_tokens_per_s"]), ""
+        "TTFT p50 / p99 ms", _pair(ttft["direct"]), _pair(floor["ttft_ms"]), _pair(ttft["sidecar"]), ""
     )
-    table.add_row("TTFT p50 / p99 ms", _pair(ttft["direct"]), _pair(ttft["sidecar"]), "added ≤ 2 / ≤ 20")
+    added = [[floor["ttft_p50_added_ms"], floor["ttft_p99_added_ms"]]]
+    added.append([report["ttft_p50_added_ms"], report["ttft_p99_added_ms"]])
+    table.add_row("TTFT added p50 / p99 ms", "", *map(_pair, added), "≤ 2 / ≤ 20")
     paced = report["paced"]
     step = report["config"]["paced_step_ms"]
-    table.add_row(f"paced ({step} ms a token): tokens/s", *map(str, paced["tokens_per_s"]), "")
-    rows = (("ttft_ms", "paced: TTFT p50 / p99 ms"), ("warm_ttft_ms", "paced, connections open: same"))
-    for key, label in rows:
-        table.add_row(label, _pair(paced[key]["direct"]), _pair(paced[key]["sidecar"]), "")
+    direct_rate, sidecar_rate = paced["tokens_per_s"]
+    table.add_row(f"paced ({step} ms a token): tokens/s", str(direct_rate), "", str(sidecar_rate), "")
+    table.add_row(
+        "paced: TTFT p50 / p99 ms",
+        _pair(paced["ttft_ms"]["direct"]),
+        _pair(floor["paced_ttft_ms"]),
+        _pair(paced["ttft_ms"]["sidecar"]),
+        "",
+    )
+    warm = paced["warm_ttft_ms"]
+    table.add_row("paced, connections open: same", _pair(warm["direct"]), "", _pair(warm["sidecar"]), "")
     busy = report["busy_cores"]
+    phases = ("streams", "paced streams", "requests")
     table.add_row(
         "busy cores (streams, paced, requests)",
-        " / ".join(f"{busy[f'{what}, direct']:.2f}" for what in ("streams", "paced streams", "requests")),
-        " / ".join(f"{busy[f'{what}, sidecar']:.2f}" for what in ("streams", "paced streams", "requests")),
+        *(" / ".join(f"{busy[f'{what}, {name}']:.2f}" for what in phases) for name in NAMES),
         f"of {report['cores']}",
     )
     generator = report["generator_cpu_us_per_token"]
-    table.add_row("load generator CPU µs/token", str(generator["direct"]), str(generator["sidecar"]), "")
-    table.add_row("requests/s", str(report["direct_rps"]), str(report["sidecar_rps"]), "")
-    table.add_row("latency p50 / p99 ms", _pair(latency["direct"]), _pair(latency["sidecar"]), "")
-    for key, label in (
-        ("sidecar_cpu_us_per_token", "sidecar CPU µs/token"),
-        ("sidecar_cpu_ms_per_request", "sidecar CPU ms/request"),
+    table.add_row("load generator CPU µs/token", str(generator["direct"]), "", str(generator["sidecar"]), "")
+    rps = (report["direct_rps"], floor["rps"], report["sidecar_rps"])
+    table.add_row("requests/s", *map(str, rps), "")
+    table.add_row(
+        "latency p50 / p99 ms",
+        _pair(latency["direct"]),
+        _pair(floor["latency_ms"]),
+        _pair(latency["sidecar"]),
+        "",
+    )
+    for key, floor_key, label in (
+        ("sidecar_cpu_us_per_token", "cpu_us_per_token", "proxy CPU µs/token"),
+        ("sidecar_cpu_ms_per_request", "cpu_ms_per_request", "proxy CPU ms/request"),
     ):
-        table.add_row(label, "", str(report[key]), f"≤ {TARGETS[key]}")
-    table.add_row("errors / missing stamps", "", f"{report['errors']} / {report['missing_stamps']}", "0 / 0")
+        table.add_row(label, "", str(floor[floor_key]), str(report[key]), f"≤ {TARGETS[key]}")
+    paced_cpu = (floor["paced_cpu_us_per_token"], report["sidecar_paced_cpu_us_per_token"])
+    table.add_row("paced: proxy CPU µs/token", "", *map(str, paced_cpu), "")
+    table.add_row(
+        "errors / missing stamps", "", "", f"{report['errors']} / {report['missing_stamps']}", "0 / 0"
+    )
     console.print(table)
     if report.get("first_error"):
         console.print(f"first error: {report['first_error']}")

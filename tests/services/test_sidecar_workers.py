@@ -136,6 +136,12 @@ def test_the_bench_runs_across_workers_with_swaps_and_misses_no_stamp() -> None:
     assert report["errors"] == 0 and report["missing_stamps"] == 0, report["first_error"]
     assert report["sidecar_tokens_per_s"] > 0 and report["sidecar_rps"] > 0
     assert report["sidecar_cpu_us_per_token"] > 0 and report["sidecar_cpu_ms_per_request"] > 0
+    # the same load through a proxy that does nothing, the floor: served, and its CPU read
+    floor = report["passthrough"]
+    assert floor["tokens_per_s"] > 0 and floor["rps"] > 0, floor
+    assert floor["cpu_us_per_token"] > 0 and floor["cpu_ms_per_request"] > 0, floor
+    assert floor["paced_cpu_us_per_token"] > 0 and report["sidecar_paced_cpu_us_per_token"] > 0, floor
+    assert all(ms > 0 for ms in (*floor["ttft_ms"], *floor["paced_ttft_ms"], *floor["latency_ms"])), floor
     # the paced phase is paced: no stream gets more than a token per engine step
     ceiling = config.streams * 1000 / config.paced_step_ms
     assert all(0 < rate <= ceiling for rate in report["paced"]["tokens_per_s"]), report["paced"]

@@ -1,12 +1,19 @@
 """Blob downloads through a board under the ways clients use a connection: a blob larger
 than a socket's buffer, a range, a HEAD and a head request pipelined behind it on one
-connection (each answer whole and in order), and a client that leaves half-way."""
+connection (each answer whole and in order), and a client that leaves half-way; and a
+download's bytes leave by `sendfile` on the sending thread, never through the event
+loop's transport, except for several ranges in one answer."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+
+import httpx
+
+from deltaboard.clients.board_client import BoardClient
+from tests.support.in_process_board import ADMIN, READ, in_process_board
 
 BLOB = 8 * 2**20 + 17  # larger than a loopback socket's buffer: the board must wait
 
@@ -77,3 +84,20 @@ def test_downloads_through_the_board(board):
         sock.sendall(get(blob_path))
         assert sock.recv(65536)
     assert c.get_blob("r", sha, 0, BLOB) == data
+
+
+def test_a_download_leaves_by_sendfile_not_through_the_loop(tmp_path):
+    data = os.urandom(BLOB)
+    with in_process_board(tmp_path) as board, BoardClient(board.url, ADMIN) as client:
+        client.create_run("r")
+        sha = client.upload_blob("r", data)
+        before = len(board.writes)
+        with httpx.Client(base_url=board.url, headers={"Authorization": f"Bearer {READ}"}) as http:
+            whole = http.get(f"/v1/runs/r/blobs/{sha}")
+            ranged = http.get(f"/v1/runs/r/blobs/{sha}", headers={"Range": "bytes=100-2000099"})
+            written = sum(len(w) for w in board.writes[before:])
+            several = http.get(f"/v1/runs/r/blobs/{sha}", headers={"Range": "bytes=0-9,20-29"})
+    assert whole.status_code == 200 and whole.content == data
+    assert ranged.status_code == 206 and ranged.content == data[100:2000100]
+    assert written < 4096  # the two answers' heads went through the transport, no body byte
+    assert several.status_code == 206 and data[:10] in several.content and data[20:30] in several.content

@@ -10,12 +10,17 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
-from starlette.middleware.gzip import GZipMiddleware
 
 from deltaboard.board.contract.errors import BoardUnavailable
 from deltaboard.board.server.api import blobs, ops, runs, spans, versions
 from deltaboard.board.server.api.errors import install_error_handlers
-from deltaboard.board.server.api.middleware import GZIP_EXCLUDED, GZIP_LEVEL, GZIP_MIN_BYTES, BoardMiddleware
+from deltaboard.board.server.api.middleware import (
+    GZIP_EXCLUDED,
+    GZIP_LEVEL,
+    GZIP_MIN_BYTES,
+    BlobsUncompressed,
+    BoardMiddleware,
+)
 from deltaboard.board.server.api.state import BoardState
 from deltaboard.board.server.api.ui import dashboard
 from deltaboard.board.server.clock import Clock, SystemClock
@@ -79,7 +84,7 @@ def create_app(settings: Settings | None = None, clock: Clock | None = None) -> 
     modules = (runs, blobs, versions, spans, ops)
     install_error_handlers(app, [route for module in modules for route in module.router.routes])
     app.add_middleware(
-        GZipMiddleware,
+        BlobsUncompressed,
         minimum_size=GZIP_MIN_BYTES,
         compresslevel=GZIP_LEVEL,
         exclude_content_types=GZIP_EXCLUDED,

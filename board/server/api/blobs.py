@@ -13,6 +13,7 @@ from typing import Any, BinaryIO
 import anyio
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse, RedirectResponse
+from starlette.datastructures import MutableHeaders
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.types import Receive, Scope, Send
 
@@ -22,6 +23,7 @@ from deltaboard.board.server.api.errors import documented
 from deltaboard.board.server.api.routing import BINARY, INPUT_ERRORS, RAW_UPLOAD, RUN_ERRORS, BoardRoute
 from deltaboard.board.server.api.state import BoardState, Compactor, Reader, RunPath, ShaPath, check_sha
 from deltaboard.board.server.api.uploads import receive_to_file
+from deltaboard.board.server.api.zerocopy import ZEROCOPY
 
 router = APIRouter(prefix="/v1/runs/{run}/blobs", route_class=BoardRoute)
 
@@ -36,7 +38,8 @@ DOWNLOAD_RESPONSES: dict[int | str, dict[str, Any]] = {
 IMMUTABLE = "public, max-age=31536000, immutable"
 
 
-# Threads that read blob chunks for downloads, whatever the number of downloads: each
+# Threads that read blob chunks for the downloads that cannot leave by `sendfile` (several
+# ranges in one answer, or a server without `zerocopy`), whatever their number: each
 # thread that wakes with a chunk must take the GIL back from the event loop, and a thread
 # per download delayed commits (whose store work runs in threads too) and long-poll wakes
 # with them (`bench board --mixed`); two keep the downloads' reads ahead of their sockets.
@@ -65,13 +68,16 @@ class SharedReadFile(anyio.AsyncFile[bytes]):
 class BlobFileResponse(FileResponse):
     """Serves a file opened before the answer starts: retention may delete the blob at any
     moment, and a file reopened by name after the headers went out would break the answer
-    half-way (an unlinked file stays readable through its open descriptor). Larger reads
-    than Starlette's 64 KiB default: fewer event-loop turns per GB."""
+    half-way (an unlinked file stays readable through its open descriptor). The whole blob
+    or one range leaves by `sendfile` where the server offers `zerocopy`, off the event
+    loop; otherwise (and for several ranges) in reads larger than Starlette's 64 KiB
+    default: fewer event-loop turns per GB."""
 
     chunk_size = 1024 * 1024
 
     def __init__(self, path: Path, file: BinaryIO, headers: dict[str, str]) -> None:
         self._file = file
+        self._zerocopy = False
         super().__init__(
             path, media_type="application/octet-stream", headers=headers, stat_result=os.fstat(file.fileno())
         )
@@ -81,10 +87,35 @@ class BlobFileResponse(FileResponse):
         yield SharedReadFile(self._file)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._zerocopy = ZEROCOPY in scope.get("extensions", {})
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._file.close()
+
+    async def _send_range(
+        self, send: Send, status: int, headers: list[tuple[bytes, bytes]], start: int, end: int
+    ) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": ZEROCOPY, "file": self._file, "offset": start, "count": end - start})
+
+    async def _handle_simple(self, send: Send, send_header_only: bool, send_pathsend: bool) -> None:
+        if not self._zerocopy or send_header_only:
+            await super()._handle_simple(send, send_header_only, send_pathsend)
+            return
+        size = int(self.headers["content-length"])
+        await self._send_range(send, self.status_code, self.raw_headers, 0, size)
+
+    async def _handle_single_range(
+        self, send: Send, start: int, end: int, file_size: int, send_header_only: bool
+    ) -> None:
+        if not self._zerocopy or send_header_only:
+            await super()._handle_single_range(send, start, end, file_size, send_header_only)
+            return
+        headers = MutableHeaders(raw=list(self.raw_headers))
+        headers["content-range"] = f"bytes {start}-{end - 1}/{file_size}"
+        headers["content-length"] = str(end - start)
+        await self._send_range(send, 206, headers.raw, start, end)
 
     def check_range(self, header: str | None) -> None:
         """Refuse a bad `Range` with a JSON error, as every other failure (Starlette would

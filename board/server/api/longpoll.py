@@ -38,9 +38,9 @@ from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 from deltaboard.board.contract.errors import AuthError, BoardError
 from deltaboard.board.contract.schemas import MAX_VERSION, RUN_NAME_RE, Head
 from deltaboard.board.server.api.errors import error_response
-from deltaboard.board.server.api.server import JSONErrorsProtocol
 from deltaboard.board.server.api.state import BoardState
 from deltaboard.board.server.api.versions import MAX_WAIT_S, encoded, head_json
+from deltaboard.board.server.api.zerocopy import ZeroCopyProtocol
 from deltaboard.board.server.service import newer
 
 HEAD_PATH = re.compile(r"^/v1/runs/([^/]+)/head$")
@@ -110,7 +110,7 @@ class LongPollFastPath:
         self.state.metrics.requests.labels(route=ROUTE, status=str(response.status_code)).inc()
 
 
-class LongPollProtocol(JSONErrorsProtocol):
+class LongPollProtocol(ZeroCopyProtocol):
     """uvicorn's HTTP protocol, answering the well-formed, authorised long-polls of runs
     whose head this process holds without starting the app (`ParkedPolls`); a request it
     does not take starts the app as before (the hook is uvicorn's `_start_asgi_task`, which

@@ -9,7 +9,8 @@ JSON answers are gzipped for clients that accept it (Starlette's `GZipMiddleware
 `GZIP_*`): a delta's manifest is mostly digests and names and shrinks several-fold, and
 small deltas cost as much in manifest as in blobs. Blobs and assets
 (`application/octet-stream`: patches are compressed already, and Range answers must stay
-byte ranges of the stored object) and event streams are never compressed.
+byte ranges of the stored object) and event streams are never compressed; blob routes skip
+the gzip layer altogether (`BlobsUncompressed`).
 """
 
 from __future__ import annotations
@@ -17,19 +18,31 @@ from __future__ import annotations
 import asyncio
 import re
 
-from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES
+from starlette.middleware.gzip import DEFAULT_EXCLUDED_CONTENT_TYPES, GZipMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deltaboard.board.contract.errors import BoardError, BodyTooLarge, ErrorCode, InvalidRequest
 from deltaboard.board.server.api.errors import RequestBodyError, error_response
 from deltaboard.board.server.metrics import BoardMetrics
 
-BLOB_PUT = re.compile(r"^/v1/runs/[^/]+/blobs/[^/]+$")
+BLOB_PATH = re.compile(r"^/v1/runs/[^/]+/blobs/[^/]+$")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 GZIP_MIN_BYTES = 1024  # smaller answers (heads, leases) gain less than the work costs
 GZIP_LEVEL = 6
 GZIP_EXCLUDED = (*DEFAULT_EXCLUDED_CONTENT_TYPES, "application/octet-stream")
+
+
+class BlobsUncompressed(GZipMiddleware):
+    """Starlette's gzip layer, which blob routes skip: a download leaves by
+    `http.response.zerocopysend` (`zerocopy`), a message its responder would drop, and
+    blobs are never compressed anyway."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and BLOB_PATH.fullmatch(scope["path"]):
+            await self.app(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
 
 class BoardMiddleware:
@@ -54,7 +67,7 @@ class BoardMiddleware:
             await send(message)
 
         # Blob uploads stream to disk under their own cap (`max_blob_bytes`, in the route).
-        cap = None if scope["method"] == "PUT" and BLOB_PUT.fullmatch(scope["path"]) else self.max_body_bytes
+        cap = None if scope["method"] == "PUT" and BLOB_PATH.fullmatch(scope["path"]) else self.max_body_bytes
         refusal = self._refusal(scope, cap)
         if refusal is not None:
             await error_response(refusal)(scope, receive, counting_send)

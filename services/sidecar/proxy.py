@@ -345,7 +345,7 @@ class Proxy:
             message = f"request bodies are limited to {limit} bytes"
             return await _error(SidecarCode.BODY_TOO_LARGE, message)(scope, receive, send)
         body: Any = None
-        if _BODY_KEY in raw and (content_type is None or b"json" in content_type):
+        if raw.find(_BODY_KEY) >= 0 and (content_type is None or content_type.find(b"json") >= 0):
             try:
                 body = json.loads(raw)
             except ValueError:

@@ -40,6 +40,7 @@ import functools
 import http
 import json
 import logging
+import re
 import urllib.parse
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +56,9 @@ DISCONNECT = "deltaboard.disconnect"
 SINK = "deltaboard.sink"
 """The scope extension that writes body parts from a callback (`_Cycle.write`, `behind`)."""
 READ_PAUSE_BYTES = 2**16
+# A header's name and value must hold no line break. Not `b"\n" in value`: CPython 3.11's
+# `bytes.__contains__` builds a formatted TypeError for every bytes needle before searching.
+_CR_OR_LF = re.compile(rb"[\r\n]")
 STATUS_LINE = {
     status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in http.HTTPStatus
 }
@@ -255,6 +259,11 @@ class SidecarProtocol(asyncio.Protocol):
             self.idle = self.loop.call_later(self.keep_alive_s, self._close_idle)
 
 
+def _chunk(body: bytes) -> bytes:
+    """`body` (not empty) as one chunk of a chunked body."""
+    return b"%x\r\n%s\r\n" % (len(body), body)
+
+
 def _address(value: Any) -> tuple[str, int] | None:
     return (str(value[0]), int(value[1])) if isinstance(value, tuple) and len(value) >= 2 else None
 
@@ -366,7 +375,10 @@ class _Cycle:
         from the upstream connection's reads). Nothing is written once the client is gone."""
         transport = self.conn.transport
         if self.started and not (self.complete or self.disconnected or transport is None):
-            self._body(transport, body, True)
+            if self.chunked and self.head is None and body:  # a stream under way: each read's case
+                transport.write(_chunk(body))
+            else:
+                self._body(transport, body, True)
 
     def behind(self) -> asyncio.Future[None] | None:
         """While the client reads slower than it is written to: a future done once it has
@@ -380,7 +392,7 @@ class _Cycle:
             pass
         elif self.chunked:
             if body:
-                out.append(b"%x\r\n%s\r\n" % (len(body), body))
+                out.append(_chunk(body))
             if not more:
                 out.append(b"0\r\n\r\n")
         else:
@@ -408,12 +420,12 @@ class _Cycle:
             head += (name, b": ", value, b"\r\n")
         length: int | None = None
         for name, value in message.get("headers", ()):
-            if b"\n" in value or b"\r" in value or b"\n" in name or b"\r" in name:
+            if _CR_OR_LF.search(value) or _CR_OR_LF.search(name):
                 raise RuntimeError(f"invalid header {name!r}")
             lowered = name.lower()
             if lowered == b"content-length":
                 length = int(value)
-            elif lowered == b"connection" and b"close" in value.lower():
+            elif lowered == b"connection" and value.lower().find(b"close") >= 0:
                 self.keep_alive = False
                 continue
             elif lowered == b"transfer-encoding":

@@ -252,16 +252,20 @@ class _Chunks:
     def feed(self, data: bytes) -> bytes:
         """The payload of every chunk that `data` completes, joined (b"": none yet). A fast
         engine's read holds many chunks (a token each), so this loop is the sidecar's
-        per-token work: a find and a slice per chunk, no more."""
+        per-token work: a find and a slice per chunk, no more (and no find past a read that
+        ends with a chunk, as an engine's writes do)."""
         if not data:
             raise UpstreamError("the engine closed the connection inside a chunked body")
         buf = self._buf + data if self._buf else data
-        size_of = _chunk_size
         parts = []
         pos = 0
-        stop = len(buf) - 2
-        while (eol := buf.find(b"\r\n", pos)) >= 0:
-            size = size_of(buf[pos:eol])
+        length = len(buf)
+        stop = length - 2
+        while pos < length and (eol := buf.find(b"\r\n", pos)) >= 0:
+            try:
+                size = int(buf[pos:eol], 16)
+            except ValueError:  # `;` extensions after the size, or not a size
+                size = _chunk_size(buf[pos:eol])
             if size == 0:
                 self.done = buf.find(b"\r\n\r\n", eol) >= 0  # the end, past any trailers
                 break
@@ -270,7 +274,7 @@ class _Chunks:
                 break
             parts.append(buf[eol + 2 : end])
             pos = end + 2
-        self._buf = buf[pos:]
+        self._buf = buf[pos:] if pos < length else b""
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
 

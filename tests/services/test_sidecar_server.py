@@ -352,6 +352,38 @@ def test_a_forwarded_stream_goes_to_the_callback_then_to_the_reader_every_byte_o
     assert b'"i": 20}' in forwarded and b'"i": 49}' in rest  # the stop in a forwarded read
 
 
+@pytest.mark.parametrize("write_size", [1, 7, 1 << 20])
+def test_a_chunked_body_reads_the_same_however_the_engine_splits_its_writes(write_size: int) -> None:
+    """The chunked decoder (`UpstreamResponse.aiter_raw`) gives the body's payload whatever
+    falls into one read: a size line, a payload or its CRLF cut anywhere, chunk extensions,
+    a read ending with a chunk or inside one, trailers after the last."""
+    payloads = [b"data: %d\n\n" % i * (i % 5 + 1) for i in range(40)]
+    body = b"".join(
+        b"%x%s\r\n%s\r\n" % (len(p), b";ext=1" if i % 7 == 3 else b"", p) for i, p in enumerate(payloads)
+    )
+    body += b"0\r\nx-trailer: 1\r\n\r\n"
+
+    async def main() -> bytes:
+        async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for at in range(0, len(body), write_size):
+                writer.write(body[at : at + write_size])
+                await writer.drain()
+                await asyncio.sleep(0)  # the sidecar's read may take this write alone
+
+        server = await asyncio.start_server(engine, "127.0.0.1", 0)
+        pool = UpstreamPool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        async with asyncio.timeout(TIMEOUT_S):
+            response = await pool.request("GET", "/stream")
+            read = b"".join([part async for part in response.aiter_raw()])
+        await pool.aclose()
+        server.close()
+        return read
+
+    assert asyncio.run(main()) == b"".join(payloads)
+
+
 def _unchunk(data: bytes) -> bytes:
     out: list[bytes] = []
     pos = 0

@@ -6,8 +6,9 @@ tensor's digest follows from the committed base's digest in O(changed elements)
 (`digest_update`), so a delta never touches unchanged bytes on the host.
 
 A delta gets the codec's `context` encoding (smaller patches) from what the codec needs
-of the old tensor: on the CPU the base buffer's own bytes (a view, no copy); on CUDA the
-`ContextHint` the device diff computed where the tensor lives.
+of the old tensor: on the CPU the base buffer's own bytes (a view, no copy) and the
+exponent counts kept with them (`exponents`); on CUDA the `ContextHint` the device diff
+computed where the tensor lives.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import numpy as np
 
 from deltaboard.board import codec
 from deltaboard.publisher.device_diff import iter_diffs
+from deltaboard.publisher.exponents import ExponentCounts
 from deltaboard.publisher.packer import BlobPacker, PackedParts, PackedTensor
-from deltaboard.publisher.snapshot import Slot, ViewBuffer
+from deltaboard.publisher.snapshot import Slot, ViewBuffer, ViewLayout
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ Encoded = tuple[codec.PatchBatch, list[str | None]]
 tensor, a slice's digest at its positions in the whole tensor (None: not a slice)."""
 
 
-def _keyframes(buffer: ViewBuffer, slots: list[Slot], slices: Mapping[str, LocalSlice]) -> Encoded:
+def _keyframes(
+    buffer: ViewBuffer, slots: list[Slot], slices: Mapping[str, LocalSlice], counts: ExponentCounts | None
+) -> Encoded:
     patches: list[bytes] = []
     digests: list[str] = []
     global_digests: list[str | None] = []
@@ -77,6 +81,9 @@ def _keyframes(buffer: ViewBuffer, slots: list[Slot], slices: Mapping[str, Local
         if (where := slices.get(slot.name)) is not None:
             global_digest = codec.digest_slice(data, slot.dtype, where.offset, slot.shape, where.tensor_shape)
         global_digests.append(global_digest)
+    host = [s for s in slots if s.device == "cpu"]
+    if counts is not None and host:  # the next delta starts from them
+        counts.count([s.name for s in host], [(buffer.host_bytes(s), s.dtype) for s in host])
     # one patch (a large tensor's bundle) is joined without a copy
     ends = list(itertools.accumulate(len(p) for p in patches))
     return codec.PatchBatch(b"".join(patches), ends, digests), global_digests
@@ -91,12 +98,24 @@ def _deltas(
     wheres: list[Where | None],
     old: tuple[np.ndarray, list[int]] | None,
     hints: list[codec.ContextHint | None] | None,
+    kept: tuple[ExponentCounts, list[str]] | None,
 ) -> Encoded:
     """A bundle of tensors' patches in one codec call (`codec.encode_batch`): against the old
     bytes in place (`old`: a buffer and each tensor's first element) or with the device's
-    hints, or neither (no context encoding)."""
+    hints, or neither (no context encoding). `kept`: the old bytes' exponent counts and the
+    bundle's names, whose rows the patches move in place."""
     buffer, starts = old if old is not None else (None, None)
-    patches = codec.encode_batch(changes, base_digests, old=buffer, old_starts=starts, hints=hints)
+    counts, names = kept if kept is not None else (None, [])
+    patches = codec.encode_batch(
+        changes,
+        base_digests,
+        old=buffer,
+        old_starts=starts,
+        hints=hints,
+        counts=None if counts is None else counts.take(names),
+    )
+    if counts is not None and patches.counts is not None:
+        counts.put(names, patches.counts)
     global_digests: list[str | None] = [None] * len(changes)
     for i, (c, where) in enumerate(zip(changes, wheres, strict=True)):
         if where is not None:  # the slice's digest moves by its changes at their global positions
@@ -134,6 +153,9 @@ def encode_rank(
     it costs little (the old bytes on the host), False nowhere (see `Publisher`).
     `slices` (sharded state): where each local tensor sits in its whole tensor; each
     slice's digest at global positions is kept up to date from `base_slice_digests`.
+    With the context encoding, the host tensors' exponent counts move from `base` to
+    `buffer` (`ViewBuffer.exponent_counts`): a keyframe counts them, a delta moves the
+    base's by its changes (`exponents`).
     """
     layout = buffer.layout
     slices = slices or {}
@@ -147,15 +169,21 @@ def encode_rank(
     total = sum(s.numel for s in layout.slots)
     digests: dict[str, str] = {}  # a keyframe's are its own tensors' (names may have changed)
     global_digests: dict[str, str] = {}
+    counts = None if context is False else _host_counts(layout, base)
     if base is None:
         keyframes: list[Bundle] = [
-            ([(s.name, s.dtype, s.shape, s.numel) for s in group], partial(_keyframes, buffer, group, slices))
+            (
+                [(s.name, s.dtype, s.shape, s.numel) for s in group],
+                partial(_keyframes, buffer, group, slices, counts),
+            )
             for group in _bundles(layout.slots, lambda s: s.numel)
         ]
         _encode_in_order(keyframes, encoders, window, packer, digests, global_digests)
+        parts = packer.finish()
+        buffer.exponent_counts = counts
         return RankVersion(
             tensors,
-            packer.finish(),
+            parts,
             digests,
             total,
             total,
@@ -165,6 +193,7 @@ def encode_rank(
             slices=dict(slices),
             slice_digests=global_digests,
         )
+    base.exponent_counts = None  # moved in place by this version's patches: the new view's
     digests.update(base_digests)
     global_digests.update(base_slice_digests or {})
     changed = host_bytes = hint_bytes = 0
@@ -181,12 +210,15 @@ def encode_rank(
             wheres: list[Where | None] = [None] * len(group)
             if slices:
                 wheres = [_where(slices, global_digests, s) for s in in_group]
+            old, hints = _context(base, in_group, part.hints, context)
             encode = partial(
                 _deltas,
                 [c for _, c, _ in group],
                 [base_digests[s.name] for s in in_group],
                 wheres,
-                *_context(base, in_group, part.hints, context),
+                old,
+                hints,
+                None if old is None or counts is None else (counts, [s.name for s in in_group]),
             )
             deltas.append(([(s.name, s.dtype, s.shape, n) for s, _, n in group], encode))
         _encode_in_order(deltas, encoders, window, packer, digests, global_digests)
@@ -195,6 +227,7 @@ def encode_rank(
         hint_bytes += part.hint_bytes
         started = time.perf_counter()
     parts = packer.finish()
+    buffer.exponent_counts = counts
     return RankVersion(
         tensors,
         parts,
@@ -208,6 +241,15 @@ def encode_rank(
         slices=dict(slices),
         slice_digests=global_digests,
     )
+
+
+def _host_counts(layout: ViewLayout, base: ViewBuffer | None) -> ExponentCounts | None:
+    """The exponent counts of the layout's host tensors that this version starts from: the
+    base's where it kept them, else none known yet (None: no tensor on the host)."""
+    if base is not None and base.exponent_counts is not None:
+        return base.exponent_counts
+    host = [(s.name, s.dtype) for s in layout.slots if s.device == "cpu"]
+    return ExponentCounts(host) if host else None
 
 
 def _where(slices: Mapping[str, LocalSlice], global_digests: Mapping[str, str], slot: Slot) -> Where | None:

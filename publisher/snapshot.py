@@ -25,6 +25,7 @@ import torch
 from deltaboard.board import codec
 from deltaboard.board.contract.schemas import ViewSpec
 from deltaboard.board.contract.view_spec import served_dtype
+from deltaboard.publisher.exponents import ExponentCounts
 from deltaboard.publisher.memcopy import stream_copy
 from deltaboard.publisher.view import SAFETENSORS_TO_TORCH, safetensors_dtype
 
@@ -181,6 +182,9 @@ class ViewBuffer:
             slot.name: self.bits(slot).numpy().view(np.uint8) for slot in layout.slots if slot.device == "cpu"
         }
         self.ready: torch.cuda.Event | None = None
+        # the host tensors' exponent counts where a version's encoding left them (`encode`):
+        # they describe this buffer's bytes until it is filled again
+        self.exponent_counts: ExponentCounts | None = None
 
     def bits(self, slot: Slot) -> torch.Tensor:
         """The slot's element bit patterns (flat, integer dtype): what the diff compares."""
@@ -203,6 +207,7 @@ class ViewBuffer:
         its bytes cost, not a call per tensor: on the CPU in batches of about a piece's
         bytes, shared like the pieces.
         """
+        self.exponent_counts = None  # of the bytes this copy replaces
         pieces: list[Callable[[], None]] = []
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         batch_bytes = 0

@@ -11,6 +11,12 @@ The bytes are `encode_changes`' bytes, tensor by tensor (`tests/board/test_codec
 the kernel takes the same decisions (the context encoding when its hint pays, else
 `sparse`), and a tensor with more than 1/8 of its elements changed, where `dense` or
 `replace` may win, goes through `encode_changes` itself.
+
+The context hint starts from the old tensor's exponent counts (`plan_thresholds`, step 2),
+which for a small tensor means counting every element, a pass over the tensor per
+version. A caller that encodes version after version keeps them instead (`counts`): a
+patch moves them by its changes alone, so the batch returns each tensor's counts after
+its patch, for the next version's batch to start from.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from deltaboard.board.codec import api
 from deltaboard.board.codec.bitio import put_index_sets
 from deltaboard.board.codec.changes import Changes, check_positions
 from deltaboard.board.codec.classes import split_by_class
-from deltaboard.board.codec.context import EXPONENT_FIELDS
+from deltaboard.board.codec.context import EXPONENT_FIELDS, count_exponents, sample_stride
 from deltaboard.board.codec.digest import change_sums, raw_digests
 from deltaboard.board.codec.dtypes import as_bits, dtype_code, uint_dtype
 from deltaboard.board.codec.errors import PatchError
@@ -63,16 +69,23 @@ def _encode_all(
     thresholds: np.ndarray,
     ranks: np.ndarray,
     lanes: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(payloads end to end, each one's end, its encoding, status) for every tensor;
-    `lanes` (base digest lanes in, result lanes out) is updated in place.
+    counts: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(payloads end to end, each one's end, its encoding, status, counts after) for every
+    tensor; `lanes` (base digest lanes in, result lanes out) is updated in place.
 
     Tensor i: changes `bounds[i]:bounds[i + 1]` of `positions`, `old_bits`, `new_bits`;
     its old bits `old[old_starts[i]:][:numels[i]]` (mode `_FROM_OLD`); `fields[i]` its
     exponent field (shift, mask, element mask); `thresholds[i]` and the ranks at its
-    changes, a given hint (mode `_GIVEN`).
+    changes, a given hint (mode `_GIVEN`); `counts[i]` its old exponent counts where
+    `counts[i, 0] >= 0` (mode `_FROM_OLD`; a row of no columns: none kept), moved by its
+    changes into the counts after (first entry -1 where none were taken).
     """
     count = numels.size
+    kept = counts.shape[1] > 0
+    after_counts = np.empty_like(counts)
+    if kept:
+        after_counts[:, 0] = -1
     buf = np.zeros(max(256, 8 * positions.size), dtype=np.uint8)
     ends = np.zeros(count, dtype=np.int64)
     encodings = np.full(count, _SPARSE, dtype=np.int64)
@@ -94,9 +107,16 @@ def _encode_all(
         tensor_ranks = ranks[a:b]
         hinted = False
         if modes[i] == _FROM_OLD and n and mask:
-            start = old_starts[i]
-            t_low, t_top, tensor_ranks = host_hint(old[start : start + numel], pos, before, shift, mask)
+            tensor_old = old[old_starts[i] : old_starts[i] + numel]
+            stride = sample_stride(numel)
+            if kept and counts[i, 0] >= 0:
+                sampled = counts[i, : mask + 1].copy()
+            else:
+                sampled = count_exponents(tensor_old, shift, mask, stride)
+            t_low, t_top, tensor_ranks = host_hint(tensor_old, pos, before, shift, mask, sampled)
             hinted = t_low >= 0
+            if kept:
+                after_counts[i, : mask + 1] = _moved(sampled, stride, pos, before, after, shift, mask)
         elif modes[i] == _GIVEN and n:
             hinted = mask > 0 and 0 <= t_low <= t_top <= mask + 1
             status[i] = 0 if hinted else 3
@@ -119,18 +139,40 @@ def _encode_all(
             lanes[i, 0] += da
             lanes[i, 1] += db
         ends[i] = at
-    return buf, ends, encodings, status
+    return buf, ends, encodings, status, after_counts
+
+
+@kernel
+def _moved(
+    counts: np.ndarray,
+    stride: int,
+    positions: np.ndarray,
+    old_bits: np.ndarray,
+    new_bits: np.ndarray,
+    shift: int,
+    mask: int,
+) -> np.ndarray:
+    """Exponent counts of a tensor's elements at `stride` after its changes: each sampled
+    change leaves its old exponent and joins its new one."""
+    moved = counts.copy()
+    for j in range(positions.size):
+        if positions[j] % stride == 0:
+            moved[(int(old_bits[j]) >> shift) & mask] -= 1
+            moved[(int(new_bits[j]) >> shift) & mask] += 1
+    return moved
 
 
 @dataclass(frozen=True)
 class PatchBatch:
     """A batch's patches end to end in one buffer (`data`; patch i ends at `ends[i]`) and
     each one's result digest: what a packer appends to a blob in one piece, with no object
-    per patch."""
+    per patch. `counts`: each tensor's exponent counts after its patch, where the batch
+    was given counts to keep (`encode_batch`)."""
 
     data: bytes
     ends: list[int]
     digests: list[str]
+    counts: np.ndarray | None = None
 
     def __iter__(self) -> Iterator[tuple[bytes, str]]:
         """Each patch (a copy) and its digest, in order."""
@@ -145,6 +187,7 @@ def encode_batch(
     old: np.ndarray | None = None,
     old_starts: Sequence[int] | None = None,
     hints: Sequence[ContextHint | None] | None = None,
+    counts: np.ndarray | None = None,
 ) -> PatchBatch:
     """Each tensor's patch and its result digest: byte for byte what
     `encode_changes(changes[i], old_i, dtype, old_digest=old_digests[i], hint=hints[i])` gives.
@@ -153,9 +196,17 @@ def encode_batch(
     element `old_starts[i]` on (several tensors of a view buffer, in place); without it
     there is no `replace` and, without `hints` too, no context encoding. Every tensor's
     elements have one width.
+
+    `counts` (int64, a row per tensor of at least mask + 1 columns of the widest exponent
+    field among the tensors) keeps the exponent counts from one version to the next: row
+    i, where its first entry is not -1, is `exponent_counts` of tensor i's old elements at
+    `sample_stride(numel)`, taken as they are instead of counted from `old` (wrong counts
+    give valid patches, not `encode_changes`' bytes). The batch then returns in
+    `PatchBatch.counts` each tensor's counts after its patch, a first entry of -1 where it
+    took none (no context hint from `old`: not floating, or left to `encode_changes`).
     """
     if not changes:
-        return PatchBatch(b"", [], [])
+        return PatchBatch(b"", [], [], counts)
     if len(old_digests) != len(changes) or (hints is not None and len(hints) != len(changes)):
         raise PatchError("encode_batch: one base digest (and hint) per tensor expected")
     bits_dtype = uint_dtype(changes[0].dtype)
@@ -183,7 +234,14 @@ def encode_batch(
     dtypes = {dtype: (*EXPONENT_FIELDS.get(dtype, (0, 0)), layout(dtype)[2]) for dtype in kinds}
     fields = np.array([dtypes[c.dtype] for c in changes], np.uint64)
     codes = {dtype: dtype_code(dtype) for dtype in dtypes}
-    payloads, ends, encodings, status = _encode_all(
+    columns = max(int(f[1]) + 1 for f in dtypes.values())
+    if counts is not None and (
+        counts.dtype != np.int64
+        or counts.shape[:1] != numels.shape
+        or (counts.ndim != 2 or counts.shape[1] < columns)
+    ):
+        raise PatchError(f"encode_batch: counts of {len(changes)} x {columns} int64 expected")
+    payloads, ends, encodings, status, after = _encode_all(
         old_bits,
         starts,
         numels,
@@ -196,7 +254,9 @@ def encode_batch(
         thresholds,
         ranks,
         lanes,
+        np.empty((len(changes), 0), np.int64) if counts is None else counts,
     )
+    kept = None if counts is None else after
     failed = np.flatnonzero(status)
     if failed.size:
         raise PatchError(_FAILURES[int(status[failed[0]])])
@@ -217,7 +277,7 @@ def encode_batch(
     digests = [hexed[at : at + 32] for at in range(0, len(hexed), 32)]
     general = np.flatnonzero(encodings == _GENERAL).tolist()
     if not general:
-        return PatchBatch(data, patch_ends.tolist(), digests)
+        return PatchBatch(data, patch_ends.tolist(), digests, kept)
     pieces, sizes, at = [], np.diff(patch_ends, prepend=0), 0
     for i in general:
         c = changes[i]
@@ -227,7 +287,7 @@ def encode_batch(
         pieces += [data[at : patch_ends[i] - sizes[i]], patch]
         at, sizes[i], digests[i] = patch_ends[i], len(patch), api.read_header(patch).result_digest
     pieces.append(data[at:])
-    return PatchBatch(b"".join(pieces), np.cumsum(sizes).tolist(), digests)
+    return PatchBatch(b"".join(pieces), np.cumsum(sizes).tolist(), digests, kept)
 
 
 def _hints(

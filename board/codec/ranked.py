@@ -38,11 +38,18 @@ class ContextHint:
 
 @kernel
 def host_hint(
-    old: np.ndarray, positions: np.ndarray, changed_old: np.ndarray, shift: int, mask: int
+    old: np.ndarray,
+    positions: np.ndarray,
+    changed_old: np.ndarray,
+    shift: int,
+    mask: int,
+    sampled: np.ndarray,
 ) -> tuple[int, int, np.ndarray]:
     """(t_low, t_top, ranks), t_low -1 for no hint: the steps of `plan_thresholds`'s contract
-    in one compiled call (its fixed cost is what a model of many small tensors pays)."""
-    sampled = count_exponents(old, shift, mask, sample_stride(old.size))
+    in one compiled call (its fixed cost is what a model of many small tensors pays), from
+    `sampled`, the exponent counts of `old` at its sample stride: counted by the caller,
+    or kept by it from an earlier version (`batch.encode_batch`): a small tensor's are
+    counted over every element, a pass over the tensor that a kept count saves."""
     t_low, t_top = plan(sampled, count_exponents(changed_old, shift, mask), old.size)
     if t_low < 0:
         return t_low, t_top, positions[:0]
@@ -51,11 +58,14 @@ def host_hint(
 
 def context_hint(changes: Changes, old_bits: np.ndarray) -> ContextHint | None:
     """The hint from the old bits on the host; None when the classes do not pay off."""
+    shift, mask = EXPONENT_FIELDS[changes.dtype]
     t_low, t_top, ranks = host_hint(
         old_bits,
         changes.positions.astype(np.int64, copy=False),
         changes.old_bits,
-        *EXPONENT_FIELDS[changes.dtype],
+        shift,
+        mask,
+        count_exponents(old_bits, shift, mask, sample_stride(old_bits.size)),
     )
     return None if t_low < 0 else ContextHint(t_low, t_top, ranks)
 

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltaboard.board import codec
+from deltaboard.board.codec.context import SAMPLE_FROM
 from deltaboard.board.codec.header import pack_fields, pack_many
 from tests.board.codec_cases import PATTERNS, make_case
 
@@ -64,6 +65,61 @@ def test_a_batch_is_each_tensors_own_patch(
         assert bare == codec.encode_changes(c, None, dtype, old_digest=d)
         assert result == bare_result == codec.digest(new, dtype) == codec.read_header(patch).result_digest
         assert codec.apply(old, patch).tobytes() == new.tobytes()
+
+
+def sampled_counts(bits: np.ndarray, dtype: str, columns: int) -> np.ndarray:
+    """`exponent_counts` of a tensor's elements at its sample stride, in a row of `columns`
+    (what a caller keeps between versions)."""
+    row = np.full(columns, -1, dtype=np.int64)
+    if dtype in codec.EXPONENT_FIELDS:
+        sample = np.ascontiguousarray(bits.view(codec.uint_dtype(dtype))[:: codec.sample_stride(bits.size)])
+        counts = codec.exponent_counts(sample, dtype)
+        row[: counts.size] = counts
+    return row
+
+
+@SETTINGS
+@given(batches(), st.integers(0, 2**32 - 1), st.booleans())
+def test_kept_counts_give_the_counted_patches_and_move_with_them(
+    tensors: list[tuple[str, np.ndarray, np.ndarray]], seed: int, sampled: bool
+) -> None:
+    """Two versions of a batch, the second from the counts the first returned (known or
+    not, each tensor's own): every patch is `encode_changes`' own, and the counts returned
+    are the new tensors' counts at their sample stride. `sampled`: a tensor past
+    `SAMPLE_FROM` too, whose counts are of every 32nd element."""
+    if sampled:
+        big = make_case(tensors[0][0], SAMPLE_FROM + 100, "small-weights", seed)
+        tensors = [*tensors, (big.dtype, big.old, big.new)]
+    rng = np.random.default_rng(seed)
+    # a third version: some elements of the second back to the first's, some moved again
+    third = []
+    for dtype, old, new in tensors:
+        bits = new.view(codec.uint_dtype(dtype)).copy()
+        back = rng.random(bits.size) < 0.3
+        bits[back] = old.view(bits.dtype)[back]
+        bits[rng.random(bits.size) < 0.01] += bits.dtype.type(1)
+        third.append(bits.view(np.uint8))
+    columns = max(codec.EXPONENT_FIELDS.get(d, (0, 0))[1] + 1 for d, _, _ in tensors)
+    counts = np.full((len(tensors), columns), -1, dtype=np.int64)
+    for step, versions in enumerate(
+        ([(d, o, n) for d, o, n in tensors], [(d, n, t) for (d, _, n), t in zip(tensors, third, strict=True)])
+    ):
+        changes = [codec.diff(old, new, dtype) for dtype, old, new in versions]
+        digests = [codec.digest(old, dtype) for dtype, old, _ in versions]
+        buffer, starts = one_buffer(versions, 1)
+        if step == 0:  # some counts known from the start, the others counted
+            for i in range(0, len(versions), 2):
+                counts[i] = sampled_counts(versions[i][1], versions[i][0], columns)
+        got = codec.encode_batch(changes, digests, old=buffer, old_starts=starts, counts=counts)
+        assert got.counts is not None
+        for (dtype, old, new), c, d, (patch, _), row in zip(
+            versions, changes, digests, got, got.counts, strict=True
+        ):
+            assert patch == codec.encode_changes(c, old, dtype, old_digest=d)
+            if row[0] >= 0:
+                mask = codec.EXPONENT_FIELDS[dtype][1]
+                assert np.array_equal(row[: mask + 1], sampled_counts(new, dtype, columns)[: mask + 1])
+        counts = got.counts
 
 
 @SETTINGS

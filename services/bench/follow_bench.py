@@ -39,7 +39,9 @@ process (loopback); the nodes are real `Follower`s on local disk. Figures:
   loopback TCP from memory (both ends: what receiving them at least costs);
 * `catchup_*`: a node k = 32 versions behind, on the plan once the spans ending at k
   are registered (`catchup_s`, `catchup_bytes`, of which `span_bytes` in spans; the
-  node's CPU seconds to serving `catchup_cpu_s`, its span decoded on `ranged_threads`), and
+  node's CPU seconds to serving `catchup_cpu_s`, its span decoded on `ranged_threads`;
+  after one untimed catch-up of another node, so that the compiled kernels are loaded as
+  in a running node; `codec_decode_s` likewise decodes one patch first), and
   the same node by the deltas alone, before they were (`catchup_deltas_s`,
   `catchup_deltas_bytes`); against one keyframe (`keyframe_bytes`) and all k deltas'
   encoded bytes (`replay_bytes`). `compact_s`: building and registering the spans of one
@@ -382,6 +384,7 @@ def codec_decode_s(client: BoardClient, version: int, base: dict[str, np.ndarray
         patch = memoryview(blobs[t.blob.sha256])[t.blob.offset : t.blob.offset + t.blob.length]
         codec.decode(patch, base[t.name], digests[t.name])
 
+    one(manifest.tensors[0])  # the compiled kernels loaded (or compiled) before the clock starts
     with ThreadPoolExecutor(threads) as pool:
         started = time.perf_counter()
         list(pool.map(one, manifest.tensors))
@@ -486,6 +489,13 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
                 planned = client.plan(RUN, 0, k)
 
                 status(f"a node {k} versions behind catching up")
+                # once untimed: a running node has its compiled kernels loaded; the first use in a
+                # process loads them from numba's disk cache or compiles them (seconds), which on a
+                # fresh machine made this figure 1.17-1.49 s instead of 0.32-0.33 (H200 host)
+                warm = node(client, tmp / "warm", "warm")
+                warm.sync(0)
+                warm.sync(k)
+                warm.follower.close()
                 behind = node(client, tmp / "behind", "behind")
                 behind.sync(0)
                 timeline = behind.sync(k)

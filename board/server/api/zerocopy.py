@@ -6,15 +6,15 @@ work (on loopback, the receiving side's too) on the event loop's thread, the one
 answers long-polls and commits: under `bench board --mixed` the downloads were most of
 that thread's time (py-spy), and where the cores are shared a thread that is always busy
 gets only its share of them, so wakes and commits queued behind download writes. Here the
-kernel moves the bytes, on a thread of its own at a lower CPU priority than the loop
-(`file_sender`); the loop only starts a send and hears when it ended, and, mostly idle, is
-scheduled as soon as a commit or a poll arrives.
+kernel moves the bytes, in a process of its own at a lower CPU priority than the board
+(`file_sender`); the loop only hands a send over and hears when it ended, and, mostly
+idle, is scheduled as soon as a commit or a poll arrives.
 
-The thread reads and writes through duplicates of the file's and the socket's descriptors,
-which it closes when done: a cancelled answer, which closes its file, does not pull either
-away mid-send, nor lets a reused descriptor number send another file's bytes. The transport
-writes nothing meanwhile (uvicorn's cycle writes nothing between the head and the end of
-the body, and a pipelined request waits for the cycle before it).
+The process reads and writes through its own copies of the file's and the socket's
+descriptors, which it closes when done: a cancelled answer, which closes its file, does
+not pull either away mid-send, nor lets a reused descriptor number send another file's
+bytes. The transport writes nothing meanwhile (uvicorn's cycle writes nothing between the
+head and the end of the body, and a pipelined request waits for the cycle before it).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ async def send_file(transport: asyncio.Transport, fd: int, offset: int, count: i
 
 @functools.cache
 def file_sender() -> FileSender:
-    """The process's one sending thread (`FileSender`)."""
+    """The board's one sending process (`FileSender`)."""
     return FileSender()
 
 

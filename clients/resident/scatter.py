@@ -44,8 +44,14 @@ _SPLIT_MIN = 1 << 16
 # costs nothing next to the pass.
 _CHUNKS_PER_THREAD = 8
 # The cores this process may run on (a taskset or a container limit), not the machine's.
-_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
+_CORES = len(os.sched_getaffinity(0))
+_THREADS = max(1, min(4, _CORES))
+# A CUDA view's staging pass runs while the engine computes on the GPU, its host cores
+# mostly idle: more threads pay there (8 GB view, 42.9M changes, on the H200's host:
+# 4 threads 87-92 ms, 8 threads 55-59, 16 threads 70-74; docs/design.md, "Hot updates").
+WIDE_THREADS = max(1, min(8, _CORES))
 _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="deltaboard-scatter")
+_wide_pool = ThreadPoolExecutor(WIDE_THREADS, thread_name_prefix="deltaboard-stage")
 # How many changes ahead the swap asks for a line: far enough to cover memory latency at
 # a few nanoseconds per change, near enough that the line is still cached when reached
 # (the chosen distance is measured in docs/design.md, "Hot updates").
@@ -152,15 +158,17 @@ def _address(
     return -1
 
 
-def _spread(n: int, fn: Callable[[int, int], int]) -> list[tuple[int, int, int]]:
+def _spread(n: int, fn: Callable[[int, int], int], wide: bool = False) -> list[tuple[int, int, int]]:
     """`fn(a, b)` over chunks covering [0, n), claimed in turn by the calling thread and the
-    pool's threads, until none is left or a chunk fails (returns an index >= 0): then no
-    further chunk starts. Returns (a, b, result) of every chunk that ran; the chunks that
-    never ran were not touched. Chunks are claimed in increasing order and a claimed chunk
-    runs to its end, so the smallest failing index returned is the first of the pass."""
-    if n < _SPLIT_MIN or _THREADS == 1:
+    pool's threads (`_THREADS` of them, `WIDE_THREADS` if `wide`), until none is left or a
+    chunk fails (returns an index >= 0): then no further chunk starts. Returns (a, b,
+    result) of every chunk that ran; the chunks that never ran were not touched. Chunks are
+    claimed in increasing order and a claimed chunk runs to its end, so the smallest failing
+    index returned is the first of the pass."""
+    threads, pool = (WIDE_THREADS, _wide_pool) if wide else (_THREADS, _pool)
+    if n < _SPLIT_MIN or threads == 1:
         return [(0, n, fn(0, n))]
-    step = max(_SPLIT_MIN // 2, -(-n // (_THREADS * _CHUNKS_PER_THREAD)))
+    step = max(_SPLIT_MIN // 2, -(-n // (threads * _CHUNKS_PER_THREAD)))
     starts = range(0, n, step)
     claims = itertools.count()  # next() on it is atomic: each chunk goes to one thread
     ran: list[tuple[int, int, int]] = []
@@ -178,7 +186,7 @@ def _spread(n: int, fn: Callable[[int, int], int]) -> list[tuple[int, int, int]]
             if result >= 0:
                 failed.set()
 
-    helpers = [_pool.submit(work) for _ in range(_THREADS - 1)]
+    helpers = [pool.submit(work) for _ in range(threads - 1)]
     try:
         work()
     finally:
@@ -215,12 +223,14 @@ def address(
     stop: int,
     out: tuple[np.ndarray, np.ndarray, np.ndarray],
     bits: tuple[np.ndarray, np.ndarray],
+    wide: bool = False,
 ) -> int:
     """Check and address elements [start, stop) of a width group (tensor `t` holds the
     elements before `ends[t]`, at `ptrs[t]`, of `numels[t]` elements) into `out` =
     (addresses, old bits, new bits), indexed from `start`; `bits` (old, new) are copied
-    only where `out`'s bit arrays are not empty. -1 when every element is valid, else the
-    index of the first that is not (what was written is then of no use)."""
+    only where `out`'s bit arrays are not empty; `wide`: on `WIDE_THREADS` threads. -1
+    when every element is valid, else the index of the first that is not (what was
+    written is then of no use)."""
     addrs, old_out, new_out = out
     old, new = bits
 
@@ -230,7 +240,7 @@ def address(
             addrs[a:], old, new, old_out[a:], new_out[a:],
         )  # fmt: skip
 
-    bad = [j for _, _, j in _spread(stop - start, part) if j >= 0]
+    bad = [j for _, _, j in _spread(stop - start, part, wide) if j >= 0]
     return min(bad) if bad else -1
 
 

@@ -43,6 +43,7 @@ class Staging(Protocol):
     """Where a view's staged arrays live; `stage_group` drives it chunk by chunk."""
 
     chunk_bytes: int
+    wide: bool  # the pass on `scatter.WIDE_THREADS` threads: the host's cores are free
 
     def open(self, group: WidthGroup, old: np.ndarray, new: np.ndarray) -> None:
         """Begin staging `group` (its bits `old`, `new`, contiguous)."""
@@ -73,7 +74,9 @@ def stage_group(group: WidthGroup, ptrs: np.ndarray, staging: Staging) -> tuple[
         for start in range(0, n, step):
             count = min(step, n - start)
             stop, slot = start + count, staging.slot(start, count)
-            bad = scatter.address(positions, ends, group.numels, ptrs, width, start, stop, slot, (old, new))
+            bad = scatter.address(
+                positions, ends, group.numels, ptrs, width, start, stop, slot, (old, new), staging.wide
+            )
             if bad >= 0:
                 tensor = int(np.searchsorted(ends, bad, side="right"))
                 inside = 0 <= positions[bad] < group.numels[tensor]
@@ -90,6 +93,8 @@ def stage_group(group: WidthGroup, ptrs: np.ndarray, staging: Staging) -> tuple[
 
 class HostStaging:
     """A CPU view's staging: the addresses in one array, the bits left where they are."""
+
+    wide = False  # a CPU engine computes on these cores
 
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
@@ -118,6 +123,8 @@ class HostStaging:
 
 class DeviceStaging:
     """A CUDA view's staging: two pinned slots, a copy stream, the arrays on the device."""
+
+    wide = True  # the engine computes on the GPU
 
     def __init__(self, device: torch.device, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.device = device

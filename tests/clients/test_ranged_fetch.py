@@ -66,7 +66,7 @@ def fetcher(board, cache: BlobCache, transport: httpx.HTTPTransport) -> Fetcher:
 def test_a_large_blob_arrives_by_ranges_hashed_and_counted_once(board, tmp_path, small_pieces):
     data, blob = stored(board, 37 * PIECE + 123)
     cache = BlobCache(tmp_path)
-    transport, counted = Recording(), []
+    transport, counted = Recording(), list[int]()
     fetcher(board, cache, transport).fetch([blob], progress=counted.append)
     assert cache.path(blob.sha256).read_bytes() == data
     # every range once (an injected transport reads through httpx, not the plain sockets)
@@ -94,7 +94,7 @@ def test_a_blob_by_ranges_through_plain_sockets_is_exact(board, tmp_path, small_
 def test_a_range_that_fails_falls_back_to_one_stream_counting_no_byte_twice(board, tmp_path, small_pieces):
     data, blob = stored(board, 20 * PIECE)
     cache = BlobCache(tmp_path)
-    transport, counted = Recording(fail_range=3), []
+    transport, counted = Recording(fail_range=3), list[int]()
     fetcher(board, cache, transport).fetch([blob], progress=counted.append)
     assert cache.path(blob.sha256).read_bytes() == data
     assert transport.whole == 1

@@ -378,3 +378,31 @@ def test_a_commit_does_not_wait_for_a_thread_that_gets_no_core() -> None:
         committer.shutdown()
     assert report.version == 1
     assert np.array_equal(raw(engine["w"]), data["w"])
+
+
+@pytest.mark.parametrize("bad_at", [None, 0.0, 0.37, 1.0])
+def test_the_wide_staging_pass_addresses_and_refuses_exactly_as_the_narrow_one(bad_at: float | None) -> None:
+    """A CUDA view's staging spreads the address pass over `WIDE_THREADS` threads: the same
+    addresses and bits as the narrow pass, and the same first bad element when one is bad."""
+    rng = np.random.default_rng(11)
+    counts = np.array([700_000, 3, 500_000], dtype=np.int64)
+    numels = counts * 3
+    chosen = [np.sort(rng.choice(m, c, replace=False)) for m, c in zip(numels, counts, strict=True)]
+    positions = np.concatenate(chosen)
+    if bad_at is not None:
+        j = round(bad_at * (positions.size - 1))
+        positions[j] = numels[-1] * 5  # outside every tensor
+    ends, ptrs = np.cumsum(counts), np.array([1 << 20, 1 << 30, 1 << 40], dtype=np.int64)
+    old, new = rng.integers(0, 1 << 16, (2, positions.size), dtype=np.uint16)
+
+    def run(wide: bool) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        out = (np.zeros(positions.size, np.int64), np.zeros_like(old), np.zeros_like(new))
+        bad = scatter.address(positions, ends, numels, ptrs, 2, 0, positions.size, out, (old, new), wide)
+        return bad, *out
+
+    narrow, wide = run(False), run(True)
+    assert narrow[0] == wide[0] == (-1 if bad_at is None else round(bad_at * (positions.size - 1)))
+    if bad_at is None:
+        for a, b in zip(narrow[1:], wide[1:], strict=True):
+            assert np.array_equal(a, b)
+        assert np.array_equal(wide[2], old) and np.array_equal(wide[3], new)

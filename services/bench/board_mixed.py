@@ -8,7 +8,8 @@ One board process (local store, embedded index, as `bench board`) carries at onc
 - one small commit per second (its latency: request sent to answer received), from a
   process of its own;
 - D blob downloaders in a third process (a thread each, raw sockets spliced into
-  /dev/null: `Sink`), each fetching one large blob again and again.
+  /dev/null: `Sink`), each fetching one large blob again and again, at a lower CPU
+  priority than the board (`DOWNLOADERS_NICE`: they stand for other hosts).
 
 The load generator shares the machine's cores with the board, so it is kept light and
 apart: the pollers are protocol callbacks on uvloop (no task or stream per poller; an
@@ -17,17 +18,19 @@ own process, so that a thousand answers arriving at once delay neither the commi
 nor its timestamp. Errors: any answer other than a 200 (a 201 for commits), a dropped
 connection, or a download of the wrong size.
 
-Each process reports its CPU seconds over the measured phase (the board's, the pollers',
-the committer's, the downloaders'), with the machine's load average at both ends, so that
-a run on a shared machine says who had the cores; the board's own time per commit
-(mean, p50 and p99 of its version records' `commit_s`), the part of a commit's latency
-spent in the store rather than queued on the way in and out; and how late the pollers'
-own loop ran (`LoopLag`), a lower bound of the measuring side's part of the wake figures.
+Each process reports its CPU seconds over the measured phase (the board's with its
+children's, the pollers', the committer's, the downloaders'), with the machine's load
+average at both ends, so that a run on a shared machine says who had the cores; the
+board's own time per commit (mean, p50 and p99 of its version records' `commit_s`), the
+part of a commit's latency spent in the store rather than queued on the way in and out;
+and how late the pollers' own loop ran (`LoopLag`), a lower bound of the measuring side's
+part of the wake figures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import multiprocessing
@@ -67,6 +70,7 @@ SLOWEST = 3
 LAST_WAKES_S = 60
 PIPE_BYTES = 1 << 20
 LAG_TICK_S = 0.01
+DOWNLOADERS_NICE = 10
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,10 @@ def download_loop(
 ) -> None:
     """The downloaders' process: `downloaders` threads fetching the blob again and again for
     `seconds` from the `start` barrier on; puts (bytes, downloads, errors, CPU seconds) on
-    the queue `out`."""
+    the queue `out`. It runs `DOWNLOADERS_NICE` below the board's CPU priority: it stands
+    for hosts of their own, and at the board's priority its sixteen threads, always ready
+    to receive, queued the board's own threads behind them for the cores."""
+    os.nice(DOWNLOADERS_NICE)
     start.wait(START_TIMEOUT_S)
     deadline, cpu = time.monotonic() + seconds, time.process_time()
     totals = [0, 0, 0]
@@ -269,10 +276,16 @@ def board_pid() -> int:
 
 
 def cpu_seconds(pid: int) -> float:
+    """CPU seconds of the process and of its children now (the board's download sender)."""
     import psutil
 
-    times = psutil.Process(pid).cpu_times()
-    return float(times.user + times.system)
+    process = psutil.Process(pid)
+    total = 0.0
+    for each in (process, *process.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = each.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 async def commit_seconds(http: httpx.AsyncClient, versions: set[int]) -> dict[int, float]:
@@ -432,6 +445,7 @@ async def measure_mixed(url: str, config: MixedConfig, tmp: Path, console: Conso
     return {
         "mixed_pollers": config.pollers,
         "mixed_downloaders": config.downloaders,
+        "mixed_downloaders_nice": DOWNLOADERS_NICE,
         "mixed_seconds": config.seconds,
         "mixed_commits": len(done),
         "mixed_wakes": len(wakes),

@@ -27,3 +27,5 @@ def test_a_small_mixed_run_reports_every_figure(tmp_path: Path) -> None:
     # The board's own time is part of each commit's latency.
     assert all(own <= latency for _, latency, own in results["mixed_commit_slowest_ms"])
     assert len(results["mixed_commit_slowest_ms"]) == 3
+    # The downloaders stand for other hosts: below the board's CPU priority, and said so.
+    assert results["mixed_downloaders_nice"] > 0

@@ -157,13 +157,14 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
 def batches(layout: ViewLayout, batch_bytes: int) -> list[list[Slot]]:
     """Consecutive slots of one group, about `batch_bytes` each: the unit of the pipeline."""
     out: list[list[Slot]] = []
-    size = 0
-    for slot in layout.slots:
-        if not out or out[-1][-1].group != slot.group or size + slot.nbytes > batch_bytes:
+    size, group = 0, None
+    for slot in layout.slots:  # the group and size spelt out: a model of many tensors walks this per version
+        nbytes = slot.numel * slot.width
+        if (slot.device, slot.width) != group or size + nbytes > batch_bytes:
             out.append([])
-            size = 0
+            size, group = 0, (slot.device, slot.width)
         out[-1].append(slot)
-        size += slot.nbytes
+        size += nbytes
     return out
 
 

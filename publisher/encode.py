@@ -159,14 +159,12 @@ def encode_rank(
     """
     layout = buffer.layout
     slices = slices or {}
-    missing = [s.name for s in layout.slots if slices and s.name not in slices]
+    missing = [s.name for s in layout.slots if s.name not in slices] if slices else []
     if missing:
         raise ValueError(
             f"the view of sharded tensors holds {missing[:3]}, slices of no tensor (FP8 scales?)"
         )
-    slots = {s.name: s for s in layout.slots}
-    tensors = tuple((s.name, s.dtype, s.shape) for s in layout.slots)
-    total = sum(s.numel for s in layout.slots)
+    slots, tensors, total = layout.by_name, layout.tensors, layout.numel
     digests: dict[str, str] = {}  # a keyframe's are its own tensors' (names may have changed)
     global_digests: dict[str, str] = {}
     counts = None if context is False else _host_counts(layout, base)

@@ -84,20 +84,39 @@ class ViewLayout:
         """Bytes of one buffer of this layout (the view plus < 8 bytes of padding per tensor)."""
         return sum(n * width for (_, width), n in self.group_numel.items())
 
-    @property
+    # what every version reads of a layout, made once (a model of many tensors has them per tensor)
+    @cached_property
     def view_bytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
+
+    @cached_property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @cached_property
+    def by_name(self) -> Mapping[str, Slot]:
+        return {s.name: s for s in self.slots}
+
+    @cached_property
+    def tensors(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """(name, served dtype, shape) of each slot, as a version names them."""
+        return tuple((s.name, s.dtype, s.shape) for s in self.slots)
 
     @cached_property
     def names(self) -> frozenset[str]:
         return frozenset(s.name for s in self.slots)
 
+    @cached_property
+    def _kept(self) -> list[tuple[str, tuple[int, ...], torch.device]]:
+        """Each slot's name, shape and device as a tensor's own compare to them (`change`
+        runs on the trainer thread at every publish: no string or tuple made per tensor)."""
+        return [(s.name, s.shape, torch.device(s.device)) for s in self.slots]
+
     def change(self, state: Mapping[str, torch.Tensor], spec: ViewSpec) -> LayoutChange | None:
         """None when `state` holds this layout's tensors (in any order) with their shapes and
         devices; else what differs, which a new layout (and a keyframe) must follow."""
         if state.keys() == self.names and all(
-            tuple(state[s.name].shape) == s.shape and str(state[s.name].device) == s.device
-            for s in self.slots
+            state[name].shape == shape and state[name].device == device for name, shape, device in self._kept
         ):
             return None
         old = {s.name: (s.shape, s.device) for s in self.slots}
@@ -174,13 +193,30 @@ class ViewBuffer:
             # word-wise diff compares it), and the pages are touched now, not in a snapshot.
             self.groups[(device, width_)] = torch.zeros(numel, dtype=BITS_DTYPES[width_], device=device)
         # Typed views made once: a snapshot is then one copy per tensor and nothing else.
-        self._targets = [(slot.name, self.tensor(slot)) for slot in layout.slots]
         self._host_groups = {
             group: bits.numpy().view(np.uint8) for group, bits in self.groups.items() if group[0] == "cpu"
         }
         self._host_raw = {
             slot.name: self.bits(slot).numpy().view(np.uint8) for slot in layout.slots if slot.device == "cpu"
         }
+        # Host tensors smaller than a piece are copied by torch whatever their source, many
+        # per call: those calls are planned here, once, so that a snapshot of thousands of
+        # them decides nothing per tensor. The others (device tensors, large host ones) are
+        # looked at per snapshot (`fill`).
+        self._small: list[tuple[list[str], list[torch.Tensor]]] = []
+        self._others: list[tuple[str, torch.Tensor]] = []
+        small_bytes = _PIECE_BYTES
+        for slot in layout.slots:
+            host = self._host_raw.get(slot.name)
+            if host is None or host.size >= _PIECE_BYTES:
+                self._others.append((slot.name, self.tensor(slot)))
+                continue
+            if small_bytes >= _PIECE_BYTES:
+                self._small.append(([], []))
+                small_bytes = 0
+            self._small[-1][0].append(slot.name)
+            self._small[-1][1].append(self.tensor(slot))
+            small_bytes += host.size
         self.ready: torch.cuda.Event | None = None
         # the host tensors' exponent counts where a version's encoding left them (`encode`):
         # they describe this buffer's bytes until it is filled again
@@ -208,12 +244,15 @@ class ViewBuffer:
         bytes, shared like the pieces.
         """
         self.exponent_counts = None  # of the bytes this copy replaces
-        pieces: list[Callable[[], None]] = []
+        # under no_grad: copies need no detached view (a call per tensor)
+        pieces: list[Callable[[], None]] = [
+            partial(_copy_all, targets, [state[name] for name in names]) for names, targets in self._small
+        ]
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         batch_bytes = 0
         on_device: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for name, target in self._targets:
-            src = state[name]  # under no_grad: copies need no detached view (a call per tensor)
+        for name, target in self._others:
+            src = state[name]
             host = self._host_raw.get(name)
             whole = src.dtype == target.dtype and src.is_contiguous()  # copyable as bytes
             if host is None and whole and src.nbytes >= _MEMCPY_BYTES:

@@ -83,16 +83,24 @@ def test_uncast_tensors_alias_their_parameter() -> None:
 
 
 def test_snapshot_copies_in_shared_pieces_exactly(monkeypatch):
-    """The CPU snapshot splits tensors into pieces copied by two threads: every byte lands."""
+    """The CPU snapshot splits tensors into pieces copied by two threads, and copies small
+    ones (batches planned once per buffer) and large ones to cast many per torch call:
+    every byte lands, snapshot after snapshot."""
     from deltaboard.publisher import snapshot
 
     monkeypatch.setattr(snapshot, "_PIECE_BYTES", 1000)  # many uneven pieces per tensor
     g = torch.Generator().manual_seed(1)
-    state = {
-        f"t{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i, n in enumerate([1, 777, 5003, 0, 64])
-    }
-    layout = snapshot.ViewLayout.of(state, ViewSpec())
+    sizes = [1, 777, 5003, 0, 64, *range(100, 140, 3), 499, 500, 2000]
+
+    def state_of_random() -> dict[str, torch.Tensor]:
+        state = {f"t{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i, n in enumerate(sizes)}
+        state["cast"] = torch.randn(900, generator=g)  # fp32, served as bf16: not copyable as bytes
+        return state
+
+    layout = snapshot.ViewLayout.of(state_of_random(), ViewSpec())
     buffer = snapshot.ViewBuffer(layout)
-    buffer.fill(state)
-    for slot in layout.slots:
-        assert buffer.host_bytes(slot).tobytes() == state[slot.name].view(torch.int16).numpy().tobytes()
+    for state in (state_of_random(), state_of_random()):
+        buffer.fill(state)
+        for slot in layout.slots:
+            want = state[slot.name].to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+            assert buffer.host_bytes(slot).tobytes() == want

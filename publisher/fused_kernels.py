@@ -12,7 +12,7 @@ def bitwise_or(a, b):
     return a | b
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["capacity"])  # sized from the last pass: varies
 def compact(
     old, new, t_start, t_stop, t_slot, s_offset, counts, bases, cursor, capacity,
     pos_out, old_out, new_out, masks, s_stride, s_shift, s_keymask, sampled, changed_hist,
@@ -58,7 +58,7 @@ def lane(word, j: tl.constexpr, BITS: tl.constexpr):
     return bits
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["capacity"])  # sized from the last pass: varies
 def compact_words(
     old, new, n_words, counts, bases, cursor, capacity, pos_out, old_out, new_out,
     PER: tl.constexpr, BITS: tl.constexpr, TILE: tl.constexpr,

@@ -21,7 +21,10 @@ _BLOCK = 1024
 _ELEMENTS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+# `n`, the changed count, differs from version to version: Triton would compile another
+# variant of each kernel whenever its divisibility by 16 changed, inside the engine's pause
+# (the H200's 8 GB bench: one version in three paused ~150 ms, ~100 ms of it CPU).
+@triton.jit(do_not_specialize=["n"])  # type: ignore[untyped-decorator]
 def _first_mismatch(addrs, expect, n, first, ELEMENT: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
@@ -32,7 +35,7 @@ def _first_mismatch(addrs, expect, n, first, ELEMENT: tl.constexpr, BLOCK: tl.co
     tl.atomic_min(first, tl.min(candidates, axis=0))
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=["n"])  # type: ignore[untyped-decorator]
 def _store(addrs, values, n, ELEMENT: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n

@@ -406,3 +406,13 @@ def test_the_wide_staging_pass_addresses_and_refuses_exactly_as_the_narrow_one(b
         for a, b in zip(narrow[1:], wide[1:], strict=True):
             assert np.array_equal(a, b)
         assert np.array_equal(wide[2], old) and np.array_equal(wide[3], new)
+
+
+def test_the_cuda_commit_kernels_compile_once_whatever_the_changed_count() -> None:
+    """Triton specialises an integer argument on its divisibility by 16 unless told not to:
+    a changed count that changed it compiled new kernels inside the engine's pause."""
+    from deltaboard.clients.resident import scatter_cuda
+    from tests.support.triton_kernels import unspecialized
+
+    assert "n" in unspecialized(scatter_cuda._first_mismatch)
+    assert "n" in unspecialized(scatter_cuda._store)

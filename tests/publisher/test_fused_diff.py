@@ -115,3 +115,13 @@ def test_a_pass_that_finds_more_than_it_made_room_for_runs_again(tile, monkeypat
     some.view(torch.int16)[::7] += 1
     for hints in (False, True):
         both(everything, {"w": some}, ViewSpec(), hints=hints)
+
+
+def test_the_compaction_kernels_compile_once_whatever_the_capacity() -> None:
+    """The output's capacity is sized from the last pass, so it varies from version to
+    version; Triton would compile another variant whenever its divisibility by 16 did."""
+    from deltaboard.publisher import fused_kernels
+    from tests.support.triton_kernels import unspecialized
+
+    assert "capacity" in unspecialized(fused_kernels.compact)
+    assert "capacity" in unspecialized(fused_kernels.compact_words)

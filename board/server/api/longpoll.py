@@ -128,17 +128,12 @@ class LongPollProtocol(ZeroCopyProtocol):
         if app is not self.app or not self.polls.take(self, cycle):
             super()._start_asgi_task(cycle, app)
 
-    def answer(self, body: bytes, cycle: RequestResponseCycle) -> None:
+    def answer(self, answer: HeadAnswer, cycle: RequestResponseCycle) -> None:
         """Write a poll's answer and complete its cycle as uvicorn's `send` would: the
         keep-alive timer, or the next pipelined request, follows."""
         if self.transport.is_closing():
             return
-        lines = [STATUS_LINE[200]]
-        lines += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
-        lines.append(b"content-length: %d\r\ncontent-type: application/json\r\n" % len(body))
-        if not cycle.keep_alive:
-            lines.append(b"connection: close\r\n")
-        self.transport.write(b"".join(lines) + b"\r\n" + body)
+        self.transport.write(answer.kept if cycle.keep_alive else answer.closing)
         if cycle.access_log:
             scope = cycle.scope
             self.access_logger.info(
@@ -167,6 +162,30 @@ class LongPollProtocol(ZeroCopyProtocol):
             self.parked.keep_alive = False
             self.polls.expire(self)
         super().shutdown()
+
+
+class HeadAnswer:
+    """A head's whole HTTP answer, built once for every poll it answers (a commit wakes a
+    thousand): the JSON body, the status line and uvicorn's default headers (which it
+    renews each second, so an answer is built per wake, not kept)."""
+
+    def __init__(self, head: Head, default_headers: list[tuple[bytes, bytes]]) -> None:
+        body = head_json(head)
+        lines = [STATUS_LINE[200]]
+        lines += [name + b": " + value + b"\r\n" for name, value in default_headers]
+        lines.append(b"content-length: %d\r\ncontent-type: application/json\r\n" % len(body))
+        self._head = b"".join(lines)
+        self._body = body
+
+    @functools.cached_property
+    def kept(self) -> bytes:
+        """For a connection that stays open."""
+        return self._head + b"\r\n" + self._body
+
+    @functools.cached_property
+    def closing(self) -> bytes:
+        """For a connection that closes after it (`Connection: close`, HTTP/1.0)."""
+        return self._head + b"connection: close\r\n\r\n" + self._body
 
 
 class ParkedPolls:
@@ -207,7 +226,7 @@ class ParkedPolls:
     def _answer(self, protocol: LongPollProtocol, cycle: RequestResponseCycle | None, head: Head) -> None:
         protocol.parked = None
         if cycle is not None:
-            protocol.answer(head_json(head), cycle)
+            protocol.answer(HeadAnswer(head, protocol.server_state.default_headers), cycle)
             self._answered.inc()
 
     def forget(self, protocol: LongPollProtocol) -> str | None:
@@ -229,15 +248,30 @@ class ParkedPolls:
             self._answer(protocol, protocol.parked, head)
 
     def _woken(self, run: str, future: asyncio.Future[Head]) -> None:
+        """Answer every poll of `run` the new head is news to, with one `HeadAnswer`; the
+        metrics move once for them all."""
         parked = self._runs.pop(run, {})
         head = future.result()
         waiting = {}
+        answer: HeadAnswer | None = None
+        unparked = answered = 0
         for protocol, after in parked.items():
-            if newer(head, after):
-                self.forget(protocol)
-                self._answer(protocol, protocol.parked, head)
-            else:
+            if not newer(head, after):
                 waiting[protocol] = after
+                continue
+            found = self._timers.pop(protocol, None)
+            if found is None:  # forgotten meanwhile
+                continue
+            found[1].cancel()
+            unparked += 1
+            cycle, protocol.parked = protocol.parked, None
+            if cycle is not None:
+                if answer is None:
+                    answer = HeadAnswer(head, protocol.server_state.default_headers)
+                protocol.answer(answer, cycle)
+                answered += 1
+        self.state.metrics.waiting.dec(unparked)
+        self._answered.inc(answered)
         if waiting:  # an epoch's head at their version: wait for the next
             if run in self._runs:  # parked meanwhile (a pipelined poll), already called back
                 self._runs[run].update(waiting)

@@ -38,19 +38,15 @@ class ContextHint:
 
 @kernel
 def host_hint(
-    old: np.ndarray,
-    positions: np.ndarray,
-    changed_old: np.ndarray,
-    shift: int,
-    mask: int,
-    sampled: np.ndarray,
+    old: np.ndarray, positions: np.ndarray, shift: int, mask: int, sampled: np.ndarray, changed: np.ndarray
 ) -> tuple[int, int, np.ndarray]:
     """(t_low, t_top, ranks), t_low -1 for no hint: the steps of `plan_thresholds`'s contract
     in one compiled call (its fixed cost is what a model of many small tensors pays), from
-    `sampled`, the exponent counts of `old` at its sample stride: counted by the caller,
-    or kept by it from an earlier version (`batch.encode_batch`): a small tensor's are
-    counted over every element, a pass over the tensor that a kept count saves."""
-    t_low, t_top = plan(sampled, count_exponents(changed_old, shift, mask), old.size)
+    `sampled`, the exponent counts of `old` at its sample stride, and `changed`, those of
+    the changed elements' old bits. Counted by the caller, or `sampled` kept by it from an
+    earlier version (`batch.encode_batch`): a small tensor's are counted over every
+    element, a pass over the tensor that a kept count saves."""
+    t_low, t_top = plan(sampled, changed, old.size)
     if t_low < 0:
         return t_low, t_top, positions[:0]
     return t_low, t_top, ranks_within(old, positions, shift, t_low, t_top)
@@ -62,10 +58,10 @@ def context_hint(changes: Changes, old_bits: np.ndarray) -> ContextHint | None:
     t_low, t_top, ranks = host_hint(
         old_bits,
         changes.positions.astype(np.int64, copy=False),
-        changes.old_bits,
         shift,
         mask,
         count_exponents(old_bits, shift, mask, sample_stride(old_bits.size)),
+        count_exponents(changes.old_bits, shift, mask),
     )
     return None if t_low < 0 else ContextHint(t_low, t_top, ranks)
 

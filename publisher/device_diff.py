@@ -419,15 +419,15 @@ def _diff_on_host(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> Vi
     offsets = np.array([s.offset for s in slots], dtype=np.int64) - slots[0].offset
     bounds = [*np.searchsorted(found.positions, offsets).tolist(), found.count]
     result = ViewDiff(host_bytes=found.positions.nbytes + found.old_bits.nbytes + found.new_bits.nbytes)
-    for slot, offset, lo, hi in zip(slots, offsets.tolist(), bounds[:-1], bounds[1:], strict=True):
+    # each position made local to its slot in one pass, and the bits of one width (the
+    # group's) viewed once: each slot's changes are then three views, no arithmetic per slot
+    local = found.positions - np.repeat(offsets, np.diff(bounds))
+    unsigned = codec.uint_dtype(slots[0].dtype)
+    old_bits, new_bits = found.old_bits.view(unsigned), found.new_bits.view(unsigned)
+    for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):
         if hi > lo:
-            unsigned = codec.uint_dtype(slot.dtype)
             result.changes[slot.name] = codec.Changes(
-                slot.dtype,
-                slot.numel,
-                found.positions[lo:hi] - offset,
-                found.old_bits[lo:hi].view(unsigned),
-                found.new_bits[lo:hi].view(unsigned),
+                slot.dtype, slot.numel, local[lo:hi], old_bits[lo:hi], new_bits[lo:hi]
             )
     return result
 

@@ -9,6 +9,7 @@ not.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ def build_manifest(
         tensors, entries, digests = _sliced(ranks)
     else:
         tensors, entries, digests = _whole(ranks)
-    placement = plan_layout(tensors, spec).placement
+    placement = _placement(tensors, spec)
     meta = dict(proposal.meta)
     if proposal.step is not None:
         meta["step"] = proposal.step
@@ -70,7 +71,14 @@ def build_manifest(
     )
 
 
-Tensors = list[tuple[str, str, tuple[int, ...]]]
+Tensors = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+@functools.lru_cache(maxsize=4)
+def _placement(tensors: Tensors, spec: ViewSpec) -> Mapping[str, str]:
+    """Each tensor's shard file: the same for every version of the same tensors, so planned
+    once for them (a walk over every tensor, which a model of many tensors pays per version)."""
+    return plan_layout(tensors, spec).placement
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,7 @@ def _columns(entries: Entries, placement: Mapping[str, str]) -> dict[str, Any]:
 
 def _whole(ranks: Sequence[RankVersion]) -> tuple[Tensors, Entries, dict[str, str]]:
     """Every rank's own whole tensors, in rank order."""
-    tensors = [t for r in ranks for t in r.tensors]
+    tensors = ranks[0].tensors if len(ranks) == 1 else tuple(t for r in ranks for t in r.tensors)
     names = [name for name, _, _ in tensors]
     if len(set(names)) != len(names):
         raise ValueError("two ranks published a tensor of the same name: partition the state dict")
@@ -135,7 +143,7 @@ def _sliced(ranks: Sequence[RankVersion]) -> tuple[Tensors, Entries, dict[str, s
             slice_digests.setdefault(name, []).append(r.slice_digests[name])
     digests = {name: codec.combine_digests(found) for name, found in slice_digests.items()}
     ordered = sorted(whole.items(), key=lambda item: item[1][0])
-    tensors = [(name, dtype, shape) for name, (_, dtype, shape) in ordered]
+    tensors = tuple((name, dtype, shape) for name, (_, dtype, shape) in ordered)
     joined = PackedParts.joined([r.parts for r in ranks])
     owners = [(rank, name) for rank, r in enumerate(ranks) for name in r.parts.names]
     keys = [(ranks[rank].slices[name].order, rank) for rank, name in owners]

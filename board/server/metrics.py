@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
@@ -23,9 +25,16 @@ class BoardMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
             registry=self.registry,
         )
+        # Long-polls and event streams waiting in the service (`waits`, moved by it) and
+        # long-polls parked in the HTTP protocol (`parked`, counted by `ParkedPolls`), summed
+        # when the gauge is read: a gauge moved at every poll cost ~7% of the event loop's
+        # time under a thousand re-polling clients (py-spy).
+        self.waits = 0
+        self.parked: Callable[[], int] = lambda: 0
         self.waiting = Gauge(
             "deltaboard_long_polls", "Long-polls and event streams waiting", registry=self.registry
         )
+        self.waiting.set_function(lambda: self.waits + self.parked())
         self.blob_bytes_in = Counter(
             "deltaboard_blob_bytes_in", "Blob bytes uploaded", registry=self.registry
         )

@@ -311,7 +311,7 @@ class BoardService:
         await self.require_run(run)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(wait_s, self.settings.max_wait_s)
-        self.metrics.waiting.inc()
+        self.metrics.waits += 1
         try:
             while True:
                 # Take the future before reading the head: a commit in between still wakes us.
@@ -328,7 +328,7 @@ class BoardService:
                     if newer(woken, after):
                         return woken
         finally:
-            self.metrics.waiting.dec()
+            self.metrics.waits -= 1
 
     def known_head(self, run: str) -> Head | None:
         """The head without I/O or a task, where this process holds the index (`Index.known_head`)."""
@@ -347,7 +347,7 @@ class BoardService:
     async def _heads(self, run: str) -> AsyncGenerator[Head | None, None]:
         last: int | None = None
         sent = False
-        self.metrics.waiting.inc()
+        self.metrics.waits += 1
         try:
             while True:
                 future = self.index.waiters.future(run)
@@ -359,7 +359,7 @@ class BoardService:
                 if not done:
                     yield None
         finally:
-            self.metrics.waiting.dec()
+            self.metrics.waits -= 1
 
     async def manifest(self, run: str, version: int) -> bytes:
         """A committed manifest's stored bytes (cached: they never change)."""

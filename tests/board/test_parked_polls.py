@@ -182,3 +182,19 @@ def test_a_stopping_board_answers_its_parked_polls(board: BoardServer):
         head, answer = read_answer(reader)
         assert answer["version"] == 0 and b"connection: close" in head
         assert reader.read(1) == b""
+
+
+def test_the_gauge_counts_parked_polls_and_event_streams_together(board: BoardServer):
+    c = board.client()
+    at_version_zero(c)
+    poller, stream = connect(board.port), connect(board.port)
+    try:
+        park(c, poller, poll(0, board.read_token))
+        stream.sendall(get("/v1/runs/r/events", board.read_token))
+        wait_until(lambda: parked(c) == 2, "the stream counted beside the poll", None, None)
+        stream.close()
+        wait_until(lambda: parked(c) == 1, "the stream gone", None, None)
+    finally:
+        poller.close()
+        stream.close()
+    wait_until(lambda: parked(c) == 0, "the poll gone", None, None)

@@ -199,6 +199,11 @@ class ParkedPolls:
         self._runs: dict[str, dict[LongPollProtocol, int | None]] = {}
         self._timers: dict[LongPollProtocol, tuple[str, asyncio.TimerHandle]] = {}
         self._answered = state.metrics.requests.labels(route=ROUTE, status="200")
+        state.metrics.parked = self.__len__
+
+    def __len__(self) -> int:
+        """How many polls are parked (the `deltaboard_long_polls` gauge counts them)."""
+        return len(self._timers)
 
     def take(self, protocol: LongPollProtocol, cycle: RequestResponseCycle) -> bool:
         """Answer or park the request if it is a poll this process can answer from its own
@@ -220,7 +225,6 @@ class ParkedPolls:
         timer = asyncio.get_running_loop().call_later(wait, self.expire, protocol)
         self._timers[protocol] = (run, timer)
         protocol.parked = cycle
-        self.state.metrics.waiting.inc()
         return True
 
     def _answer(self, protocol: LongPollProtocol, cycle: RequestResponseCycle | None, head: Head) -> None:
@@ -237,7 +241,6 @@ class ParkedPolls:
         run, timer = found
         timer.cancel()
         self._runs.get(run, {}).pop(protocol, None)
-        self.state.metrics.waiting.dec()
         return run
 
     def expire(self, protocol: LongPollProtocol) -> None:
@@ -254,7 +257,7 @@ class ParkedPolls:
         head = future.result()
         waiting = {}
         answer: HeadAnswer | None = None
-        unparked = answered = 0
+        answered = 0
         for protocol, after in parked.items():
             if not newer(head, after):
                 waiting[protocol] = after
@@ -263,14 +266,12 @@ class ParkedPolls:
             if found is None:  # forgotten meanwhile
                 continue
             found[1].cancel()
-            unparked += 1
             cycle, protocol.parked = protocol.parked, None
             if cycle is not None:
                 if answer is None:
                     answer = HeadAnswer(head, protocol.server_state.default_headers)
                 protocol.answer(answer, cycle)
                 answered += 1
-        self.state.metrics.waiting.dec(unparked)
         self._answered.inc(answered)
         if waiting:  # an epoch's head at their version: wait for the next
             if run in self._runs:  # parked meanwhile (a pipelined poll), already called back

@@ -41,6 +41,11 @@ def test_well_formed_polls_are_recognised(path, query, want):
         ("/v1/runs/.r/head", "", "GET"),
         ("/v1/runs/r/head", "", "POST"),
         ("/v1/runs/r/heads", "", "GET"),
+        # Other spellings of a well-formed poll: the route decodes and judges them.
+        ("/v1/runs/r/head", "after=%31", "GET"),
+        ("/v1/runs/r/head", "after=1&", "GET"),
+        ("/v1/runs/r/head", "&wait=1", "GET"),
+        ("/v1/runs/r/head", "wait=+1", "GET"),
     ],
 )
 def test_anything_else_goes_to_the_route(path, query, method):
@@ -56,6 +61,8 @@ def test_fast_path_and_route_answer_alike(board):
     url = f"{board.url}/v1/runs"
     fast = httpx.get(f"{url}/r/head", params={"after": -1, "wait": 1}, headers=read)
     assert fast.status_code == 200 and fast.json()["version"] == 0
+    encoded = httpx.get(f"{url}/r/head?after=%2D1&wait=1&", headers=read)  # the route's
+    assert encoded.status_code == 200 and encoded.json() == fast.json()
     missing = httpx.get(f"{url}/nope/head", params={"wait": 1}, headers=read)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "UnknownRun"
     refused = httpx.get(f"{url}/r/head", headers={"Authorization": "Bearer wrong"})

@@ -148,8 +148,8 @@ def bench_sidecar(
     quick: bool = typer.Option(False, "--quick", help="5 s per phase: under a minute."),
     duration: float | None = typer.Option(
         None,
-        help="Seconds per phase (streams, then requests; direct, then through the sidecar) "
-        "(default: 20; quick 5).",
+        help="Seconds per phase (streams, paced streams, then requests; each direct, through a "
+        "pass-through proxy, then through the sidecar) (default: 20; quick 5).",
     ),
     workers: int = typer.Option(
         1, min=1, help="The sidecar's worker processes (deltaboard sidecar --workers)."
@@ -159,7 +159,8 @@ def bench_sidecar(
     ),
     json_path: Path | None = typer.Option(None, "--json", help="Write the figures here (default: nowhere)."),
 ) -> None:
-    """The sidecar's cost beside a fast fake engine: the same load direct and through it."""
+    """The sidecar's cost beside a fast fake engine: the same load direct, through a proxy
+    that does nothing (the floor) and through the sidecar."""
     from dataclasses import replace
 
     from rich.console import Console

@@ -10,9 +10,11 @@ that stored it was older and laxer.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import re
-from collections import Counter
+from collections.abc import Iterable, Sequence
 
 from deltaboard.board.contract.errors import BadManifest
 from deltaboard.board.contract.schemas import Manifest, TensorEntry, TensorPart, TensorTable
@@ -41,39 +43,67 @@ def _shard_file(name: str) -> bool:
 def check_entries(manifest: Manifest) -> None:
     """Each tensor entry on its own: a known dtype, a shape of non-negative dimensions
     within `MAX_TENSOR_BYTES`, no more changed elements than it has, and a shard file
-    name of the view rules (so no separators and no `..`). Read from the entries' columns,
-    each distinct dtype and shape and each file name checked once: a model of thousands of
-    tensors has a few shapes and files."""
+    name of the view rules (so no separators and no `..`)."""
+    _checked_elements(manifest)
+
+
+def _checked_elements(manifest: Manifest) -> list[int]:
+    """`check_entries`, returning each entry's tensor element count (what the stats add up).
+
+    Checked over whole columns in C-level iterators (`set`, `map`), each distinct dtype,
+    shape and file name judged once, so that a manifest of 20,000 tensors costs no Python
+    step per entry; a refusal still names the first entry that breaks a rule, with its
+    first broken rule, as a loop over the entries would."""
     table = TensorTable.of(manifest.tensors)
     c = table.columns
-    elements: dict[tuple[str, tuple[int, ...]], int] = {}
-    files: set[str] = set()
-    for i, (dtype, shape, changed, file) in enumerate(zip(c.dtype, c.shape, c.changed, c.file, strict=True)):
-        held = elements.get((dtype, shape))
-        if held is None:
-            held = elements[dtype, shape] = _elements(f"tensors[{i}]", dtype, shape)
-        if changed > held:
-            raise _refuse(f"tensors[{i}].changed", f"{changed} exceeds the tensor's {held} elements")
-        if file not in files:
-            if not _shard_file(file):
-                raise _refuse(f"tensors[{i}].file", f"{file!r} is not a shard file name of the view rules")
-            files.add(file)
+    bad_dtypes = set(c.dtype).difference(DTYPE_WIDTHS)
+    bad_shapes = {shape for shape in set(c.shape) if any(d < 0 for d in shape)}
+    bad_files = {file for file in set(c.file) if not _shard_file(file)}
+    # a bad dtype or shape gives a meaningless count, but its row is refused for the dtype or shape
+    elements = list(map(math.prod, c.shape))
+    sizes = map(operator.mul, map(DTYPE_WIDTHS.get, c.dtype, itertools.repeat(0)), elements)
+    flagged = [
+        first_true(map(bad_dtypes.__contains__, c.dtype)) if bad_dtypes else None,
+        first_true(map(bad_shapes.__contains__, c.shape)) if bad_shapes else None,
+        first_true(map(MAX_TENSOR_BYTES.__lt__, sizes)),
+        first_true(map(operator.gt, c.changed, elements)),
+        first_true(map(bad_files.__contains__, c.file)) if bad_files else None,
+    ]
+    rows = [i for i in flagged if i is not None]
+    if rows:
+        i = min(rows)
+        problem = _entry_problem(f"tensors[{i}]", c.dtype[i], c.shape[i], c.changed[i], c.file[i])
+        assert problem is not None  # a flagged entry breaks a rule
+        raise problem
     if c.part is not None:
         for i, part in enumerate(c.part):
             if part is not None:
                 _check_part(f"tensors[{i}]", table[i])
     check_parts(manifest)
+    return elements
 
 
-def _elements(at: str, dtype: str, shape: tuple[int, ...]) -> int:
-    """A tensor's element count, once its dtype and shape are known to be sane."""
+def first_true(flags: Iterable[bool]) -> int | None:
+    """The index of the first true flag (None: none), scanned in C: with `map` over whole
+    columns, the row a check refuses without a Python step per row."""
+    return next(itertools.compress(itertools.count(), flags), None)
+
+
+def _entry_problem(
+    at: str, dtype: str, shape: tuple[int, ...], changed: int, file: str
+) -> BadManifest | None:
+    """The first rule of `check_entries` that one entry breaks, in the order they are told."""
     if dtype not in DTYPE_WIDTHS:
-        raise _refuse(f"{at}.dtype", f"{dtype!r} is not one of {', '.join(DTYPE_WIDTHS)}")
+        return _refuse(f"{at}.dtype", f"{dtype!r} is not one of {', '.join(DTYPE_WIDTHS)}")
     if any(d < 0 for d in shape):
-        raise _refuse(f"{at}.shape", f"{list(shape)} has a negative dimension")
+        return _refuse(f"{at}.shape", f"{list(shape)} has a negative dimension")
     if nbytes(dtype, shape) > MAX_TENSOR_BYTES:
-        raise _refuse(f"{at}.shape", f"{list(shape)} exceeds {MAX_TENSOR_BYTES} bytes")
-    return math.prod(shape)
+        return _refuse(f"{at}.shape", f"{list(shape)} exceeds {MAX_TENSOR_BYTES} bytes")
+    if changed > math.prod(shape):
+        return _refuse(f"{at}.changed", f"{changed} exceeds the tensor's {math.prod(shape)} elements")
+    if not _shard_file(file):
+        return _refuse(f"{at}.file", f"{file!r} is not a shard file name of the view rules")
+    return None
 
 
 def _check_part(at: str, entry: TensorEntry) -> None:
@@ -144,9 +174,11 @@ def _start(item: tuple[TensorPart, int]) -> tuple[int, ...]:
     return item[0].offset
 
 
-def check_stats(manifest: Manifest) -> None:
-    """The stats add up over the entries; a keyframe lists every tensor, so its layout is
-    the view rules' and its totals are exactly its entries'."""
+def check_stats(manifest: Manifest, elements: Sequence[int]) -> None:
+    """The stats add up over the entries (`elements`: each entry's tensor element count,
+    as `check_entries` found them); a keyframe lists every tensor, so its layout is the
+    view rules' and its totals are exactly its entries'. Summed over whole columns: a
+    tensor in parts counts once (its last entry, as every part agrees on the tensor)."""
     stats = manifest.stats
     c = TensorTable.of(manifest.tensors).columns
     changed = sum(c.changed)
@@ -155,15 +187,18 @@ def check_stats(manifest: Manifest) -> None:
     encoded = sum(c.length)
     if stats.encoded_bytes != encoded:
         raise _refuse("stats.encoded_bytes", f"{stats.encoded_bytes}, the entries' blob ranges are {encoded}")
-    # a tensor in parts counts once (its last entry, as every part agrees on the tensor)
-    rows = {name: i for i, name in enumerate(c.name)}
-    tensors = [(name, c.dtype[i], c.shape[i]) for name, i in rows.items()]
-    kinds = Counter((dtype, shape) for _, dtype, shape in tensors)  # a few distinct ones
-    elements = sum(math.prod(shape) * n for (_, shape), n in kinds.items())
-    view_bytes = sum(nbytes(dtype, shape) * n for (dtype, shape), n in kinds.items())
+    names, dtypes, shapes = c.name, c.dtype, c.shape
+    if c.part is not None:  # one row per tensor
+        rows = list({name: i for i, name in enumerate(c.name)}.values())
+        names = tuple(c.name[i] for i in rows)
+        dtypes = tuple(c.dtype[i] for i in rows)
+        shapes = tuple(c.shape[i] for i in rows)
+        elements = [elements[i] for i in rows]
+    total = sum(elements)
+    view_bytes = sum(map(operator.mul, map(DTYPE_WIDTHS.__getitem__, dtypes), elements))
     full = manifest.kind == "full"
     for field, stated, held in (
-        ("stats.total_elements", stats.total_elements, elements),
+        ("stats.total_elements", stats.total_elements, total),
         ("stats.view_bytes", stats.view_bytes, view_bytes),
     ):
         if full and stated != held:
@@ -171,14 +206,13 @@ def check_stats(manifest: Manifest) -> None:
         if stated < held:
             raise _refuse(field, f"{stated}, less than the entries' {held}")
     if full:
-        layout = plan_layout(tensors, manifest.view)
-        for i, (name, file) in enumerate(zip(c.name, c.file, strict=True)):
-            placed = layout.placement[name]
-            if placed != file:
-                raise _refuse(f"tensors[{i}].file", f"{file!r}, the view rules place it in {placed!r}")
+        placement = plan_layout(list(zip(names, dtypes, shapes, strict=True)), manifest.view).placement
+        placed = list(map(placement.__getitem__, c.name))
+        i = first_true(map(operator.ne, placed, c.file))
+        if i is not None:
+            raise _refuse(f"tensors[{i}].file", f"{c.file[i]!r}, the view rules place it in {placed[i]!r}")
 
 
 def check_manifest(manifest: Manifest) -> None:
     """Everything a manifest must satisfy on its own (`BadManifest` naming the field)."""
-    check_entries(manifest)
-    check_stats(manifest)
+    check_stats(manifest, _checked_elements(manifest))

@@ -9,10 +9,11 @@ stored blob.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import operator
+from collections.abc import Mapping
 
 from deltaboard.board.contract.errors import BadManifest, MissingBlobs, NoLease, NotHead, StaleEpoch
-from deltaboard.board.contract.manifest_rules import check_manifest
+from deltaboard.board.contract.manifest_rules import check_manifest, first_true
 from deltaboard.board.contract.schemas import Manifest, TensorTable
 from deltaboard.board.contract.spans import KeyframeManifest, SpanManifest
 from deltaboard.board.server.records import HeadRecord, LeaseRecord
@@ -73,22 +74,29 @@ def check_blob_ranges(
     manifest: Manifest | SpanManifest | KeyframeManifest, sizes: Mapping[str, int | None]
 ) -> None:
     """Every referenced blob exists and covers each entry's offset + length (of a version or
-    of a span alike)."""
+    of a span alike). A version's ranges are compared column by column in C-level
+    iterators, with no Python step per entry (a manifest of 20,000 tensors)."""
     missing = sorted(sha for sha in manifest.blob_shas() if sizes.get(sha) is None)
     if missing:
         raise MissingBlobs(f"{len(missing)} referenced blobs are not stored", missing=missing)
-    if isinstance(manifest, Manifest):  # a version's entries by column (no entry objects)
+    stored = {sha: size for sha, size in sizes.items() if size is not None}
+    if isinstance(manifest, Manifest):
         c = TensorTable.of(manifest.tensors).columns
-        ranges: Iterable[tuple[str, str, int, int]] = zip(
-            c.name, (c.blobs[b] for b in c.blob), c.offset, c.length, strict=True
-        )
-    else:
-        ranges = ((e.name, e.blob.sha256, e.blob.offset, e.blob.length) for e in manifest.tensors)
-    for name, sha, offset, length in ranges:
-        size = sizes[sha]
-        assert size is not None
-        if offset + length > size:
-            raise BadManifest(f"tensor {name!r}: range {offset}+{length} exceeds blob size {size}")
+        blob_sizes = [stored[sha] for sha in c.blobs]
+        ends = map(operator.add, c.offset, c.length)
+        beyond = map(operator.gt, ends, map(blob_sizes.__getitem__, c.blob))
+        i = first_true(beyond)
+        if i is not None:
+            raise _range_error(c.name[i], c.offset[i], c.length[i], blob_sizes[c.blob[i]])
+        return
+    for e in manifest.tensors:
+        size = stored[e.blob.sha256]
+        if e.blob.offset + e.blob.length > size:
+            raise _range_error(e.name, e.blob.offset, e.blob.length, size)
+
+
+def _range_error(name: str, offset: int, length: int, size: int) -> BadManifest:
+    return BadManifest(f"tensor {name!r}: range {offset}+{length} exceeds blob size {size}")
 
 
 def check_commit(

@@ -462,12 +462,17 @@ def leave(code: int) -> NoReturn:
 
 def keep_up(console: Any, lines: list[str]) -> None:
     """`--keep`: the board and the nodes stay up for a look at the pages, until Ctrl-C (a
-    Ctrl-C as soon as the last line shows included)."""
+    Ctrl-C as soon as the last line shows included).
+
+    The wait is in short sleeps: the kernel may hand a Ctrl-C to any of the process's
+    threads (the nodes' servers, pools), and Python then raises it in the main thread only
+    once that thread runs again, which a sleep of an hour did not do (a CI run's demo
+    ignored its SIGINT for the 60 s the test waited)."""
     with contextlib.suppress(KeyboardInterrupt):
         for line in [*lines, "keeping the board and the nodes up; Ctrl-C stops them"]:
             console.print(line, highlight=False, soft_wrap=True)
         while True:
-            time.sleep(3600)
+            time.sleep(0.5)
 
 
 def demo(

@@ -467,7 +467,10 @@ def keep_up(console: Any, lines: list[str]) -> None:
     The wait is in short sleeps: the kernel may hand a Ctrl-C to any of the process's
     threads (the nodes' servers, pools), and Python then raises it in the main thread only
     once that thread runs again, which a sleep of an hour did not do (a CI run's demo
-    ignored its SIGINT for the 60 s the test waited)."""
+    ignored its SIGINT for the 60 s the test waited). Python's own handler is installed
+    again first: a library loaded on the way may have replaced it at the C level, where
+    `signal.getsignal` does not see it."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with contextlib.suppress(KeyboardInterrupt):
         for line in [*lines, "keeping the board and the nodes up; Ctrl-C stops them"]:
             console.print(line, highlight=False, soft_wrap=True)

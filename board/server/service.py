@@ -23,6 +23,7 @@ from deltaboard.board.contract.errors import (
     BodyTooLarge,
     DigestMismatch,
     IndexUnavailable,
+    NoChain,
     NotFound,
     UnknownAsset,
     UnknownBlob,
@@ -390,11 +391,15 @@ class BoardService:
         await self.require_run(run)
         try:
             return await self._plan(run, from_version, to_version)
-        except NotFound:
-            if await self.index.get_run(run) is not None:
+        except NotFound as exc:
+            # No chain to a version the index lists is never a healthy index's answer: it
+            # holds the run and the newest versions but lost older ones (a Redis restarted
+            # between writes; chaos seed 410188417). Otherwise, a run gone from the index
+            # means it was lost between our reads. Either way what it answered says nothing
+            # about the store: heal the run from there, and plan again. Other misses of a
+            # run still there (a pruned base) are the store's answer too, and cost no load.
+            if not isinstance(exc, NoChain) and await self.index.get_run(run) is not None:
                 raise
-            # The index was lost between our reads (a Redis restarted): it healed nothing
-            # yet, so what it answered says nothing about the store. Heal, and plan again.
             await self._heal(run)
             return await self._plan(run, from_version, to_version)
 

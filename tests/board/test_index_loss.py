@@ -217,3 +217,27 @@ def test_an_index_lost_between_any_two_of_its_calls_never_answers_404_for_a_comm
             if not tearing.torn:
                 break
     assert n > 4  # the tear reached past the run's load and the plan's reads
+
+
+def test_an_index_that_kept_the_run_but_lost_versions_heals_instead_of_answering_no_chain(
+    tmp_path, valkey_server
+):
+    """Chaos seed 410188417: after a Redis restart the index held the run, its head and the
+    newest versions but not the older ones, and every plan to head answered 404 NoChain
+    (the index's own answer, though the store holds the whole chain)."""
+    import redis
+
+    namespace = f"t{secrets.token_hex(4)}"
+    board = board_server(
+        tmp_path / "board", redis=valkey_server.url, redis_namespace=namespace, index_check_s="3600"
+    ).start()
+    try:
+        with Publisher(board.client(board.publish_token), "r", assets={}) as pub:
+            for state in states(SIZES, 3):
+                pub.publish(state).result()
+        with redis.Redis.from_url(valkey_server.url) as raw:
+            assert raw.hdel(f"{namespace}:versions:r", "0", "1") == 2
+        plan = board.client(board.read_token).plan("r", None, 2)
+        assert [step.version for step in plan.steps] == [0, 1, 2]
+    finally:
+        board.stop()

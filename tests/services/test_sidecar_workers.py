@@ -140,7 +140,9 @@ def test_the_bench_runs_across_workers_with_swaps_and_misses_no_stamp() -> None:
     floor = report["passthrough"]
     assert floor["tokens_per_s"] > 0 and floor["rps"] > 0, floor
     assert floor["cpu_us_per_token"] > 0 and floor["cpu_ms_per_request"] > 0, floor
-    assert floor["paced_cpu_us_per_token"] > 0 and report["sidecar_paced_cpu_us_per_token"] > 0, floor
+    # a process's CPU is counted in 10 ms ticks, and the quick run's paced phase can spend
+    # less than one in either process: reported, and never negative
+    assert floor["paced_cpu_us_per_token"] >= 0 and report["sidecar_paced_cpu_us_per_token"] >= 0, floor
     assert all(ms > 0 for ms in (*floor["ttft_ms"], *floor["paced_ttft_ms"], *floor["latency_ms"])), floor
     # the paced phase is paced: no stream gets more than a token per engine step
     ceiling = config.streams * 1000 / config.paced_step_ms

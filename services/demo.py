@@ -464,12 +464,12 @@ def keep_up(console: Any, lines: list[str]) -> None:
     """`--keep`: the board and the nodes stay up for a look at the pages, until Ctrl-C (a
     Ctrl-C as soon as the last line shows included).
 
-    The wait is in short sleeps: the kernel may hand a Ctrl-C to any of the process's
-    threads (the nodes' servers, pools), and Python then raises it in the main thread only
-    once that thread runs again, which a sleep of an hour did not do (a CI run's demo
-    ignored its SIGINT for the 60 s the test waited). Python's own handler is installed
-    again first: a library loaded on the way may have replaced it at the C level, where
-    `signal.getsignal` does not see it."""
+    A clean-clone run's demo ignored its SIGINT for the 60 s the test waited, asleep here.
+    Python's own handler is installed again first: a library loaded on the way may have
+    replaced it at the C level, where `signal.getsignal` does not see it. The wait is in
+    short sleeps: the kernel may hand a Ctrl-C to any of the process's threads, and Python
+    raises it in the main thread only once that thread runs again (short sleeps alone did
+    not cure the failure; which library replaced the handler was not found)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with contextlib.suppress(KeyboardInterrupt):
         for line in [*lines, "keeping the board and the nodes up; Ctrl-C stops them"]:

@@ -84,9 +84,8 @@ class BlobCache:
         return self.path(sha).with_name(sha + ".ranges")
 
     def discard(self, sha: str) -> None:
-        self.path(sha).unlink(missing_ok=True)
-        for suffix in _PARTIAL:
-            self.path(sha).with_name(sha + suffix).unlink(missing_ok=True)
+        for path in (self.path(sha), self.streamed(sha), self.ranged(sha)):
+            path.unlink(missing_ok=True)
 
     def keep_only(self, shas: set[str]) -> None:
         """Delete every cached blob (and partial download) not named in `shas`."""

@@ -12,7 +12,11 @@ lines are each read and written once, in increasing address order but too sparse
 the hardware prefetcher to follow, so a loop that waits for each line in turn spends its
 time on memory latency. The loop therefore asks for the line of the element `_AHEAD`
 changes ahead (with the intent to write) while it swaps the current one, which keeps
-several lines in flight per core.
+several lines in flight per core. How many lines are in flight is bounded by how many
+changes fit in the core's reorder window, so the loop is kept to a dozen instructions a
+change: it runs over slices from 0 (indices the compiler proves non-negative, so no
+wrap-around check on every read) and prefetches outside any branch, leaving the last
+`_AHEAD` changes to a second loop without prefetch.
 
 Large passes are spread over the process's cores (the loops release the GIL) in chunks
 that the calling thread and the pool's threads claim in turn (`_spread`), not in one fixed
@@ -40,9 +44,11 @@ from numba.extending import intrinsic
 # Below this many elements a second thread costs more than it saves.
 _SPLIT_MIN = 1 << 16
 # Chunks per thread in a spread pass: enough that a thread kept off its core leaves most
-# of its share to the others, few enough that claiming them (a call from Python each)
+# of its share to the others, and that the threads that finish first wait little for the
+# last chunk (a pass ends when its last chunk does: on two cores, half a chunk's time on
+# average); few enough that claiming them (a call from Python each, about a microsecond)
 # costs nothing next to the pass.
-_CHUNKS_PER_THREAD = 8
+_CHUNKS_PER_THREAD = 32
 # The cores this process may run on (a taskset or a container limit), not the machine's.
 _CORES = len(os.sched_getaffinity(0))
 _THREADS = max(1, min(4, _CORES))
@@ -105,20 +111,47 @@ _store: Any = _store_intrinsic
 _prefetch: Any = _prefetch_intrinsic
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _swap_one(addrs: np.ndarray, expect: np.ndarray, put: np.ndarray, k: int) -> bool:
+    """Where memory holds `expect[k]`, write `put[k]` and return True; else False."""
+    a = addrs[k]
+    if _load(a, expect) != expect[k]:
+        return False
+    _store(a, put[k])
+    return True
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _undo(addrs: np.ndarray, expect: np.ndarray, count: int) -> int:
+    """Write `expect` back over the first `count` elements; returns `count`."""
+    for k in range(count):
+        _store(addrs[k], expect[k])
+    return count
+
+
 @numba.njit(cache=True, nogil=True)
 def _swap(addrs: np.ndarray, expect: np.ndarray, put: np.ndarray, start: int, stop: int) -> int:
     """One pass: where memory holds `expect[j]`, write `put[j]`; at the first element that
     does not, write `expect` back over what this call wrote and return its index (-1: all
     swapped). A commit is one pass over the changed cache lines, not three."""
-    for j in range(start, stop):
-        if j + _AHEAD < stop:
-            _prefetch(addrs[j + _AHEAD])
-        a = addrs[j]
-        if _load(a, expect) != expect[j]:
-            for k in range(start, j):
-                _store(addrs[k], expect[k])
-            return j
-        _store(a, put[j])
+    a, e, p = addrs[start:stop], expect[start:stop], put[start:stop]
+    ahead = max(0, a.size - _AHEAD)
+    for k in range(ahead):
+        _prefetch(a[k + _AHEAD])
+        if not _swap_one(a, e, p, k):
+            return start + _undo(a, e, k)
+    for k in range(ahead, a.size):
+        if not _swap_one(a, e, p, k):
+            return start + _undo(a, e, k)
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _put(addrs: np.ndarray, values: np.ndarray, start: int, stop: int) -> int:
+    """Store `values[j]` at `addrs[j]` for j in [start, stop): no check, no prefetch."""
+    a, v = addrs[start:stop], values[start:stop]
+    for k in range(a.size):
+        _store(a[k], v[k])
     return -1
 
 
@@ -211,6 +244,14 @@ def swap(addrs: np.ndarray, expect: np.ndarray, put: np.ndarray) -> int:
         if j < 0:
             _swap(addrs, put, expect, a, b)
     return int(min(bad))
+
+
+def put(addrs: np.ndarray, values: np.ndarray) -> None:
+    """Store `values` at `addrs`, unchecked, spread over the same threads as `swap`: the
+    floor of a scatter of the same changes, which `bench update` measures the swap against
+    (a plain store pass lets the core run ahead of its misses; the swap must read each
+    line before it writes it). The view never calls it: a commit is always checked."""
+    _spread(addrs.size, lambda a, b: _put(addrs, values, a, b))
 
 
 def address(

@@ -107,6 +107,7 @@ class BoardService:
 
     async def close(self) -> None:
         await self.index.close()
+        await self.blocking(self.store.close)
 
     async def rebuild(self) -> None:
         """Load every run of the store into the index. The index's generation is read

@@ -87,6 +87,11 @@ class ObjectStore(Protocol):
         one; the store itself must refuse bytes that do not hash to `sha256`."""
         ...
 
+    def close(self) -> None:
+        """The board stops: the local store syncs the files its logs cover and empties
+        them, so that a board started after a clean stop has nothing to replay."""
+        ...
+
 
 def write_in_order(store: ObjectStore, writes: Sequence[tuple[str, bytes, str | None]]) -> int:
     """`ObjectStore.write_records` one record after another."""

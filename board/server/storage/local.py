@@ -1,21 +1,28 @@
 """A directory as the object store: the embedded default for one board process.
 
 Writes go to a temporary file and are renamed into place, so a reader never sees a torn
-object; with `fsync` (the default) the file is synced before and its directory after the
-rename, so a crash keeps both the bytes and the name (records written together,
-`write_records`, sync all but the last just after their renames, at once).
-Create-if-absent uses `link(2)` (atomic, fails if the name exists). Compare-and-set on a
-record holds its lock file's `flock`, so that processes sharing the directory agree. A
-record's version tag is a generation number that only grows, so a tag never comes back
-even when the same bytes are written again; each write also puts it in the lock file,
-rewritten in place at a fixed width: truncating the file first would make ext4 flush it
-(its `auto_da_alloc` heuristic), a millisecond on every commit.
+object; with `fsync` (the default) plain objects are synced before and their directory
+after the rename, so a crash keeps both the bytes and the name. Create-if-absent uses
+`link(2)` (atomic, fails if the name exists). Compare-and-set on a record holds its lock
+file's `flock`, so that processes sharing the directory agree. A record's version tag is
+a generation number that only grows, so a tag never comes back even when the same bytes
+are written again; each write also puts it in the lock file, rewritten in place at a
+fixed width: truncating the file first would make ext4 flush it (its `auto_da_alloc`
+heuristic), a millisecond on every commit.
+
+Records are made durable by their run's commit log (`commit_log`): the writes of a
+group (a commit's manifest and head) are appended to it in one synced data write, then
+written to their files without a sync; opening the directory replays the logs over the
+files, and the files are synced before a log starts over (`_checkpoint`: when it is
+full, before a record it names is deleted, after a replay). A group too large for its
+log is made durable where it lands: every record but the last synced (bytes and name at
+once), then the last.
 
 Records other than manifests (head.json, lease.json: read only as records) are slotted
-files (`slots`), rewritten in place; their tag is their current slot's, which is durable
-with its bytes. Manifests stay whole files, their tag the lock file's number: they are
-read as plain objects too (`get`, by retention and listings). A record a store before
-slots wrote whole is read as it is and becomes slotted at its next write.
+files (`slots`), rewritten in place; their tag is their current slot's. Manifests stay
+whole files, their tag the lock file's number: they are read as plain objects too
+(`get`, by retention and listings). A record a store before slots wrote whole is read as
+it is and becomes slotted at its next write.
 """
 
 from __future__ import annotations
@@ -25,21 +32,26 @@ import fcntl
 import hashlib
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from deltaboard.board.server.storage import (
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
+    commit_log,
     manifest_version,
     slots,
 )
+from deltaboard.board.server.storage.commit_log import LOG_BYTES, CommitLog, LoggedWrite
 
 GENERATION_WIDTH = 20  # digits: a generation number never outgrows it
-# Beside the caller's own: a commit's first round syncs its manifest and that one's folder.
+# Beside the caller's own: a checkpoint (or a group too large for its log) syncs files and
+# folders at once.
 SYNC_THREADS = 1
 # A temporary file untouched for this long belongs to a write that died with its process
 # (a live write touches it every few milliseconds; a stalled upload is cut off in seconds).
@@ -64,6 +76,26 @@ def in_place(key: str) -> bool:
     return manifest_version(key) is None
 
 
+def log_scope(key: str) -> str:
+    """What shares a commit log: a run's records (`runs/<run>`), or for other keys their
+    top folder. A group of records written together is one run's (a commit's manifest
+    and head)."""
+    parts = key.split("/")
+    return "/".join(parts[:2] if parts[0] == "runs" else parts[:1])
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A record write whose compare-and-set passed: its new tag, its current slots (where
+    it is a slotted file) and its lock file's descriptor, locked."""
+
+    key: str
+    data: bytes
+    tag: int
+    slotted: slots.Slotted | None
+    lock: int
+
+
 def _write_at(fd: int, data: bytes, offset: int) -> None:
     """All of `data` at `offset` (a write to a regular file is cut short only by an error
     or a signal, but may be)."""
@@ -73,15 +105,20 @@ def _write_at(fd: int, data: bytes, offset: int) -> None:
 
 
 class LocalStore:
-    def __init__(self, root: Path, *, fsync: bool = True) -> None:
+    def __init__(self, root: Path, *, fsync: bool = True, log_bytes: int = LOG_BYTES) -> None:
         self.root = root
         self.fsync = fsync
         self._tmp = root / ".tmp"
         self._locks = root / ".locks"
+        self._commits = root / ".commits"
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._locks.mkdir(parents=True, exist_ok=True)
         remove_stale_files(self._tmp)
         self._syncers: ThreadPoolExecutor | None = None
+        self._log_bytes = log_bytes
+        self._logs: dict[str, CommitLog] = {}
+        self._logs_guard = threading.Lock()
+        self._replay()
 
     def _path(self, key: str) -> Path:
         parts = key.split("/")
@@ -124,23 +161,29 @@ class LocalStore:
             future.result()
 
     @contextlib.contextmanager
-    def _record(self, key: str, exclusive: bool) -> Iterator[int]:
-        """The record's lock file's descriptor, locked: the file also holds the record's
-        generation number. Plain descriptors here and in `_read_file`: a commit's store
-        work runs in a thread that takes the GIL back after each system call, which waits
-        for the event loop to let it go when the loop is busy, so every call it does not
-        make is a wait it does not have."""
+    def _lock_file(self, key: str) -> Iterator[int]:
+        """The descriptor of the record's lock file, which also holds the record's
+        generation number."""
         lock = self._locks / hashlib.sha1(key.encode()).hexdigest()
         # Not O_APPEND: the generation is rewritten in place with pwrite.
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _record(self, key: str, exclusive: bool) -> Iterator[int]:
+        """The record's lock file's descriptor, locked. Plain descriptors here and in
+        `_read_file`: a commit's store work runs in a thread that takes the GIL back after
+        each system call, which waits for the event loop to let it go when the loop is
+        busy, so every call it does not make is a wait it does not have."""
+        with self._lock_file(key) as fd:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:
                 yield fd
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
 
     @staticmethod
     def _generation(lock: int) -> int:
@@ -206,53 +249,89 @@ class LocalStore:
             return None if found is None else (found[0], str(found[1]))
 
     def write_record(self, key: str, data: bytes, expected: str | None) -> str:
-        return self._set_record(key, data, expected)
+        tags = self._write([(key, data, expected)])
+        if not tags:
+            raise PreconditionFailed(key)
+        return tags[0]
 
     def write_records(self, writes: Sequence[tuple[str, bytes, str | None]]) -> int:
-        """Every record but the last is set, then made durable (its bytes and its name, at
-        once), and only then is the last set: a later record (the head) never points at
-        bytes that could be lost. A commit waits for two rounds of syncs: its manifest's
-        file and directory, then the head's slot, rewritten in place (`slots`), which
-        commits nothing to the filesystem's journal. A record set but not yet synced when
-        the machine loses power is one above the head, which the next commit of that
-        version replaces."""
-        if not writes:
-            return 0
-        *earlier, (last_key, last_data, last_expected) = writes
-        durable: list[Path] = []
-        for written, (key, data, expected) in enumerate(earlier):
-            try:
-                self._set_record(key, data, expected, sync=False)
-            except PreconditionFailed:
-                return written
-            durable += [self._path(key), self._path(key).parent]
-        if self.fsync and durable:
-            self._sync_all(list(dict.fromkeys(durable)))
-        try:
-            self._set_record(last_key, last_data, last_expected)
-        except PreconditionFailed:
-            return len(earlier)
-        return len(writes)
+        """Each record's expected tag is checked with its lock taken, in order, up to the
+        first that loses; those that passed are made durable together, in one entry of
+        their run's log, and only then set: a later record (the head) never points at
+        bytes that could be lost, and a group written is never half durable."""
+        return len(self._write(writes))
 
-    def _set_record(self, key: str, data: bytes, expected: str | None, *, sync: bool = True) -> str:
-        """Compare-and-set: write the record's other slot in place where it is a slotted
-        file with room, else rename a new file onto it; with `sync`, durable on return."""
+    def _write(self, writes: Sequence[tuple[str, bytes, str | None]]) -> list[str]:
+        """The tags of the records written: the first ones of `writes`, up to the first
+        that loses its compare-and-set."""
+        with contextlib.ExitStack() as held:
+            pending: list[_Pending] = []
+            for key, data, expected in writes:
+                try:
+                    pending.append(self._set_record(key, data, expected, held=held))
+                except PreconditionFailed:
+                    break
+            if pending:
+                self._make_durable(pending)
+            return [str(p.tag) for p in pending]
+
+    def _set_record(
+        self, key: str, data: bytes, expected: str | None, *, held: contextlib.ExitStack
+    ) -> _Pending:
+        """Compare-and-set, first half: the record's lock taken (and kept in `held` until
+        the group is written) and its tag checked; returns the write to make."""
+        lock = held.enter_context(self._record(key, exclusive=True))
+        found = self._stored(key, lock)
+        if (expected is None) != (found is None) or (found is not None and expected != str(found[1])):
+            raise PreconditionFailed(key)
+        # A new number even for the same bytes: a tag never comes back (no ABA). The lock
+        # file's number may lag a slot's after a power loss (it is not synced).
+        tag = max(self._generation(lock), 0 if found is None else found[1]) + 1
+        return _Pending(key, data, tag, None if found is None else found[2], lock)
+
+    def _make_durable(self, pending: list[_Pending]) -> None:
+        """Set the records, durable on return (with `fsync`): logged in one entry where
+        their log holds it, else synced where they land."""
+        if not self.fsync:
+            self._set_all(pending, sync=False)
+            return
+        log = self._log_of(pending[0].key, create=True)
+        assert log is not None
+        if any(self._log_of(p.key, create=False) is not log for p in pending[1:]):
+            raise ValueError("records written together must belong to one run")
+        body = commit_log.encode([LoggedWrite(p.key, p.tag, p.data) for p in pending])
+        with log.locked():
+            if log.holds(body):
+                if not log.fits(body):
+                    self._checkpoint(log)
+                log.append(body)
+                self._set_all(pending, sync=False)
+                return
+            if not log.empty:
+                self._checkpoint(log)  # so that no older entry of these records is replayed over them
+        *earlier, last = pending
+        self._set_all(earlier, sync=False)
+        if earlier:
+            self._sync_all(
+                list(dict.fromkeys(p for w in earlier for p in (self._path(w.key), self._path(w.key).parent)))
+            )
+        self._set_all([last], sync=True)
+
+    def _set_all(self, pending: list[_Pending], *, sync: bool) -> None:
+        for p in pending:
+            self._put_record(p.key, p.data, p.tag, p.slotted, sync=sync)
+            os.pwrite(p.lock, str(p.tag).zfill(GENERATION_WIDTH).encode(), 0)
+
+    def _put_record(
+        self, key: str, data: bytes, tag: int, slotted: slots.Slotted | None, *, sync: bool
+    ) -> None:
+        """Write the record's other slot in place where it is a slotted file with room,
+        else rename a new file onto it; with `sync`, durable on return."""
         path = self._path(key)
-        with self._record(key, exclusive=True) as lock:
-            found = self._stored(key, lock)
-            if (expected is None) != (found is None) or (found is not None and expected != str(found[1])):
-                raise PreconditionFailed(key)
-            # A new number even for the same bytes: a tag never comes back (no ABA). The
-            # lock file's number may lag a slot's after a power loss (it is not synced).
-            tag = max(self._generation(lock), 0 if found is None else found[1]) + 1
-            slotted = None if found is None else found[2]
-            if slotted is not None and slotted.fits(data):
-                self._write_slot(path, *slotted.rewrite(tag, data), sync=sync)
-            else:
-                whole = slots.new_file(tag, data) if in_place(key) else data
-                self._replace(path, whole, sync=sync)
-            os.pwrite(lock, str(tag).zfill(GENERATION_WIDTH).encode(), 0)
-        return str(tag)
+        if slotted is not None and slotted.fits(data):
+            self._write_slot(path, *slotted.rewrite(tag, data), sync=sync)
+        else:
+            self._replace(path, slots.new_file(tag, data) if in_place(key) else data, sync=sync)
 
     def _write_slot(self, path: Path, offset: int, data: bytes, *, sync: bool) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
@@ -277,8 +356,83 @@ class LocalStore:
         finally:
             tmp.unlink(missing_ok=True)
 
+    # ---- the commit logs ---------------------------------------------------------------
+
+    def _log_of(self, key: str, *, create: bool) -> CommitLog | None:
+        """The log of the run `key` belongs to (`log_scope`); None where it has none and
+        `create` is false."""
+        name = hashlib.sha1(log_scope(key).encode()).hexdigest()
+        with self._logs_guard:
+            log = self._logs.get(name)
+            if log is None and (create or (self._commits / name).exists()):
+                log = self._logs[name] = CommitLog(self._commits / name, self._log_bytes)
+            return log
+
+    def _checkpoint(self, log: CommitLog) -> None:
+        """Sync the files of every record the log names (each file and its folder, at
+        once), then start the log over. (Called with the log locked: no entry is added,
+        and no logged record set, meanwhile.)"""
+        keys = sorted({w.key for entry in log.entries() for w in entry})
+        paths = [p for key in keys for p in (self._path(key), self._path(key).parent)]
+        existing = [p for p in dict.fromkeys(paths) if p.exists()]  # a plain delete may have taken one
+        if existing and self.fsync:
+            self._sync_all(existing)
+        log.start_over()
+
+    def _replay(self) -> None:
+        """Set every record the logs hold where its file lacks it (the files are written
+        without a sync, so a power cut may have lost them, or torn a slot), in the logs'
+        order, then checkpoint. Run with each log locked but no record's lock: a process
+        appending to a log takes its records' locks first, and every write it logged is
+        set before it lets the log go."""
+        if not self._commits.is_dir():
+            return
+        for entry in sorted(os.listdir(self._commits)):
+            if entry.startswith("."):
+                continue  # a log being made
+            with self._logs_guard:
+                log = self._logs[entry] = CommitLog(self._commits / entry, self._log_bytes)
+            with log.locked():
+                entries = log.entries()
+                if not entries:
+                    continue
+                for write in (w for e in entries for w in e):
+                    self._restore(write)
+                self._checkpoint(log)
+
+    def _restore(self, write: LoggedWrite) -> None:
+        """Set a logged write unless its file holds it or a later one."""
+        with self._lock_file(write.key) as lock:
+            found = self._stored(write.key, lock)
+            if found is not None and (
+                found[1] >= write.tag if found[2] is not None else found[0] == write.data
+            ):
+                return
+            self._put_record(
+                write.key, write.data, write.tag, None if found is None else found[2], sync=False
+            )
+            os.pwrite(lock, str(max(write.tag, self._generation(lock))).zfill(GENERATION_WIDTH).encode(), 0)
+
+    def close(self) -> None:
+        with self._logs_guard:
+            logs, self._logs = list(self._logs.values()), {}
+        for log in logs:
+            with log.locked():
+                if not log.empty:
+                    self._checkpoint(log)
+            log.close()
+        if self._syncers is not None:
+            self._syncers.shutdown()
+
     def delete_record(self, key: str) -> None:
+        """A record its log names is synced first (with every other the log names): a
+        replay would set it again."""
         with self._record(key, exclusive=True):
+            log = self._log_of(key, create=False)
+            if log is not None:
+                with log.locked():
+                    if not log.empty:
+                        self._checkpoint(log)
             self.delete(key)
 
     def put_file(self, key: str, path: Path) -> None:

@@ -106,8 +106,26 @@ def test_device_diff_matches_codec_diff(device, pair, chunk, batch_bytes):
     )
     try:
         result = diff_views(a, b)
+        # the torch pass (the device path) on the host's tensors too, batch by batch; the
+        # CPU view's `diff_views` takes the codec's compiled diff instead
+        through_torch = device_diff.ViewDiff()
+        for batch in device_diff.batches(layout, batch_bytes):
+            through_torch.changes.update(
+                device_diff._cut(batch, device_diff._find(a, b, batch, False, False)).changes
+            )
     finally:
         device_diff.CHUNK_ELEMENTS, device_diff.CPU_BATCH_BYTES, device_diff.CUDA_BATCH_BYTES = saved
+    _assert_same_as_codec(layout, old_state, new_state, a, result)
+    _assert_same_as_codec(layout, old_state, new_state, a, through_torch)
+
+
+def _assert_same_as_codec(
+    layout: ViewLayout,
+    old_state: dict[str, torch.Tensor],
+    new_state: dict[str, torch.Tensor],
+    a: ViewBuffer,
+    result: device_diff.ViewDiff,
+) -> None:
     old_view, new_view = rollout_view(old_state, SPEC), rollout_view(new_state, SPEC)
     changed_total = 0
     for slot in layout.slots:
@@ -153,10 +171,11 @@ def test_only_changes_cross_to_host(device, tmp_path):
     ) as prof:
         result = diff_views(a, b)
     assert result.changed_elements == 2
-    # two positions (int64) + old and new bf16 bits: nothing near a tensor's size (on CUDA
-    # also per-slot counts and the context hint: two exponent histograms, a rank per change)
-    per_slot = 8 * len(layout.slots) if device != "cpu" else 0
-    assert result.host_bytes == 2 * (8 + 2 + 2) + per_slot + result.hint_bytes
+    # two positions + old and new bf16 bits: nothing near a tensor's size (on CUDA the
+    # positions are slot-local int32, and per-slot counts and the context hint cross too:
+    # two exponent histograms, a rank per change)
+    per_slot, position = (8 * len(layout.slots), 4) if device != "cpu" else (0, 8)
+    assert result.host_bytes == 2 * (position + 2 + 2) + per_slot + result.hint_bytes
     assert result.hint_bytes <= (2 * 256 + 2) * 8
     assert list(result.changes["w"].positions) == [307, 99999]
     if device != "cpu":  # what the GPU itself reports: no copy near the 200 KB tensor

@@ -42,6 +42,7 @@ RANK_CHUNK_ELEMENTS = 1 << 26  # class counts: int32 cumulative sums of at most 
 CPU_BATCH_BYTES = 1 << 25
 CUDA_BATCH_BYTES = 1 << 30
 CUDA_AHEAD = 4  # batches whose kernels and copies run ahead of the one the caller takes (`iter_diffs`)
+CUDA_HINT_LANES = 2  # with hints, batches diffed at once, each on a pass stream of its own
 
 
 @dataclass
@@ -131,9 +132,10 @@ _streams_lock = threading.Lock()  # the diff's helper threads ask for streams co
 
 
 def _stream(device: torch.device, role: str) -> torch.cuda.Stream:
-    """A stream of the publisher's own per device and role: "pass", where the diff's
-    kernels run, so that the trainer's stream waits for nothing but its snapshot copies;
-    "copy", where the device->host copies run while the next batches' kernels do."""
+    """A stream of the publisher's own per device and role: "pass0", "pass1", ... (one per
+    lane, `iter_diffs`), where the diff's kernels run, so that the trainer's stream waits
+    for nothing but its snapshot copies; "copy", where the device->host copies run while
+    the next batches' kernels do."""
     with _streams_lock:
         if (device, role) not in _streams:
             _streams[(device, role)] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
@@ -234,10 +236,12 @@ def start_diff(
     slots: Sequence[Slot],
     hints: bool | None = None,
     fused: bool | None = None,
+    lane: int = 0,
 ) -> Finish:
     """Start the changes of consecutive slots of one group (see `batches`): the kernels and
     the copy to the host are queued (on CUDA, on the pass stream), and the returned call
-    waits for the copy and gives the result (`diff_slots` does both).
+    waits for the copy and gives the result (`diff_slots` does both). On CUDA the kernels run
+    on the pass stream of `lane` (`iter_diffs`).
 
     Found on the device for the whole batch at once: by the fused Triton pass
     (`fused_diff`, when `fused` asks for it) or by the torch reference (one
@@ -262,7 +266,7 @@ def start_diff(
     if on_cuda:
         # The pass stream reads the buffers only once their fills ran (on the stream that
         # filled them): a device-side wait, the host blocks for nothing.
-        stream = _stream(torch.device(group[0]), "pass")
+        stream = _stream(torch.device(group[0]), f"pass{lane}")
         for buffer in (old, new):
             if buffer.ready is not None:
                 stream.wait_event(buffer.ready)
@@ -483,23 +487,26 @@ def batch_bytes_for(layout: ViewLayout) -> int:
 def iter_diffs(
     old: ViewBuffer, new: ViewBuffer, hints: bool | None = None, fused: bool | None = None
 ) -> Generator[ViewDiff, None, None]:
-    """The diff batch by batch (`start_diff`), the next batches started in a helper thread
+    """The diff batch by batch (`start_diff`), the next batches started in helper threads
     while the caller encodes the current one (torch releases the GIL in its kernels).
 
-    On CUDA the helper runs up to `CUDA_AHEAD` batches ahead, all on one pass stream: it
-    waits only for each batch's changed count (`nonzero`), never for a copy to the host,
-    so the copies of earlier batches cross the bus while the next batches' kernels run
-    (measured on an H200, 8 GB: 15-18 ms for the diff this way, 25.5 with two batches in
-    flight that each waited for its own copy). On the CPU it runs one batch ahead, which
-    is what the encoding overlaps.
+    On CUDA without hints one helper runs up to `CUDA_AHEAD` batches ahead, all on one pass
+    stream: it waits only for each batch's changed count (`nonzero`), never for a copy to
+    the host, so the copies of earlier batches cross the bus while the next batches'
+    kernels run (H200, 8 GB of 64 MiB tensors: diff 457-468 GB/s of view this way, 358-383
+    with two batches in flight that each waited for its own copy). With hints a batch
+    waits for its counts on the host in the middle of its pass, so two batches are diffed
+    at once, each on a pass stream of its own (`CUDA_HINT_LANES`). On the CPU one helper
+    runs one batch ahead, which is what the encoding overlaps.
     """
     todo = batches(new.layout, batch_bytes_for(new.layout))
     on_cuda = any(device.startswith("cuda") for device, _ in new.layout.group_numel)
+    lanes = CUDA_HINT_LANES if on_cuda and hints else 1
     ahead = CUDA_AHEAD if on_cuda else 1
-    with ThreadPoolExecutor(1, thread_name_prefix="deltaboard-diff") as pool:
+    with ThreadPoolExecutor(lanes, thread_name_prefix="deltaboard-diff") as pool:
         pending: deque[Future[Finish]] = deque()
-        for batch in todo:
-            pending.append(pool.submit(start_diff, old, new, batch, hints, fused))
+        for i, batch in enumerate(todo):
+            pending.append(pool.submit(start_diff, old, new, batch, hints, fused, i % lanes))
             if len(pending) > ahead:
                 yield pending.popleft().result()()
         while pending:

@@ -390,15 +390,16 @@ class LocalStore:
         for entry in sorted(os.listdir(self._commits)):
             if entry.startswith("."):
                 continue  # a log being made
-            with self._logs_guard:
-                log = self._logs[entry] = CommitLog(self._commits / entry, self._log_bytes)
-            with log.locked():
-                entries = log.entries()
-                if not entries:
-                    continue
-                for write in (w for e in entries for w in e):
-                    self._restore(write)
-                self._checkpoint(log)
+            log = CommitLog(self._commits / entry, self._log_bytes)
+            try:
+                with log.locked():
+                    entries = log.entries()
+                    for write in (w for e in entries for w in e):
+                        self._restore(write)
+                    if entries:
+                        self._checkpoint(log)
+            finally:
+                log.close()  # opened again by the run's next write: a descriptor per run written
 
     def _restore(self, write: LoggedWrite) -> None:
         """Set a logged write unless its file holds it or a later one."""

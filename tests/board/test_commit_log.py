@@ -163,11 +163,9 @@ def test_two_stores_on_one_directory_append_to_one_log(tmp_path):
 
 def test_a_group_too_large_for_its_log_is_synced_where_it_lands(tmp_path, monkeypatch):
     """A manifest over a quarter of its log's size is not logged: its file and folder are
-    synced, then the head's slot; the log, which held an earlier write, is emptied first
-    so that no replay sets an older manifest over it."""
+    synced, then the head's slot. Where the log names that manifest (an earlier write),
+    the log is synced and emptied first, so that no replay sets the older bytes again."""
     store = LocalStore(tmp_path, log_bytes=LOG)
-    key = manifest_key("r", 1)
-    store.write_record(key, b"old", None)
     tag = store.write_record("runs/r/head.json", b"h0", None)
     synced: list[str] = []
     real_fsync, real_fdatasync = os.fsync, os.fdatasync
@@ -182,12 +180,20 @@ def test_a_group_too_large_for_its_log_is_synced_where_it_lands(tmp_path, monkey
     monkeypatch.setattr(os, "fsync", recording(real_fsync))
     monkeypatch.setattr(os, "fdatasync", recording(real_fdatasync))
     big = b"x" * (LOG // 2)
-    current = store.read_record(key)
-    assert current is not None
-    assert store.write_records([(key, big, current[1]), ("runs/r/head.json", b"h1", tag)]) == 2
-    assert synced[-3:-1] in (["runs/r/manifests", key], [key, "runs/r/manifests"])
-    assert synced[-1] == "runs/r/head.json"
-    assert LocalStore(tmp_path, log_bytes=LOG).get(key) == big
+    one, two = manifest_key("r", 1), manifest_key("r", 2)
+    assert store.write_records([(one, big, None), ("runs/r/head.json", b"h1", tag)]) == 2
+    assert sorted(synced[:2]) == sorted([one, "runs/r/manifests"]) and synced[2:] == ["runs/r/head.json"]
+    tag, old = (
+        store.write_record("runs/r/head.json", b"h2", str(int(tag) + 1)),
+        store.write_record(two, b"o", None),
+    )
+    synced.clear()
+    assert store.write_records([(two, big, old), ("runs/r/head.json", b"h3", tag)]) == 2
+    # The log's records (the head and the old manifest) and their folders, then as above.
+    assert sorted(synced[:4]) == sorted(["runs/r/head.json", "runs/r", two, "runs/r/manifests"])
+    assert sorted(synced[4:6]) == sorted([two, "runs/r/manifests"]) and synced[6:] == ["runs/r/head.json"]
+    again = LocalStore(tmp_path, log_bytes=LOG)
+    assert again.get(two) == big and again.read_record("runs/r/head.json") == (b"h3", str(int(tag) + 1))
 
 
 def test_records_of_two_runs_are_never_written_together(tmp_path):

@@ -307,8 +307,11 @@ class LocalStore:
                 log.append(body)
                 self._set_all(pending, sync=False)
                 return
-            if not log.empty:
-                self._checkpoint(log)  # so that no older entry of these records is replayed over them
+            # A manifest the log names would be set again by a replay, over the newer
+            # bytes: the log is emptied first. (A slot's tag keeps a replay off it.)
+            named = {w.key for entry in log.entries() for w in entry}
+            if any(p.key in named and not in_place(p.key) for p in pending):
+                self._checkpoint(log)
         *earlier, last = pending
         self._set_all(earlier, sync=False)
         if earlier:

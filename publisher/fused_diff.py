@@ -9,8 +9,8 @@ what changed, whatever the number of tensors:
    of the output with one atomic add on a cursor (tiles claim in whatever order they run),
    and stores what changed there in ascending order (an exclusive prefix sum of the
    changed counts): position, old bits, new bits. Without hints (`compact_words`) the
-   tiles compare whole 64-bit words and scan one count per word, then write each changed
-   word's changed elements at the word's place. With hints (`compact`), a tile never
+   tiles compare whole 64-bit words and write the changed words; only those are then
+   split into their changed elements (`changed_elements`). With hints (`compact`), a tile never
    straddles two slots (its slot is one table lookup) and scans element by element,
    storing slot-local positions, its changed lanes as a bitmask (1/16 of a bf16 tile's
    bytes), and adding its sampled old exponents and its changed elements' old exponents
@@ -233,6 +233,7 @@ def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot]) -> Fuse
 
 
 WORD_TILE = 1024  # 64-bit words per `compact_words` program
+SPLIT_BLOCK = 1024  # changed words per `lane_counts` / `split_words` program
 
 
 def changed_elements(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple[torch.Tensor, ...]:
@@ -241,26 +242,42 @@ def changed_elements(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple
     and new bits, as `device_diff._changed` gives them; `key` names the range for
     `_compacted`'s sizing.
 
-    Tiles compare whole 64-bit words and scan one count per word (a quarter of a bf16
-    tile's lanes), then write each changed word's changed elements at the word's place.
+    Tiles compare whole 64-bit words and write the changed words (index, old, new) at the
+    range they claim (`compact_words`, one read of both buffers), `reorder` puts them in
+    order, then the changed words alone are split into their changed elements: a count
+    per word, its scan, and a write at each word's place (`lane_counts`, `split_words`).
+    An H200 measured the word pass at the bandwidth (design.md) where per-element work in
+    every tile had cost four times as much.
     """
     k = _kernels()
     words_old, words_new = old.view(torch.int64), new.view(torch.int64)
     n = -(-words_old.numel() // WORD_TILE)
     counts = torch.zeros(n, dtype=torch.int32, device=old.device)
     bases = torch.empty(n, dtype=torch.int64, device=old.device)
-    bits = 8 * old.element_size()
 
     def launch(cursor: torch.Tensor, capacity: int, out: list[torch.Tensor]) -> None:
         if n:
             k.compact_words[(n,)](
                 words_old, words_new, words_old.numel(), counts, bases, cursor, capacity, *out,
-                PER=64 // bits, BITS=bits, TILE=WORD_TILE, num_warps=WARPS,
+                TILE=WORD_TILE, num_warps=WARPS,
             )  # fmt: skip
 
-    dtypes = (torch.int64, old.dtype, old.dtype)
-    total, claimed = _compacted(("elements", key), old.numel() // 64, dtypes, old.device, launch)
-    return tuple(_reordered(total, counts, torch.cumsum(counts, 0) - counts, bases, claimed))
+    total, claimed = _compacted(("words", key), old.numel() // 64, (torch.int64,) * 3, old.device, launch)
+    words, a, b = _reordered(total, counts, torch.cumsum(counts, 0) - counts, bases, claimed)
+    bits = 8 * old.element_size()
+    per = 64 // bits
+    grid = (-(-total // SPLIT_BLOCK),)
+    lanes = torch.empty(total, dtype=torch.int64, device=old.device)
+    if total:
+        k.lane_counts[grid](a, b, total, lanes, PER=per, BITS=bits, BLOCK=SPLIT_BLOCK, num_warps=4)
+    ends = torch.cumsum(lanes, 0)
+    found = int(ends[-1]) if total else 0
+    out = [torch.empty(found, dtype=d, device=old.device) for d in (torch.int64, old.dtype, old.dtype)]
+    if total:
+        k.split_words[grid](
+            words, a, b, ends, total, *out, PER=per, BITS=bits, BLOCK=SPLIT_BLOCK, num_warps=4
+        )
+    return tuple(out)
 
 
 def class_ranks(

@@ -57,7 +57,7 @@ class ObjectStore(Protocol):
         """`write_record` for each `(key, data, expected)` in order, stopping at the first
         that loses; returns how many were written. A commit writes its manifest and the
         head this way, so that a store may make them durable together (the local store
-        syncs the manifest's bytes and name, then the head's slot, rewritten in place)."""
+        appends them to the run's commit log in one synced write, then sets them)."""
         ...
 
     def delete_record(self, key: str) -> None: ...

@@ -1,13 +1,15 @@
 """A record kept in place: one file of two checksummed slots, the newer valid one current.
 
 The local store rewrites a record (head.json, lease.json) by writing the slot that is not
-current and `fdatasync`ing the file, instead of renaming a new file into place and syncing
-its directory. A write inside a file's allocated blocks changes no metadata the journal
-must commit, so it costs the disk one data write and a cache flush, where a rename waits
-for a journal commit behind every other writer of the filesystem. Power lost in the middle
-of a write leaves that slot torn, which its checksum rejects: the other slot, the record
-as it was, stays current. A slot is a whole number of pages, so writing one never rewrites
-a byte of the other.
+current, instead of renaming a new file into place: the file keeps its name, size and
+blocks. The write is made durable by the run's commit log (`commit_log`), or, for a group
+too large for it, by `fdatasync`ing the file: a write inside a file's allocated blocks
+changes no metadata the journal must commit, so it costs the disk one data write and a
+cache flush, where a rename waits for a journal commit behind every other writer of the
+filesystem. Power lost in the middle of a write leaves that slot torn, which its checksum
+rejects: the other slot, the record as it was, stays current (and the log, where it holds
+the write, sets it again). A slot is a whole number of pages, so writing one never
+rewrites a byte of the other.
 
 Slot layout: `deltaboard/slot/v1 <tag:020d> <length:010d> <crc32:08x>\\n`, the record's
 bytes, zeros to the slot's end; the checksum covers the line up to itself and the bytes.

@@ -68,7 +68,10 @@ class Steps(Coroutine[Any, Any, Any]):
     def _raise_end(self) -> None:
         end, self._end = self._end, None
         if end is not None:
-            raise end
+            try:
+                raise end
+            finally:
+                del end  # the raising frame must not hold the exception: a cycle through its traceback
 
     def close(self) -> None:
         self._coro.close()
@@ -93,7 +96,9 @@ class Steps(Coroutine[Any, Any, Any]):
         try:
             self._started = True
             self._waiting = self._coro.send(None)
-        except BaseException as exc:  # the coroutine's end, told to the task at its next step
+        except StopIteration as stop:  # the coroutine's end, told to the task at its next step
+            self._end = StopIteration(stop.value)  # without the traceback, which holds this frame
+        except BaseException as exc:
             self._end = exc
         finally:
             asyncio.tasks._leave_task(loop, task)

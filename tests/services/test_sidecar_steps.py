@@ -5,6 +5,8 @@ upstream connection wakes the request in the read that brought the engine's answ
 from __future__ import annotations
 
 import asyncio
+import functools
+import gc
 import json
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -15,7 +17,8 @@ from deltaboard.services.sidecar.background import BackgroundServer
 from deltaboard.services.sidecar.steps import Steps
 from deltaboard.services.sidecar.upstream import UpstreamPool
 from tests.services.fakes.echo import echo_engine
-from tests.services.test_sidecar_server import connect, json_app, post
+from tests.services.fakes.fast_engine import fast_engine
+from tests.services.test_sidecar_server import TIMEOUT_S, answered, connect, json_app, post, proxy_app
 
 T = TypeVar("T")
 
@@ -159,3 +162,37 @@ def test_the_upstream_connection_wakes_its_request_after_each_read_until_it_is_p
         count, total = asyncio.run(main())
     assert count >= 1
     assert total == count  # not woken for the next request on the connection
+
+
+def test_requests_stepped_from_the_reads_leave_no_reference_cycle_to_the_garbage_collector() -> None:
+    """As `test_answered_requests_leave_no_reference_cycle_to_the_garbage_collector`, with
+    each request read from a callback, so that its steps run in the reads (the server's and
+    the upstream connection's), and an engine that stamps its answers' headers, so that a
+    request ends in such a step: it leaves nothing to the collector either."""
+    with fast_engine() as url:
+
+        async def main() -> list[str]:
+            async with proxy_app(url) as app:
+                protocol, _, state = connect(app)
+                gc.collect()
+                gc.disable()
+                try:
+                    for i, stream in enumerate([False, True, False, True]):
+                        body = json.dumps({"stream": stream, "max_tokens": 2, "weight_version": {"min": 3}})
+                        request = post("/v1/completions", body.encode(), b"content-type: application/json")
+                        await in_callback(functools.partial(protocol.data_received, request))
+                        await answered(state, i + 1)
+                    async with asyncio.timeout(TIMEOUT_S):
+                        while state.tasks:
+                            await asyncio.sleep(0.001)
+                    gc.set_debug(gc.DEBUG_SAVEALL)
+                    gc.collect()
+                    return [f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage]
+                finally:
+                    gc.set_debug(0)
+                    gc.garbage.clear()
+                    gc.enable()
+
+        garbage = asyncio.run(main())
+    assert [kind for kind in garbage if kind.startswith("deltaboard.services.sidecar")] == []
+    assert "builtins.StopIteration" not in garbage

@@ -94,16 +94,19 @@ _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, t
 
 
 class HostCopy:
-    """Small device tensors on their way to the host (`to_host`); `wait()` gives them."""
+    """Small device tensors on their way to the host (`to_host`); `wait()` gives them, in
+    the order given. They are packed widest element first, so that every array starts
+    aligned on the host (the codec's compiled code reads them in place)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self._tensors = tensors
+        self._order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
         self._host: torch.Tensor | None = None
         self._done: torch.cuda.Event | None = None
         if tensors[0].device.type == "cpu":
             return
         device = tensors[0].device
-        packed = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+        packed = torch.cat([tensors[i].reshape(-1).view(torch.uint8) for i in self._order])
         stream = _stream(device, "copy")
         stream.wait_stream(torch.cuda.current_stream(device))
         self._host = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=True)
@@ -119,10 +122,12 @@ class HostCopy:
         assert self._done is not None
         self._done.synchronize()
         flat = self._host.numpy()
-        out, offset = [], 0
-        for t in self._tensors:
+        out: list[np.ndarray] = [flat] * len(self._tensors)
+        offset = 0
+        for i in self._order:
+            t = self._tensors[i]
             size = t.numel() * t.element_size()
-            out.append(flat[offset : offset + size].view(_NUMPY[t.dtype]).reshape(t.shape))
+            out[i] = flat[offset : offset + size].view(_NUMPY[t.dtype]).reshape(t.shape)
             offset += size
         return out
 
@@ -150,7 +155,6 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     pageable copy per array would pay a staging copy and a synchronisation each. The copy
     runs on a stream of its own (`HostCopy`), so a caller that starts it before its next
     kernels overlaps the two. CPU tensors are returned as they are (numpy views, no copy).
-    The int64 arrays come first, so every array starts aligned.
     """
     return HostCopy(tensors).wait()
 
@@ -340,8 +344,7 @@ def _find(
     starts = _slot_starts(tuple(slots), pos.device)
     owner = torch.searchsorted(starts, pos, right=True) - 1
     device_local = pos - starts[owner]
-    # each slot's first change (positions ascend): counts without a synchronising bincount;
-    # the int64 firsts lead, so that every array of the packed copy starts aligned
+    # each slot's first change (positions ascend): counts without a synchronising bincount
     copy = HostCopy(
         (torch.searchsorted(pos, starts), device_local.to(_index_dtype(slots)), old_changed, new_changed)
     )

@@ -184,6 +184,25 @@ def test_only_changes_cross_to_host(device, tmp_path):
         assert copies and max(copies) <= result.host_bytes, copies
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the packed copy is CUDA's (CPU tensors are not copied)"
+)
+def test_a_packed_copy_gives_every_array_aligned_and_in_order():
+    """Arrays of mixed widths in one copy (odd int32 and int16 counts ahead of int64 bits,
+    as a batch of float64 changes gives them) arrive equal and aligned for the codec's
+    compiled code."""
+    parts = (
+        torch.arange(3, dtype=torch.int16, device="cuda"),
+        torch.arange(5, dtype=torch.int32, device="cuda"),
+        torch.arange(7, dtype=torch.int64, device="cuda") - 3,
+        torch.arange(2, dtype=torch.int8, device="cuda"),
+    )
+    got = device_diff.to_host(*parts)
+    for part, array in zip(parts, got, strict=True):
+        assert np.array_equal(array, part.cpu().numpy())
+        assert array.ctypes.data % array.itemsize == 0 and array.flags.aligned
+
+
 @st.composite
 def float_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
     """An old tensor with a spread of exponents and a new one whose changes favour small

@@ -241,7 +241,10 @@ class ViewBuffer:
         one helper thread (`copy_shared`). Every other tensor is copied by torch, many in
         one call (`_copy_all`), so that a model of thousands of small tensors costs what
         its bytes cost, not a call per tensor: on the CPU in batches of about a piece's
-        bytes, shared like the pieces.
+        bytes, shared like the pieces. On CUDA a tensor already in its served dtype goes
+        to that call as its integer bits: the multi-tensor kernel passes floats through a
+        conversion that turns every bf16 NaN into 0x7FFF (an H200 run of the hint test
+        found a NaN payload changed), and the view must be bit-exact.
         """
         self.exponent_counts = None  # of the bytes this copy replaces
         # under no_grad: copies need no detached view (a call per tensor)
@@ -258,6 +261,9 @@ class ViewBuffer:
             if host is None and whole and src.nbytes >= _MEMCPY_BYTES:
                 target.copy_(src)  # a plain device memcpy: the multi-tensor kernel is slower (design.md)
             elif host is None:
+                if src.dtype == target.dtype:  # as bits: CUDA's float copy makes every NaN canonical
+                    bits = BITS_DTYPES[src.element_size()]
+                    target, src = target.view(bits), src.view(bits)
                 on_device[0].append(target)
                 on_device[1].append(src)
             elif host.size >= _PIECE_BYTES and whole:

@@ -203,6 +203,20 @@ def test_a_packed_copy_gives_every_array_aligned_and_in_order():
         assert array.ctypes.data % array.itemsize == 0 and array.flags.aligned
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's multi-tensor copy")
+def test_a_cuda_snapshot_keeps_nan_payloads():
+    """Small tensors go through torch's multi-tensor copy on CUDA, whose float path makes
+    every NaN canonical: the snapshot must keep the payload bits."""
+    bits = torch.tensor([0, -2, 0x7F81, -129, 0x7FC0], dtype=torch.int16)  # NaNs of both signs, payloads
+    state = {"w": bits.view(torch.bfloat16).cuda(), "u": torch.tensor([float("nan")] * 3, device="cuda")}
+    state["u"].view(torch.int32)[1] = 0x7F800001
+    layout = ViewLayout.of(state, ViewSpec(rules=(ViewRule(pattern="*", dtype="raw"),)))
+    buffer = ViewBuffer(layout)
+    buffer.fill(state)
+    for slot in layout.slots:
+        assert np.array_equal(buffer.host_bytes(slot), tensor_bytes(state[slot.name].cpu())), slot.name
+
+
 @st.composite
 def float_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
     """An old tensor with a spread of exponents and a new one whose changes favour small

@@ -87,14 +87,15 @@ def word_lanes(old, new, PER: tl.constexpr, BITS: tl.constexpr):
     return x, y
 
 
-@triton.jit(do_not_specialize=["m"])  # the changed word count: varies
-def lane_counts(old, new, m, out, PER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """How many lanes of each of the `m` changed words changed."""
+@triton.jit(do_not_specialize=["capacity"])  # sized from the last pass: varies
+def lane_counts(old, new, cursor, capacity, out, PER: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """How many lanes of each changed word changed, for the `capacity` entries of the
+    arrays: 0 past the changed word count (read from the `cursor`, so that the host reads
+    it once, with the scan of these counts)."""
     k = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = k < m
-    x, y = word_lanes(
-        tl.load(old + k, mask=inside, other=0), tl.load(new + k, mask=inside, other=0), PER, BITS
-    )
+    inside = k < capacity
+    valid = k < tl.minimum(tl.load(cursor), capacity)
+    x, y = word_lanes(tl.load(old + k, mask=valid, other=0), tl.load(new + k, mask=valid, other=0), PER, BITS)
     tl.store(out + k, tl.sum((x != y).to(tl.int32), axis=1), mask=inside)
 
 
@@ -124,17 +125,19 @@ def split_words(
     tl.store(new_out + at, y.to(new_out.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bound"])  # a count or a capacity: varies
 def reorder(
-    counts, bases, offsets, pos_in, old_in, new_in, pos_out, old_out, new_out, STEP: tl.constexpr
+    counts, bases, offsets, bound, pos_in, old_in, new_in, pos_out, old_out, new_out, STEP: tl.constexpr
 ):  # fmt: skip
+    """Each tile's run from where it claimed it to its place in tile order, within `bound`
+    entries of both sides (runs past it, when the claims overflowed, are not moved)."""
     t = tl.program_id(0)
     n = tl.load(counts + t)
     src = tl.load(bases + t)
     dst = tl.load(offsets + t)
     for i in range(0, n, STEP):
         lane = i + tl.arange(0, STEP)
-        take = lane < n
+        take = (lane < n) & (src + lane < bound) & (dst + lane < bound)
         tl.store(pos_out + dst + lane, tl.load(pos_in + src + lane, mask=take), mask=take)
         tl.store(old_out + dst + lane, tl.load(old_in + src + lane, mask=take), mask=take)
         tl.store(new_out + dst + lane, tl.load(new_in + src + lane, mask=take), mask=take)

@@ -21,14 +21,13 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
 
 import numpy as np
 
 from deltaboard.board import codec
 from deltaboard.publisher.device_diff import iter_diffs
 from deltaboard.publisher.exponents import ExponentCounts
-from deltaboard.publisher.packer import BlobPacker, PackedParts, PackedTensor
+from deltaboard.publisher.packer import BlobPacker, PackedParts, Tensors
 from deltaboard.publisher.snapshot import Slot, ViewBuffer, ViewLayout
 
 
@@ -61,10 +60,10 @@ class RankVersion:
     slice_digests: Mapping[str, str] = field(default_factory=dict)  # each slice's at global positions
 
 
-T = TypeVar("T")
-Encoded = tuple[codec.PatchBatch, list[str | None]]
+Encoded = tuple[codec.PatchBatch, list[str | None] | None]
 """A bundle's patches (each with the digest of the local tensor it produces) and, per
-tensor, a slice's digest at its positions in the whole tensor (None: not a slice)."""
+tensor, a slice's digest at its positions in the whole tensor (None: not a slice; the
+list None where no tensor of the bundle is one)."""
 
 
 def _keyframes(
@@ -86,7 +85,7 @@ def _keyframes(
         counts.count([s.name for s in host], [(buffer.host_bytes(s), s.dtype) for s in host])
     # one patch (a large tensor's bundle) is joined without a copy
     ends = list(itertools.accumulate(len(p) for p in patches))
-    return codec.PatchBatch(b"".join(patches), ends, digests), global_digests
+    return codec.PatchBatch(b"".join(patches), ends, digests), global_digests if slices else None
 
 
 Where = tuple[LocalSlice, tuple[int, ...], str]  # a slice's place, local shape, global digest before
@@ -116,6 +115,8 @@ def _deltas(
     )
     if counts is not None and patches.counts is not None:
         counts.put(names, patches.counts)
+    if not any(wheres):
+        return patches, None
     global_digests: list[str | None] = [None] * len(changes)
     for i, (c, where) in enumerate(zip(changes, wheres, strict=True)):
         if where is not None:  # the slice's digest moves by its changes at their global positions
@@ -126,7 +127,7 @@ def _deltas(
     return patches, global_digests
 
 
-Bundle = tuple[list[PackedTensor], Callable[[], Encoded]]
+Bundle = tuple[Tensors, Callable[[], Encoded]]
 """Tensors (as the packer takes them) and the call that encodes them all, in order."""
 
 
@@ -169,13 +170,14 @@ def encode_rank(
     global_digests: dict[str, str] = {}
     counts = None if context is False else _host_counts(layout, base)
     if base is None:
-        keyframes: list[Bundle] = [
-            (
-                [(s.name, s.dtype, s.shape, s.numel) for s in group],
-                partial(_keyframes, buffer, group, slices, counts),
+        numels = [s.numel for s in layout.slots]
+        keyframes: list[Bundle] = []
+        for a, b in _bundles(numels):
+            group = list(layout.slots[a:b])
+            columns = Tensors(
+                [s.name for s in group], [s.dtype for s in group], [s.shape for s in group], numels[a:b]
             )
-            for group in _bundles(layout.slots, lambda s: s.numel)
-        ]
+            keyframes.append((columns, partial(_keyframes, buffer, group, slices, counts)))
         _encode_in_order(keyframes, encoders, window, packer, digests, global_digests)
         parts = packer.finish()
         buffer.exponent_counts = counts
@@ -201,26 +203,31 @@ def encode_rank(
     # old bytes instead
     for part in iter_diffs(base, buffer, hints=context):
         diff_s += time.perf_counter() - started  # time waiting for the diff, not hidden by encoding
-        counted = [(slots[name], c, c.count) for name, c in part.changes.items()]
+        names, changes = list(part.changes), list(part.changes.values())
+        counted = [c.positions.size for c in changes]
         deltas: list[Bundle] = []
-        for group in _bundles(counted, lambda item: item[2]):
-            in_group = [slot for slot, _, _ in group]
-            wheres: list[Where | None] = [None] * len(group)
+        for a, b in _bundles(counted):
+            group_names = names[a:b]
+            in_group = [slots[name] for name in group_names]
+            wheres: list[Where | None] = [None] * len(group_names)
             if slices:
                 wheres = [_where(slices, global_digests, s) for s in in_group]
             old, hints = _context(base, in_group, part.hints, context)
             encode = partial(
                 _deltas,
-                [c for _, c, _ in group],
-                [base_digests[s.name] for s in in_group],
+                changes[a:b],
+                [base_digests[name] for name in group_names],
                 wheres,
                 old,
                 hints,
-                None if old is None or counts is None else (counts, [s.name for s in in_group]),
+                None if old is None or counts is None else (counts, group_names),
             )
-            deltas.append(([(s.name, s.dtype, s.shape, n) for s, _, n in group], encode))
+            columns = Tensors(
+                group_names, [s.dtype for s in in_group], [s.shape for s in in_group], counted[a:b]
+            )
+            deltas.append((columns, encode))
         _encode_in_order(deltas, encoders, window, packer, digests, global_digests)
-        changed += sum(n for _, _, n in counted)
+        changed += sum(counted)
         host_bytes += part.host_bytes - part.hint_bytes
         hint_bytes += part.hint_bytes
         started = time.perf_counter()
@@ -275,16 +282,18 @@ elements; a keyframe's whole elements), so that a model of many small tensors pa
 task per bundle, not per tensor; a large tensor is a bundle of its own."""
 
 
-def _bundles(items: Sequence[T], work: Callable[[T], int]) -> list[list[T]]:
-    """Consecutive items grouped until each group holds `BUNDLE_ELEMENTS` of work."""
-    out: list[list[T]] = []
-    done = BUNDLE_ELEMENTS
-    for item in items:
+def _bundles(work: Sequence[int]) -> list[tuple[int, int]]:
+    """The ranges [a, b) of consecutive items (of `work` each) that make a bundle: each
+    holds `BUNDLE_ELEMENTS` of work, but the last."""
+    out: list[tuple[int, int]] = []
+    start, done = 0, 0
+    for i, w in enumerate(work):
+        done += w
         if done >= BUNDLE_ELEMENTS:
-            out.append([])
-            done = 0
-        out[-1].append(item)
-        done += work(item)
+            out.append((start, i + 1))
+            start, done = i + 1, 0
+    if start < len(work):
+        out.append((start, len(work)))
     return out
 
 
@@ -297,14 +306,15 @@ def _encode_in_order(
     global_digests: dict[str, str],
 ) -> None:
     """Run `bundles` on `encoders` (at most `window` submitted) and pack the results in order."""
-    pending: deque[tuple[list[PackedTensor], Future[Encoded]]] = deque()
+    pending: deque[tuple[Tensors, Future[Encoded]]] = deque()
 
     def pack_first() -> None:
         tensors, fut = pending.popleft()
         patches, slice_digests = fut.result()
-        names = [name for name, *_ in tensors]
-        digests.update(zip(names, patches.digests, strict=True))
-        global_digests.update((n, d) for n, d in zip(names, slice_digests, strict=True) if d is not None)
+        digests.update(zip(tensors.names, patches.digests, strict=True))
+        if slice_digests is not None:
+            pairs = zip(tensors.names, slice_digests, strict=True)
+            global_digests.update((n, d) for n, d in pairs if d is not None)
         packer.add(tensors, patches.data, patches.ends, patches.digests)
 
     try:

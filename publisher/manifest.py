@@ -43,7 +43,7 @@ def build_manifest(
         tensors, entries, digests = _sliced(ranks)
     else:
         tensors, entries, digests = _whole(ranks)
-    placement = _placement(tensors, spec)
+    placement, by_name = _planned(tensors, spec)
     meta = dict(proposal.meta)
     if proposal.step is not None:
         meta["step"] = proposal.step
@@ -60,7 +60,7 @@ def build_manifest(
             "created_at": time.time(),
             "meta": meta,
             "tensors": _columns(entries, placement),
-            "state_digest": codec.state_digest(digests.items()),
+            "state_digest": codec.state_digest((name, digests[name]) for name in by_name),
             "stats": ManifestStats(
                 changed_elements=sum(r.changed_elements for r in ranks),
                 total_elements=sum(r.total_elements for r in ranks),
@@ -75,10 +75,12 @@ Tensors = tuple[tuple[str, str, tuple[int, ...]], ...]
 
 
 @functools.lru_cache(maxsize=4)
-def _placement(tensors: Tensors, spec: ViewSpec) -> Mapping[str, str]:
-    """Each tensor's shard file: the same for every version of the same tensors, so planned
-    once for them (a walk over every tensor, which a model of many tensors pays per version)."""
-    return plan_layout(tensors, spec).placement
+def _planned(tensors: Tensors, spec: ViewSpec) -> tuple[Mapping[str, str], list[str]]:
+    """Each tensor's shard file, and the names sorted (as the state digest takes its
+    entries, whose sort then meets them in order): the same for every version of the same
+    tensors, so made once for them (walks over every tensor, which a model of many tensors
+    would pay per version)."""
+    return plan_layout(tensors, spec).placement, sorted(name for name, _, _ in tensors)
 
 
 @dataclass(frozen=True)
@@ -116,18 +118,21 @@ def _columns(entries: Entries, placement: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def _whole(ranks: Sequence[RankVersion]) -> tuple[Tensors, Entries, dict[str, str]]:
+def _whole(ranks: Sequence[RankVersion]) -> tuple[Tensors, Entries, Mapping[str, str]]:
     """Every rank's own whole tensors, in rank order."""
-    tensors = ranks[0].tensors if len(ranks) == 1 else tuple(t for r in ranks for t in r.tensors)
+    if len(ranks) == 1:  # one state dict's names, unique (the layout's, as is)
+        only = ranks[0]
+        return only.tensors, Entries(only.parts, only.parts.shapes, only.parts.digests, None), only.digests
+    tensors = tuple(t for r in ranks for t in r.tensors)
     names = [name for name, _, _ in tensors]
     if len(set(names)) != len(names):
         raise ValueError("two ranks published a tensor of the same name: partition the state dict")
-    packed = ranks[0].parts if len(ranks) == 1 else PackedParts.joined([r.parts for r in ranks])
+    packed = PackedParts.joined([r.parts for r in ranks])
     entries = Entries(packed, packed.shapes, packed.digests, None)
     return tensors, entries, {n: d for r in ranks for n, d in r.digests.items()}
 
 
-def _sliced(ranks: Sequence[RankVersion]) -> tuple[Tensors, Entries, dict[str, str]]:
+def _sliced(ranks: Sequence[RankVersion]) -> tuple[Tensors, Entries, Mapping[str, str]]:
     """Slices of tensors from every rank: one entry per part, in the trainer's state order
     (then rank order); each tensor's digest is the combination of its slices' digests."""
     whole: dict[str, tuple[int, str, tuple[int, ...]]] = {}  # name: order, dtype, shape

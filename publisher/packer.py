@@ -18,7 +18,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 Upload = Callable[[str, bytes], None]
-PackedTensor = tuple[str, str, tuple[int, ...], int]  # name, dtype, shape, changed elements
+
+
+@dataclass(frozen=True)
+class Tensors:
+    """The tensors of a run of patches, as the packer takes them: columns (a bundle of
+    thousands of small tensors is four lists, not a tuple per tensor, and the packer
+    extends its own columns with runs of them)."""
+
+    names: Sequence[str]
+    dtypes: Sequence[str]
+    shapes: Sequence[tuple[int, ...]]
+    changed: Sequence[int]  # elements changed (a keyframe's: all)
 
 
 @dataclass(frozen=True)
@@ -108,24 +119,20 @@ class BlobPacker:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
 
-    def add(
-        self,
-        tensors: Sequence[PackedTensor],
-        data: bytes,
-        ends: Sequence[int],
-        digests: Sequence[str],
-    ) -> None:
-        """Patches end to end in `data` (patch i ends at `ends[i]`), of `tensors` (name,
-        dtype, shape, changed elements) in order, with their result digests.
+    def add(self, tensors: Tensors, data: bytes, ends: Sequence[int], digests: Sequence[str]) -> None:
+        """Patches end to end in `data` (patch i ends at `ends[i]`), of `tensors` in order,
+        with their result digests.
 
         A patch goes to the open blob unless it would take it past `blob_max_bytes` (then
         the blob is sealed first; a larger patch gets a blob of its own): a run of patches
-        that fits is appended as one piece of `data`, so a batch of many small patches
-        costs a few list extensions, not an object per patch."""
+        that fits is appended as one piece of `data`, and its tensors as runs of the
+        columns, so a batch of many small patches costs a few list extensions, not a step
+        per patch."""
         view = memoryview(data)
+        starts = [0, *ends[:-1]]
         i = 0
         while i < len(ends):
-            start = ends[i - 1] if i else 0
+            start = starts[i]
             room = self._blob_max - self._open_bytes
             stop = bisect.bisect_right(ends, start + room, lo=i)  # patches i..stop-1 fit
             if stop == i and self._open:
@@ -134,14 +141,13 @@ class BlobPacker:
             stop = max(stop, i + 1)
             at = self._open_bytes - start
             parts = self._parts
-            for name, dtype, shape, changed in tensors[i:stop]:
-                parts.names.append(name)
-                parts.dtypes.append(dtype)
-                parts.shapes.append(shape)
-                parts.changed.append(changed)
+            parts.names += tensors.names[i:stop]
+            parts.dtypes += tensors.dtypes[i:stop]
+            parts.shapes += tensors.shapes[i:stop]
+            parts.changed += tensors.changed[i:stop]
             parts.digests += digests[i:stop]
-            parts.offsets += [at + (ends[j - 1] if j else 0) for j in range(i, stop)]
-            parts.lengths += [ends[j] - (ends[j - 1] if j else 0) for j in range(i, stop)]
+            parts.offsets += [at + first for first in starts[i:stop]]
+            parts.lengths += [end - first for first, end in zip(starts[i:stop], ends[i:stop], strict=True)]
             self._chunks.append(view[start : ends[stop - 1]])
             self._open += stop - i
             self._open_bytes += ends[stop - 1] - start

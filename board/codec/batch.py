@@ -219,10 +219,16 @@ def encode_batch(
     kinds = {c.dtype for c in changes}
     if any(uint_dtype(dtype) != bits_dtype for dtype in kinds):
         raise PatchError("encode_batch: tensors of one element width expected")
-    for c in changes:
-        n = c.positions.shape
-        if len(n) != 1 or c.old_bits.shape != n or c.new_bits.shape != n:
-            raise PatchError("changes: positions, old_bits and new_bits differ in length")
+    # a comprehension per column, no Python statement per tensor (a model of many small
+    # tensors pays this per tensor)
+    positions = [c.positions for c in changes]
+    shapes = [p.shape for p in positions]
+    if (
+        any(len(shape) != 1 for shape in shapes)
+        or [c.old_bits.shape for c in changes] != shapes
+        or [c.new_bits.shape for c in changes] != shapes
+    ):
+        raise PatchError("changes: positions, old_bits and new_bits differ in length")
     numels = np.array([c.numel for c in changes], dtype=np.int64)
     old_bits = np.empty(0, dtype=bits_dtype) if old is None else as_bits(old, changes[0].dtype, "old")
     starts = (
@@ -233,13 +239,21 @@ def encode_batch(
     ):
         raise PatchError(f"old has {old_bits.size} elements, fewer than the tensors' at their starts")
     bounds = np.zeros(len(changes) + 1, dtype=np.int64)
-    np.cumsum([c.positions.size for c in changes], out=bounds[1:])
+    np.cumsum([shape[0] for shape in shapes], out=bounds[1:])
     bases = raw_digests(old_digests)
     lanes = np.frombuffer(bases, dtype=">u8").astype(np.uint64).reshape(-1, 2)
     modes, thresholds, ranks = _hints(changes, old is not None, hints, bounds)
-    dtypes = {dtype: (*EXPONENT_FIELDS.get(dtype, (0, 0)), layout(dtype)[2]) for dtype in kinds}
-    fields = np.array([dtypes[c.dtype] for c in changes], np.uint64)
-    codes = {dtype: dtype_code(dtype) for dtype in dtypes}
+    dtypes = {
+        dtype: (*EXPONENT_FIELDS.get(dtype, (0, 0)), layout(dtype)[2], dtype_code(dtype)) for dtype in kinds
+    }
+    # one row per tensor: exponent shift, exponent mask, element mask, dtype code
+    rows = np.array(list(dtypes.values()), np.uint64)
+    if len(dtypes) == 1:
+        per_tensor = np.broadcast_to(rows, (len(changes), rows.shape[1]))
+    else:
+        which = {dtype: i for i, dtype in enumerate(dtypes)}
+        per_tensor = rows[[which[c.dtype] for c in changes]]
+    fields = np.ascontiguousarray(per_tensor[:, :3])
     columns = max(int(f[1]) + 1 for f in dtypes.values())
     if counts is not None and (
         counts.dtype != np.int64
@@ -252,7 +266,7 @@ def encode_batch(
         starts,
         numels,
         bounds,
-        np.concatenate([c.positions for c in changes], dtype=np.int64),
+        np.concatenate(positions, dtype=np.int64),
         np.concatenate([c.old_bits for c in changes], dtype=bits_dtype),
         np.concatenate([c.new_bits for c in changes], dtype=bits_dtype),
         modes,
@@ -270,7 +284,7 @@ def encode_batch(
     # empty frame there, replaced by its patch below
     results = lanes.astype(">u8").tobytes()
     data, patch_ends = pack_many(
-        np.array([codes[c.dtype] for c in changes], dtype=np.uint8),
+        per_tensor[:, 3].astype(np.uint8),
         encodings,
         numels,
         np.diff(bounds),
@@ -304,7 +318,7 @@ def _hints(
     count = len(changes)
     modes = np.full(count, _FROM_OLD if has_old else _NO_HINT, dtype=np.int64)
     thresholds = np.zeros((count, 2), dtype=np.int64)
-    ranks = np.zeros(int(bounds[-1]), dtype=np.int64)
+    ranks = np.zeros(int(bounds[-1]) if hints is not None else 0, dtype=np.int64)  # read where given
     for i, hint in enumerate(hints or ()):
         if hint is None:
             continue

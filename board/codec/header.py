@@ -111,9 +111,10 @@ def pack_many(
 
     Patch i has the i-th of each column, its raw digests at `16 * i` of `bases` and
     `results`, and payload `payloads[ends[i - 1]:ends[i]]`. The headers are written as
-    columns and every byte is moved by one compiled call; only the checksum is a call
-    per patch (xxh3 over the header's fields and the payload, which the check splits), so
-    a batch of thousands of small patches costs about what its bytes cost."""
+    columns and every byte is moved by compiled calls; only the checksum is a call per
+    patch (xxh3 over the header's fields and the payload, which the check splits: both
+    are first staged end to end, so that it is one call over one slice), so a batch of
+    thousands of small patches costs about what its bytes cost."""
     count = len(ends)
     sizes = np.diff(ends, prepend=0)
     records = np.zeros(count, dtype=_RECORD)
@@ -123,26 +124,29 @@ def pack_many(
     records["base"] = np.frombuffer(bases, dtype="V16", count=count)
     records["result"] = np.frombuffer(results, dtype="V16", count=count)
     raw = records.view(np.uint8)
-    fields, body = raw.data, payloads.data
-    checks = []
-    for i, (start, end) in enumerate(itertools.pairwise([0, *ends.tolist()])):
-        check = xxhash.xxh3_64(fields[HEADER_SIZE * i : HEADER_SIZE * i + _FIELDS.size])
-        check.update(body[start:end])
-        checks.append(check.intdigest())
-    records["check"] = checks
+    # each patch's checked bytes (its fields, then its payload) end to end, so that its
+    # checksum is one call over one slice
+    checked = np.empty(int(ends[-1]) + _FIELDS.size * count if count else 0, dtype=np.uint8)
+    _interleave(raw, HEADER_SIZE, _FIELDS.size, payloads, ends, checked)
+    view = checked.data
+    starts = (np.arange(count + 1) * _FIELDS.size + np.concatenate(([0], ends))).tolist()
+    records["check"] = [xxhash.xxh3_64_intdigest(view[a:b]) for a, b in itertools.pairwise(starts)]
     patch_ends = np.cumsum(sizes + HEADER_SIZE)
     out = np.empty(int(patch_ends[-1]) if count else 0, dtype=np.uint8)
-    _interleave(raw, payloads, ends, out)
+    _interleave(raw, HEADER_SIZE, HEADER_SIZE, payloads, ends, out)
     return out.tobytes(), patch_ends
 
 
 @kernel
-def _interleave(headers: np.ndarray, payloads: np.ndarray, ends: np.ndarray, out: np.ndarray) -> None:
-    """Each header (HEADER_SIZE bytes of `headers`) followed by its payload, into `out`."""
+def _interleave(
+    headers: np.ndarray, stride: int, size: int, payloads: np.ndarray, ends: np.ndarray, out: np.ndarray
+) -> None:
+    """The first `size` bytes of each header (one every `stride` bytes of `headers`), each
+    followed by its payload, into `out`."""
     at = start = 0
     for i in range(ends.size):
-        out[at : at + HEADER_SIZE] = headers[HEADER_SIZE * i : HEADER_SIZE * (i + 1)]
-        at += HEADER_SIZE
+        out[at : at + size] = headers[stride * i : stride * i + size]
+        at += size
         out[at : at + ends[i] - start] = payloads[start : ends[i]]
         at += ends[i] - start
         start = ends[i]

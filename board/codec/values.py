@@ -111,12 +111,17 @@ def put_values(
     ctx = _contexts(old, shift, mask)
     table = np.zeros((CONTEXTS, _CLASSES), dtype=np.int64)
     counts = np.zeros(_CLASSES, dtype=np.int64)
-    for i in range(c.size):
-        table[ctx[i], c[i]] += 1
-        counts[c[i]] += 1
+    # per context the most common class, the first of equals (np.argmax of its row),
+    # followed as the rows fill instead of a scan of every row afterwards
     predicted = np.zeros(CONTEXTS, dtype=np.uint8)
-    for x in range(CONTEXTS):  # the most common class, the first of equals
-        predicted[x] = np.argmax(table[x])
+    most = np.zeros(CONTEXTS, dtype=np.int64)
+    for i in range(c.size):
+        x, k = ctx[i], c[i]
+        table[x, k] += 1
+        counts[k] += 1
+        if table[x, k] > most[x] or (table[x, k] == most[x] and k < predicted[x]):
+            most[x] = table[x, k]
+            predicted[x] = k
     buf, at = put_section(buf, at, predicted)
     missed = np.empty(2 * c.size, dtype=np.uint64)  # gaps between misses, then |zigzag| - 1
     m = 0

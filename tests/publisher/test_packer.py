@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from deltaboard.board.contract.schemas import ViewSpec
 from deltaboard.publisher.encode import encode_rank
 from deltaboard.publisher.manifest import Proposal, build_manifest
-from deltaboard.publisher.packer import BlobPacker, PackedParts, PackedTensor, TensorPart
+from deltaboard.publisher.packer import BlobPacker, PackedParts, TensorPart, Tensors
 from deltaboard.publisher.snapshot import ViewBuffer, ViewLayout
 
 
@@ -37,9 +37,12 @@ def pack(batches: list[list[bytes]], blob_max: int) -> tuple[PackedParts, dict[s
         packer = BlobPacker(uploaded.__setitem__, pool, blob_max_bytes=blob_max, max_pending_bytes=1 << 20)
         done = 0
         for batch in batches:
-            tensors: list[PackedTensor] = [
-                (f"t{done + i}", "BF16", (len(p),), i) for i, p in enumerate(batch)
-            ]
+            tensors = Tensors(
+                [f"t{done + i}" for i in range(len(batch))],
+                ["BF16"] * len(batch),
+                [(len(p),) for p in batch],
+                list(range(len(batch))),
+            )
             ends = list(itertools.accumulate(len(p) for p in batch))
             packer.add(tensors, b"".join(batch), ends, [f"d{done + i}" for i in range(len(batch))])
             done += len(batch)

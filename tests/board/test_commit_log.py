@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -200,3 +201,30 @@ def test_records_of_two_runs_are_never_written_together(tmp_path):
     store = LocalStore(tmp_path, log_bytes=LOG)
     with pytest.raises(ValueError):
         store.write_records([("runs/a/head.json", b"a", None), ("runs/b/head.json", b"b", None)])
+
+
+def test_a_log_being_made_holds_up_no_other_runs_write(tmp_path, monkeypatch):
+    """Making a run's log writes its zeros; another run's write meanwhile goes on (a wait
+    for the first would end only when the first log's write is let go: out of order)."""
+    store = LocalStore(tmp_path, log_bytes=LOG)
+    making, release = threading.Event(), threading.Event()
+    order: list[str] = []
+    real = os.pwrite
+
+    def held(fd: int, data: bytes, offset: int) -> int:
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).name.startswith(".new-") and not making.is_set():
+            making.set()
+            release.wait(60)
+            order.append("run a's log made")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", held)
+    first = threading.Thread(target=store.write_record, args=("runs/a/head.json", b"a", None))
+    first.start()
+    assert making.wait(60)
+    store.write_record("runs/b/head.json", b"b", None)
+    order.append("run b written")
+    release.set()
+    first.join()
+    assert order == ["run b written", "run a's log made"]
+    assert store.read_record("runs/a/head.json") is not None

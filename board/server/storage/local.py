@@ -367,9 +367,16 @@ class LocalStore:
         name = hashlib.sha1(log_scope(key).encode()).hexdigest()
         with self._logs_guard:
             log = self._logs.get(name)
-            if log is None and (create or (self._commits / name).exists()):
-                log = self._logs[name] = CommitLog(self._commits / name, self._log_bytes)
+        if log is not None or not (create or (self._commits / name).exists()):
             return log
+        # Opened outside the guard: making a log writes its zeros, which another run's
+        # commit must not wait for.
+        opened = CommitLog(self._commits / name, self._log_bytes)
+        with self._logs_guard:
+            log = self._logs.setdefault(name, opened)
+        if log is not opened:
+            opened.close()
+        return log
 
     def _checkpoint(self, log: CommitLog) -> None:
         """Sync the files of every record the log names (each file and its folder, at

@@ -228,3 +228,19 @@ def test_a_log_being_made_holds_up_no_other_runs_write(tmp_path, monkeypatch):
     first.join()
     assert order == ["run b written", "run a's log made"]
     assert store.read_record("runs/a/head.json") is not None
+
+
+def test_a_store_closed_cleanly_has_nothing_to_replay(tmp_path):
+    """A clean stop syncs the files and empties the logs: what is in the files then (here
+    a manifest changed by hand, as tests and operators do) is what the next store reads.
+    A store closed still writes (an app started again on it)."""
+    store = LocalStore(tmp_path, log_bytes=LOG)
+    key = manifest_key("r", 1)
+    store.write_record(key, b"m1", None)
+    store.close()
+    (tmp_path / key).write_bytes(b"by hand")
+    again = LocalStore(tmp_path, log_bytes=LOG)
+    assert again.get(key) == b"by hand"
+    store.write_record(manifest_key("r", 2), b"m2", None)
+    store.close()
+    assert LocalStore(tmp_path, log_bytes=LOG).get(manifest_key("r", 2)) == b"m2"

@@ -434,6 +434,7 @@ class LocalStore:
             log.close()
         if self._syncers is not None:
             self._syncers.shutdown()
+            self._syncers = None  # an app started again on this store makes another
 
     def delete_record(self, key: str) -> None:
         """A record its log names is synced first (with every other the log names): a

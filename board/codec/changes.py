@@ -22,7 +22,8 @@ _Found = tuple[np.ndarray, np.ndarray, np.ndarray]  # positions, old bits, new b
 
 @dataclass(frozen=True)
 class Changes:
-    """Elements whose bits differ. `positions` is int64, strictly increasing, < numel;
+    """Elements whose bits differ. `positions` is int64 (or int32, as the publisher's GPU
+    diff hands them to the batch encoder, which widens them), strictly increasing, < numel;
     `old_bits`/`new_bits` are the element-width unsigned bit patterns at those positions."""
 
     dtype: str

@@ -310,7 +310,18 @@ def run_shapes(config: BenchConfig, many: int, status: Status) -> dict[str, Any]
     status(f"the same bytes in {many} tensors")
     spread = run(replace(config, tensors=many), status)
     few["many_tensors"] = {
-        k: spread[k] for k in ("tensors", "hot_pause_ms", "hot_ready_s", "changed_fraction")
+        k: spread[k]
+        for k in (
+            "tensors",
+            "hot_pause_ms",
+            "hot_pause_max_ms",
+            "hot_pause_cpu_ms",
+            "hot_ready_s",
+            "hot_fetch_s",
+            "hot_decode_s",
+            "hot_stage_s",
+            "changed_fraction",
+        )
     }
     few["many_tensors_pause_ratio"] = spread["hot_pause_ms"] / few["hot_pause_ms"]
     return few

@@ -52,10 +52,8 @@ stream's end (`restamped_stream` with the server's sink), bodies are stamped by 
 engine's stamp is asked once for all the requests that need it in a turn of the loop
 (`Proxy.engine_stamp`), and a client's disconnect cancels its request's work (`_Watch`:
 told by the sidecar's server, `services.sidecar.server`, which also answers in one write
-and ends a stream's body with its last event). A request goes on in the read that lets it
-(`services.sidecar.steps`): the client's read sends it to the engine, the engine's read of
-the answer's head writes the head and the first events back, no turn of the loop between.
-Figures, before and after, in docs/design.md.
+and ends a stream's body with its last event). Figures, before and after, in
+docs/design.md.
 """
 
 from __future__ import annotations
@@ -83,7 +81,7 @@ from deltaboard.services.sidecar.constraints import (
 )
 from deltaboard.services.sidecar.gate import Admitted, Refused, Stale, VersionGate, unless_stale
 from deltaboard.services.sidecar.metrics import SidecarMetrics
-from deltaboard.services.sidecar.server import DISCONNECT, SINK, STEP
+from deltaboard.services.sidecar.server import DISCONNECT, SINK
 from deltaboard.services.sidecar.stamping import Release, cut_field, range_headers, restamped_stream, stamp
 from deltaboard.services.sidecar.upstream import (
     ResponseHeaders,
@@ -434,8 +432,7 @@ class Proxy:
         start = admission.start
         try:
             async with asyncio.timeout(self.settings.engine_timeout_s) as deadline:
-                wake = scope.get("extensions", {}).get(STEP)
-                sending = self.pool.request(scope["method"], target, headers, raw, wake)
+                sending = self.pool.request(scope["method"], target, headers, raw)
                 upstream = await (unless_stale(sending, admission) if abortable else sending)
                 opened.append(upstream)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):

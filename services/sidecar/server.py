@@ -14,10 +14,7 @@ What a connection does:
 - requests are parsed by httptools; each runs the ASGI app in a task of its own (a
   pipelined request waits for the one before it, reading paused), with the body delivered
   by `receive` as it comes and `http.disconnect` once the client has gone or the answer is
-  complete; the task's steps run in the read that made them possible (its first in the
-  read that brought the request, its next once a read brought what it waits for:
-  `services.sidecar.steps`), not a turn of the event loop later, and the scope's extension
-  `deltaboard.step` lets the app's own connections do the same (the proxy's upstream);
+  complete;
 - the scope's extension `deltaboard.disconnect` takes a callback that the connection calls
   when its client goes away before the answer is complete: the proxy stops a request's
   work so, without a task per request waiting in `receive` for the disconnect;
@@ -52,16 +49,12 @@ from typing import Any, cast
 import httptools
 
 from deltaboard.services.sidecar.constraints import SidecarCode
-from deltaboard.services.sidecar.steps import Steps
 
 logger = logging.getLogger("uvicorn.error")
 DISCONNECT = "deltaboard.disconnect"
 """The scope extension that takes a callback for the client's going away (`_Cycle.watch`)."""
 SINK = "deltaboard.sink"
 """The scope extension that writes body parts from a callback (`_Cycle.write`, `behind`)."""
-STEP = "deltaboard.step"
-"""The scope extension that runs the request's next step now, from a callback that fed
-what it waits for (`services.sidecar.steps`): the proxy hands it to its upstream connection."""
 READ_PAUSE_BYTES = 2**16
 # A header's name and value must hold no line break. Not `b"\n" in value`: CPython 3.11's
 # `bytes.__contains__` builds a formatted TypeError for every bytes needle before searching.
@@ -148,9 +141,6 @@ class SidecarProtocol(asyncio.Protocol):
             assert self.transport is not None
             self.transport.write(_canned(*BAD_REQUEST))
             self.transport.close()
-            return
-        if self.running is not None:  # its first step, or what it waited for came in `data`
-            self.running.steps.step()
 
     def pause_writing(self) -> None:
         if self.drained is None:
@@ -247,9 +237,7 @@ class SidecarProtocol(asyncio.Protocol):
 
     def _run(self, cycle: _Cycle) -> None:
         self.running = cycle
-        cycle.steps = steps = Steps(cycle.run(self.app))
-        cycle.scope["extensions"][STEP] = steps.step
-        task = steps.task = self.loop.create_task(steps)
+        task = self.loop.create_task(cycle.run(self.app))
         self.state.tasks.add(task)
         task.add_done_callback(self.state.tasks.discard)
 
@@ -302,7 +290,6 @@ class _Cycle:
         self.chunked = False
         self.left = 0  # bytes of a content-length body still to send
         self.on_disconnect: Callable[[], None] | None = None
-        self.steps: Steps  # the app's run, once the connection starts it (`SidecarProtocol._run`)
         scope["extensions"][DISCONNECT] = self.watch
         scope["extensions"][SINK] = self
 

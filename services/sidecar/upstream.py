@@ -56,34 +56,15 @@ class ResponseHeaders(dict[str, str]):
         return super().get(name.lower(), default)
 
 
-class _Reading(asyncio.StreamReaderProtocol):
-    """A connection's protocol: its reads feed its reader, then `wake` (if set) runs the
-    waiting request's next step at once (`services.sidecar.steps`), not a turn of the
-    event loop later."""
-
-    def __init__(self, reader: asyncio.StreamReader) -> None:
-        super().__init__(reader)
-        self.wake: Callable[[], None] | None = None
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.wake is not None:
-            self.wake()
-
-
 class _Connection:
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, protocol: _Reading
-    ) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
-        self.protocol = protocol
 
     def usable(self) -> bool:
         return not self.writer.is_closing() and not self.reader.at_eof()
 
     def close(self) -> None:
-        self.protocol.wake = None
         self.writer.transport.abort()  # at once: the engine sees the request go away
 
 
@@ -320,34 +301,23 @@ class UpstreamPool:
         self._max_idle = max_idle
 
     def put(self, conn: _Connection) -> None:
-        conn.protocol.wake = None
         if len(self._idle) < self._max_idle and conn.usable():
             self._idle.append(conn)
         else:
             conn.close()
 
     async def _open(self) -> _Connection:
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=READ_SIZE * 4, loop=loop)
-        protocol = _Reading(reader)
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                transport, _ = await loop.create_connection(lambda: protocol, self.host, self.port)
+                reader, writer = await asyncio.open_connection(self.host, self.port, limit=READ_SIZE * 4)
         except (OSError, TimeoutError) as exc:
             raise UpstreamError(f"cannot connect to the engine at {self.host}:{self.port}: {exc!r}") from exc
-        return _Connection(reader, asyncio.StreamWriter(transport, protocol, reader, loop), protocol)
+        return _Connection(reader, writer)
 
     async def request(
-        self,
-        method: str,
-        target: str,
-        headers: Sequence[tuple[bytes, bytes]] = (),
-        body: bytes = b"",
-        wake: Callable[[], None] | None = None,
+        self, method: str, target: str, headers: Sequence[tuple[bytes, bytes]] = (), body: bytes = b""
     ) -> UpstreamResponse:
-        """Send a request (`target`: path and query) and read the response's head. `wake`
-        is called after each read of the connection until it is back in the pool (the
-        sidecar's server's `STEP`: the request goes on from the read, see `_Reading`)."""
+        """Send a request (`target`: path and query) and read the response's head."""
         line = f"{method} {self.prefix}{target} HTTP/1.1\r\n".encode()
         head = [line, b"host: ", self._host_header, b"\r\n"]
         for name, value in headers:
@@ -362,13 +332,10 @@ class UpstreamPool:
             if not conn.usable():
                 conn.close()
                 continue
-            conn.protocol.wake = wake
             response = await self._exchange(conn, method, message, retry=True)
             if response is not None:
                 return response
-        conn = await self._open()
-        conn.protocol.wake = wake
-        response = await self._exchange(conn, method, message, retry=False)
+        response = await self._exchange(await self._open(), method, message, retry=False)
         assert response is not None
         return response
 

@@ -74,8 +74,19 @@ def _address(typingctx: Any, array: Any) -> Any:
     return types.uint64(array), codegen
 
 
+@intrinsic
+def _bytes_at(typingctx: Any, at: Any) -> Any:
+    """A pointer to the bytes at the address `at` (for `numba.carray`)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return types.CPointer(types.uint8)(types.uint64), codegen  # type: ignore[no-untyped-call]
+
+
 # The intrinsics as plain functions for the type checker (numba sees the same objects).
 address = cast(Callable[[np.ndarray], np.uint64], _address)
+bytes_at = cast(Callable[[np.uint64], Any], _bytes_at)
 stream_line = cast(Callable[[np.ndarray, np.ndarray, int], None], _stream_line)
 store_fence = cast(Callable[[], None], _store_fence)
 
@@ -100,3 +111,24 @@ def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
     if dst.shape != src.shape or dst.dtype != np.uint8 or src.dtype != np.uint8:
         raise ValueError("stream_copy copies between uint8 arrays of one size")
     _stream_copy(dst, src)
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather_copy(dst: np.ndarray, starts: np.ndarray, addresses: np.ndarray, sizes: np.ndarray) -> None:
+    for i in range(starts.size):
+        src = numba.carray(bytes_at(addresses[i]), (sizes[i],))  # type: ignore[attr-defined]
+        _stream_copy(dst[starts[i] : starts[i] + sizes[i]], src)
+
+
+def gather_copy(dst: np.ndarray, starts: np.ndarray, addresses: np.ndarray, sizes: np.ndarray) -> None:
+    """`stream_copy` of many sources at once: the `sizes[i]` bytes at memory address
+    `addresses[i]` into `dst` (uint8) from `starts[i]` (int64 arrays, uint64 addresses).
+    One compiled call for a batch of small tensors, each written around the caches: a
+    plain copy of a few KB reads every destination line in first (the C library keeps
+    its non-temporal stores for copies of megabytes). The caller keeps the sources alive
+    and guarantees their bytes; the GIL is released."""
+    if dst.dtype != np.uint8 or dst.ndim != 1 or not (starts.size == addresses.size == sizes.size):
+        raise ValueError("gather_copy copies into a uint8 array, one start, address and size per source")
+    if starts.size and ((starts < 0).any() or (starts + sizes > dst.size).any()):
+        raise ValueError("gather_copy: a source does not fit in dst at its start")
+    _gather_copy(dst, starts, addresses, sizes)

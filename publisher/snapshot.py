@@ -26,7 +26,7 @@ from deltaboard.board import codec
 from deltaboard.board.contract.schemas import ViewSpec
 from deltaboard.board.contract.view_spec import served_dtype
 from deltaboard.publisher.exponents import ExponentCounts
-from deltaboard.publisher.memcopy import stream_copy
+from deltaboard.publisher.memcopy import gather_copy, stream_copy
 from deltaboard.publisher.view import SAFETENSORS_TO_TORCH, safetensors_dtype
 
 # Element width in bytes -> the integer dtype whose bit patterns the diff compares.
@@ -182,6 +182,35 @@ def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     torch._foreach_copy_(targets, sources)
 
 
+class _SmallBatch:
+    """Small host tensors of one group, about a piece's bytes in all, copied in one call:
+    where every source is a host tensor of its target's dtype and shape, contiguous (as a
+    state dict's parameters are), a `gather_copy` of their bytes, written around the
+    caches (a torch copy of a tensor of a few KB reads its destination in first); else
+    (a cast, a strided source) one torch call."""
+
+    def __init__(self, slots: list[Slot], targets: list[torch.Tensor], host: np.ndarray) -> None:
+        self.names = [s.name for s in slots]
+        self.targets = targets
+        self._kinds = [(t.dtype, t.shape) for t in targets]
+        self._host = host  # the group's buffer, each target's bytes at its start
+        self._starts = np.array([s.offset * s.width for s in slots], dtype=np.int64)
+        self._sizes = np.array([s.numel * s.width for s in slots], dtype=np.int64)
+
+    def copy_from(self, state: Mapping[str, torch.Tensor]) -> Callable[[], None]:
+        """The copy of these tensors from `state`, to run on any thread while `state`
+        holds them."""
+        sources = [state[name] for name in self.names]
+        as_bytes = all(
+            s.is_cpu and s.dtype == dtype and s.shape == shape and s.is_contiguous()
+            for s, (dtype, shape) in zip(sources, self._kinds, strict=True)
+        )
+        if not as_bytes:
+            return partial(_copy_all, self.targets, sources)
+        addresses = np.array([s.data_ptr() for s in sources], dtype=np.uint64)
+        return partial(gather_copy, self._host, self._starts, addresses, self._sizes)
+
+
 class ViewBuffer:
     """One copy of the view, as flat bit buffers per group."""
 
@@ -199,11 +228,11 @@ class ViewBuffer:
         self._host_raw = {
             slot.name: self.bits(slot).numpy().view(np.uint8) for slot in layout.slots if slot.device == "cpu"
         }
-        # Host tensors smaller than a piece are copied by torch whatever their source, many
-        # per call: those calls are planned here, once, so that a snapshot of thousands of
-        # them decides nothing per tensor. The others (device tensors, large host ones) are
-        # looked at per snapshot (`fill`).
-        self._small: list[tuple[list[str], list[torch.Tensor]]] = []
+        # Host tensors smaller than a piece are copied many per call: those calls are
+        # planned here, once, so that a snapshot of thousands of them decides nothing per
+        # tensor. The others (device tensors, large host ones) are looked at per snapshot
+        # (`fill`).
+        planned: list[list[Slot]] = []
         self._others: list[tuple[str, torch.Tensor]] = []
         small_bytes = _PIECE_BYTES
         for slot in layout.slots:
@@ -211,12 +240,15 @@ class ViewBuffer:
             if host is None or host.size >= _PIECE_BYTES:
                 self._others.append((slot.name, self.tensor(slot)))
                 continue
-            if small_bytes >= _PIECE_BYTES:
-                self._small.append(([], []))
+            if small_bytes >= _PIECE_BYTES or planned[-1][0].group != slot.group:
+                planned.append([])
                 small_bytes = 0
-            self._small[-1][0].append(slot.name)
-            self._small[-1][1].append(self.tensor(slot))
+            planned[-1].append(slot)
             small_bytes += host.size
+        self._small = [
+            _SmallBatch(slots, [self.tensor(s) for s in slots], self._host_groups[slots[0].group])
+            for slots in planned
+        ]
         self.ready: torch.cuda.Event | None = None
         # the host tensors' exponent counts where a version's encoding left them (`encode`):
         # they describe this buffer's bytes until it is filled again
@@ -248,9 +280,7 @@ class ViewBuffer:
         """
         self.exponent_counts = None  # of the bytes this copy replaces
         # under no_grad: copies need no detached view (a call per tensor)
-        pieces: list[Callable[[], None]] = [
-            partial(_copy_all, targets, [state[name] for name in names]) for names, targets in self._small
-        ]
+        pieces: list[Callable[[], None]] = [batch.copy_from(state) for batch in self._small]
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         batch_bytes = 0
         on_device: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from deltaboard.board.contract.schemas import ViewRule, ViewSpec
-from deltaboard.publisher.view import rollout_view, safetensors_dtype, tensor_bytes
+from deltaboard.publisher.view import SAFETENSORS_TO_TORCH, rollout_view, safetensors_dtype, tensor_bytes
 
 
 def bf16_reference(x: np.ndarray) -> np.ndarray:
@@ -104,3 +104,51 @@ def test_snapshot_copies_in_shared_pieces_exactly(monkeypatch):
         for slot in layout.slots:
             want = state[slot.name].to(torch.bfloat16).view(torch.int16).numpy().tobytes()
             assert buffer.host_bytes(slot).tobytes() == want
+
+
+def test_small_host_tensors_are_copied_as_bytes_or_by_torch_exactly(monkeypatch):
+    """Small host tensors of one group are copied as bytes in one call where every source
+    is a contiguous tensor of its served dtype and shape (views of one flat tensor too),
+    by torch where one is not (a cast, a strided view): every byte lands, the padding
+    between slots stays zero, snapshot after snapshot."""
+    from deltaboard.publisher import memcopy, snapshot
+
+    monkeypatch.setattr(snapshot, "_PIECE_BYTES", 4000)
+    gathered: list[int] = []
+
+    def counted(dst: np.ndarray, *args: np.ndarray) -> None:
+        gathered.append(len(args[0]))
+        memcopy.gather_copy(dst, *args)
+
+    monkeypatch.setattr(snapshot, "gather_copy", counted)
+    g = torch.Generator().manual_seed(2)
+    flat = torch.empty(3001, dtype=torch.bfloat16)
+
+    def state_of_random(strided: bool) -> dict[str, torch.Tensor]:
+        flat.copy_(torch.randn(3001, generator=g))
+        state: dict[str, torch.Tensor] = {f"v{i}": flat[i * 300 : i * 300 + 299] for i in range(10)}
+        state["fp32"] = torch.randn(77, generator=g)  # another group (served as fp32): its own batch
+        state["odd"] = torch.randn(5, generator=g).to(torch.bfloat16)
+        rows = torch.randn(9, 2, generator=g).to(torch.bfloat16)
+        state["strided"] = rows[:, 0] if strided else rows[:, 0].contiguous()
+        return state
+
+    spec = ViewSpec(rules=(ViewRule(pattern="fp32", dtype="fp32"),))
+    layout = snapshot.ViewLayout.of(state_of_random(False), spec)
+    buffer = snapshot.ViewBuffer(layout)
+    for strided in (False, True, False):
+        gathered.clear()
+        state = state_of_random(strided)
+        buffer.fill(state)
+        for slot in layout.slots:
+            want = state[slot.name].to(SAFETENSORS_TO_TORCH[slot.dtype]).contiguous().view(-1)
+            assert buffer.host_bytes(slot).tobytes() == want.view(torch.uint8).numpy().tobytes()
+        for group in buffer.groups.values():
+            used = torch.zeros(group.numel(), dtype=torch.bool)
+            for slot in layout.slots:
+                if slot.width == group.element_size():
+                    used[slot.offset : slot.offset + slot.numel] = True
+            assert not group[~used].any()  # the padding
+        # four batches (seven and three views, the fp32 tensor, two small ones): all as
+        # bytes but the one with the strided view
+        assert len(gathered) == (3 if strided else 4)

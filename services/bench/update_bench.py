@@ -142,7 +142,8 @@ def torch_scatter_s(patch: Any, engine: dict[str, Any], device: str) -> float:
 def bare_scatter_s(patch: HotPatch, engine: dict[str, Any]) -> float:
     """The floor of the commit on the host: the same new bits stored at the same positions
     (into another engine's copy of the view) by a plain compiled store loop on the commit's
-    threads, with no check, no prefetch and no rollback; the addresses computed untimed."""
+    threads, prefetched as the commit's, with no check and no rollback; the addresses
+    computed untimed."""
     seconds = 0.0
     for group in patch.groups:
         ptrs = [engine[t.name].data_ptr() for t in group.tensors()]

@@ -39,8 +39,9 @@ def test_a_swap_refuses_a_drift_at_any_index_and_leaves_memory_as_it_was(width: 
     assert np.array_equal(memory, expected)  # every change swapped, nothing else touched
 
 
-def test_put_stores_the_values_and_nothing_else() -> None:
-    memory, positions, addrs = _memory(300_000, 2, 1)  # above the size spread over threads
+@pytest.mark.parametrize("elements", [2 * scatter._AHEAD - 2, 300_000])  # shorter than a prefetch; spread
+def test_put_stores_the_values_and_nothing_else(elements: int) -> None:
+    memory, positions, addrs = _memory(elements, 2, 1)
     values = np.random.default_rng(2).integers(0, 1 << 16, positions.size, dtype=np.uint16)
     expected = memory.copy()
     expected[positions] = values

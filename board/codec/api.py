@@ -158,6 +158,21 @@ def decode(patch: bytes | memoryview, old: np.ndarray | None, old_digest: str | 
     return _decode(header, payload, old, old_digest)
 
 
+def read_patch(patch: bytes | memoryview) -> tuple[PatchHeader, memoryview]:
+    """The verified header (checksum included) and the payload, for `decode_payload`: a
+    caller that needs every header before it decodes (to size its output from the changed
+    counts) then hashes each patch once, not once for the header and again to decode."""
+    return unpack(patch)
+
+
+def decode_payload(
+    header: PatchHeader, payload: memoryview, old: np.ndarray | None, old_digest: str | None = None
+) -> Changes:
+    """`decode` of a patch that `read_patch` unpacked and checked: verified against the
+    base and result digests of `header` as `decode` does."""
+    return _decode(header, payload, old, old_digest)
+
+
 def _decode(
     header: PatchHeader, payload: memoryview, old: np.ndarray | None, old_digest: str | None
 ) -> Changes:

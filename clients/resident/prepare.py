@@ -13,18 +13,23 @@ digest, which must be the manifest's. A keyframe is never a hot update.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 
 import numpy as np
 
 from deltaboard.board import codec
-from deltaboard.board.contract.schemas import BlobRef, Manifest, TensorEntry
+from deltaboard.board.codec.api import decode_payload, read_patch
+from deltaboard.board.contract.schemas import BlobRef, Manifest, TensorTable
 from deltaboard.clients.resident.errors import ResidentError
 from deltaboard.clients.resident.patch import HotPatch
 
 ReadBlob = Callable[[BlobRef], memoryview | bytes]
 BaseBytes = Callable[[str], np.ndarray]
+_Patch = tuple[str, codec.PatchHeader, memoryview, str]  # name, header, payload, held digest
+_BLOB_FIELDS = set(BlobRef.model_fields)
+_SHARES = os.cpu_count() or 1
 
 
 def prepare_patch(
@@ -37,40 +42,47 @@ def prepare_patch(
     """The verified changes that take the view at `manifest.parent` to `manifest.version`.
 
     `base(name)` gives a tensor's bytes at the parent (uint8), `held_digests` their
-    digests. Raises `codec.PatchError` for a patch that does not verify (the caller may
-    refetch its blob) and `ResidentError` for a keyframe or a tensor not held.
+    digests. The tensors are decoded on `pool` in one share per core, each a loop over
+    its tensors: one task per tensor cost more in the executor's locks and wake-ups than a
+    small tensor's decode (an MoE view has tens of thousands). Raises `codec.PatchError`
+    for a patch that does not verify (the caller may refetch its blob) and `ResidentError`
+    for a keyframe or a tensor not held.
     """
     if manifest.kind != "delta" or manifest.parent is None:
         raise ResidentError(f"version {manifest.version} is a keyframe: it is loaded, not patched")
-    if any(e.part is not None for e in manifest.tensors):
+    # the manifest's columns, read as they are: no entry object per tensor
+    table = TensorTable.of(manifest.tensors).columns
+    if table.part is not None and any(p is not None for p in table.part):
         # a part's patch covers a slice of its tensor; resident tensors are patched whole
         raise ResidentError(f"version {manifest.version} is published in parts: it is loaded, not patched")
 
-    patches: list[tuple[TensorEntry, memoryview | bytes, str]] = []
+    patches: list[_Patch] = []
     shapes: list[tuple[str, str, int, int]] = []
-    for entry in manifest.tensors:
-        held = held_digests.get(entry.name)
+    for name, blob, offset, length, digest in zip(
+        table.name, table.blob, table.offset, table.length, table.digest, strict=True
+    ):
+        held = held_digests.get(name)
         if held is None:
-            raise ResidentError(f"no digest held for tensor {entry.name!r}: the view is not at the parent")
-        patch = read_blob(entry.blob)
-        header = codec.read_header(patch)
-        if header.result_digest != entry.digest:
-            raise codec.PatchError(f"{entry.name}: patch result {header.result_digest} is not the manifest's")
-        patches.append((entry, patch, held))
-        shapes.append((entry.name, header.dtype, header.numel, header.changed))
+            raise ResidentError(f"no digest held for tensor {name!r}: the view is not at the parent")
+        ref = BlobRef.model_construct(_BLOB_FIELDS, sha256=table.blobs[blob], offset=offset, length=length)
+        header, payload = read_patch(read_blob(ref))
+        if header.result_digest != digest:
+            raise codec.PatchError(f"{name}: patch result {header.result_digest} is not the manifest's")
+        patches.append((name, header, payload, held))
+        shapes.append((name, header.dtype, header.numel, header.changed))
     # each header says its changed count: the tensors decode straight into their places
     hot = HotPatch.allocate(manifest.parent, manifest.version, shapes)
     slots = dict(hot.slots())
 
-    def one(item: tuple[TensorEntry, memoryview | bytes, str]) -> None:
-        entry, patch, held = item
-        changes = codec.decode(patch, base(entry.name), held)
-        if changes.count:
-            slots[entry.name].fill(changes.positions, changes.old_bits, changes.new_bits)
+    def share(items: list[_Patch]) -> None:
+        for name, header, payload, held in items:
+            changes = decode_payload(header, payload, base(name), held)
+            if changes.count:
+                slots[name].fill(changes.positions, changes.old_bits, changes.new_bits)
 
-    if pool is not None:
-        list(pool.map(one, patches))
+    if pool is None or _SHARES == 1:
+        share(patches)
     else:
-        for item in patches:
-            one(item)
+        # every `_SHARES`-th tensor each: neighbours in a manifest are alike in size
+        list(pool.map(share, (patches[i::_SHARES] for i in range(_SHARES))))
     return hot

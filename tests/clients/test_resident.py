@@ -416,3 +416,47 @@ def test_the_cuda_commit_kernels_compile_once_whatever_the_changed_count() -> No
 
     assert "n" in unspecialized(scatter_cuda._first_mismatch)
     assert "n" in unspecialized(scatter_cuda._store)
+
+
+def _many_small(rng: np.random.Generator, count: int) -> tuple[Chain, dict[str, np.ndarray]]:
+    """`count` small bf16 tensors of a few sizes, about 1% of each changed (some not at all)."""
+    tensors, new = {}, {}
+    for i in range(count):
+        data = make_case("BF16", int(rng.choice([64, 1000, 4097])), "none", int(rng.integers(2**31))).old
+        tensors[f"t{i:03d}"] = ("BF16", data)
+        changed = data.copy().view(np.uint16)
+        where = rng.random(changed.size) < (0.01 if i % 5 else 0.0)
+        changed[where] ^= np.uint16(1)
+        new[f"t{i:03d}"] = changed.view(np.uint8)
+    return Chain(tensors), new
+
+
+def test_many_tensors_decoded_in_shares_are_each_tensors_own_decode() -> None:
+    """The pool decodes the tensors in a few shares, each a loop: every changed tensor's
+    slice of its group must be what `codec.decode` gives for its patch alone."""
+    chain, new = _many_small(np.random.default_rng(7), 60)
+    manifest = chain.publish(new)
+    with ThreadPoolExecutor(2) as pool:
+        patch = chain.prepare(manifest, pool)
+    got = {t.name: t for t in patch.tensors()}
+    assert len(got) == sum(e.changed > 0 for e in manifest.tensors) > 2
+    for entry in manifest.tensors:
+        want = codec.decode(chain.blobs[entry.blob.sha256], chain.views[0][entry.name])
+        if not want.count:
+            assert entry.name not in got
+            continue
+        t = got[entry.name]
+        assert np.array_equal(t.positions, want.positions), entry.name
+        assert np.array_equal(t.old_bits, want.old_bits) and np.array_equal(t.new_bits, want.new_bits)
+
+
+def test_a_patch_whose_result_is_not_the_manifests_is_refused() -> None:
+    """A blob that verifies on its own but ends at another digest than the manifest says
+    (a patch of another version under this entry) is refused before anything decodes."""
+    chain, new = _many_small(np.random.default_rng(8), 12)
+    manifest = chain.publish(new)
+    entries = list(manifest.tensors)
+    other = next(i for i, e in enumerate(entries) if e.changed)
+    entries[other] = entries[other].model_copy(update={"digest": "0" * 32})
+    with pytest.raises(codec.PatchError, match="not the manifest's"):
+        chain.prepare(manifest.model_copy(update={"tensors": tuple(entries)}))

@@ -16,14 +16,15 @@ report failure through their return value, which the Python side turns into `Pat
 
 numba's disk cache is keyed on each kernel's own source file, not on what it calls, and
 kernels call kernels of other modules (the encoders write through `bitio`'s `put_*`, the
-host's context hint runs `context.plan` and `classes.ranks_within`): after changing an
-intrinsic here or a kernel that others call, delete `board/codec/__pycache__/*.nb[ic]` so
-that its callers are compiled again.
+host's context hint runs `context.plan` and `classes.ranks_within`): so importing this
+module drops compiled kernels that were written under other sources of this directory
+(`kernel_cache`), before any kernel loads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import llvmlite.binding
@@ -35,7 +36,11 @@ from numba.cpython.unsafe.numbers import leading_zeros as _leading_zeros
 from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 from numba.extending import intrinsic
 
+from deltaboard.board.codec import kernel_cache
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+kernel_cache.ensure_fresh(Path(__file__).parent)
 
 
 def kernel(fn: F) -> F:

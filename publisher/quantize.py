@@ -131,6 +131,8 @@ def quantize_state(
     FP8 bytes, followed at once by its `_scale_inv`; every other tensor passes through
     untouched (and `state` itself when no rule quantizes anything). `fused` as
     `quantize_fp8_block` takes it."""
+    if all(rule.dtype != FP8_BLOCK for rule in spec.rules):
+        return state  # runs on the trainer's thread each publish: no walk of 20,000 names for nothing
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         floating = tensor.is_floating_point() and tensor.element_size() > 1  # fp8 passes through

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -17,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltaboard.board.contract.schemas import ViewSpec
-from deltaboard.board.contract.view_spec import fp8_view
+from deltaboard.board.contract.schemas import ViewRule, ViewSpec
+from deltaboard.board.contract.view_spec import FP8_BLOCK, fp8_view
 from deltaboard.publisher.assets import describe_view
 from deltaboard.publisher.quantize import (
     BLOCK,
@@ -240,3 +241,21 @@ def test_matches_the_reference_everywhere(
     for r, c, v in specials:
         w[r % rows, c % cols] = v
     check(w, rule)
+
+
+class _Unwalkable(dict[str, torch.Tensor]):
+    """A state whose tensors cannot be listed: a walk over it fails the test."""
+
+    def items(self) -> NoReturn:
+        raise AssertionError("the state was walked")
+
+
+def test_a_spec_without_fp8_rules_leaves_the_state_unwalked() -> None:
+    """Each publish calls this on the trainer's thread: without an FP8 block rule there is
+    nothing to quantize, whatever the number of tensors, and the state is the answer."""
+    state = _Unwalkable(w=torch.ones(4, 4))
+    spec = ViewSpec(rules=(ViewRule(pattern="w", dtype="fp32"),))
+    assert quantize_state(state, spec) is state
+    fp8 = ViewSpec(rules=(ViewRule(pattern="w", dtype=FP8_BLOCK),))
+    with pytest.raises(AssertionError, match="walked"):
+        quantize_state(state, fp8)

@@ -189,15 +189,14 @@ def _compacted(
 
 
 def _reordered(
-    total: int, counts: torch.Tensor, offsets: torch.Tensor, bases: torch.Tensor, claimed: list[torch.Tensor]
+    size: int, counts: torch.Tensor, offsets: torch.Tensor, bases: torch.Tensor, claimed: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     """Each tile's run moved from where it claimed it (`bases`) to its place in tile order
-    (`offsets`, the exclusive scan of `counts`)."""
-    out = [torch.empty(total, dtype=t.dtype, device=t.device) for t in claimed]
-    if total:
-        _kernels().reorder[(counts.numel(),)](
-            counts, bases, offsets, total, *claimed, *out, STEP=REORDER_STEP
-        )
+    (`offsets`, the exclusive scan of `counts`), into arrays of `size` entries: the count
+    found, or the claimed capacity before the count is read (runs past it are not moved)."""
+    out = [torch.empty(size, dtype=t.dtype, device=t.device) for t in claimed]
+    if size and counts.numel():
+        _kernels().reorder[(counts.numel(),)](counts, bases, offsets, size, *claimed, *out, STEP=REORDER_STEP)
     return out
 
 
@@ -285,12 +284,7 @@ def changed_elements(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple
 
     def split_counts(cursor: torch.Tensor, capacity: int, claimed: list[torch.Tensor]) -> torch.Tensor:
         nonlocal ordered, ends
-        ordered = [torch.empty(capacity, dtype=t.dtype, device=t.device) for t in claimed]
-        if n:
-            k.reorder[(n,)](
-                counts, bases, torch.cumsum(counts, 0) - counts, capacity, *claimed, *ordered,
-                STEP=REORDER_STEP,
-            )  # fmt: skip
+        ordered = _reordered(capacity, counts, torch.cumsum(counts, 0) - counts, bases, claimed)
         lanes = torch.empty(capacity, dtype=torch.int64, device=old.device)
         k.lane_counts[(-(-capacity // SPLIT_BLOCK),)](
             ordered[1],

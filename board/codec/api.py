@@ -155,27 +155,15 @@ def _whole(header: PatchHeader, payload: memoryview, out: np.ndarray | None = No
 def decode(patch: bytes | memoryview, old: np.ndarray | None, old_digest: str | None = None) -> Changes:
     """The verified changes a patch makes to `old` (all elements for a keyframe)."""
     header, payload = unpack(patch)
-    return _decode(header, payload, old, old_digest)
-
-
-def read_patch(patch: bytes | memoryview) -> tuple[PatchHeader, memoryview]:
-    """The verified header (checksum included) and the payload, for `decode_payload`: a
-    caller that needs every header before it decodes (to size its output from the changed
-    counts) then hashes each patch once, not once for the header and again to decode."""
-    return unpack(patch)
+    return decode_payload(header, payload, old, old_digest)
 
 
 def decode_payload(
     header: PatchHeader, payload: memoryview, old: np.ndarray | None, old_digest: str | None = None
 ) -> Changes:
-    """`decode` of a patch that `read_patch` unpacked and checked: verified against the
+    """`decode` of a patch whose header `header.unpack` already parsed and checked (a caller
+    that reads every header before it decodes hashes each patch once): verified against the
     base and result digests of `header` as `decode` does."""
-    return _decode(header, payload, old, old_digest)
-
-
-def _decode(
-    header: PatchHeader, payload: memoryview, old: np.ndarray | None, old_digest: str | None
-) -> Changes:
     if header.encoding == "keyframe":
         new_bits = as_bits(_whole(header, payload), header.dtype)
         old_bits = np.zeros_like(new_bits) if old is None else as_bits(old, header.dtype, "old")
@@ -224,6 +212,6 @@ def apply(old: np.ndarray | None, patch: bytes | memoryview, old_digest: str | N
     if header.encoding == "replace":
         _check_base(header, old, old_digest)
         return _whole(header, payload)
-    changes = _decode(header, payload, old, old_digest)
+    changes = decode_payload(header, payload, old, old_digest)
     assert old is not None
     return _materialize(old, changes)

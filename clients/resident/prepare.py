@@ -20,7 +20,8 @@ from concurrent.futures import Executor
 import numpy as np
 
 from deltaboard.board import codec
-from deltaboard.board.codec.api import decode_payload, read_patch
+from deltaboard.board.codec.api import decode_payload
+from deltaboard.board.codec.header import unpack
 from deltaboard.board.contract.schemas import BlobRef, Manifest, TensorTable
 from deltaboard.clients.resident.errors import ResidentError
 from deltaboard.clients.resident.patch import HotPatch
@@ -65,7 +66,7 @@ def prepare_patch(
         if held is None:
             raise ResidentError(f"no digest held for tensor {name!r}: the view is not at the parent")
         ref = BlobRef.model_construct(_BLOB_FIELDS, sha256=table.blobs[blob], offset=offset, length=length)
-        header, payload = read_patch(read_blob(ref))
+        header, payload = unpack(read_blob(ref))
         if header.result_digest != digest:
             raise codec.PatchError(f"{name}: patch result {header.result_digest} is not the manifest's")
         patches.append((name, header, payload, held))

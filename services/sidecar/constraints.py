@@ -170,6 +170,9 @@ def _check(raw: Mapping[str, Any]) -> VersionConstraint:
     return constraint
 
 
+_HEADERS = tuple((name, HEADER_PREFIX + name.replace("_", "-")) for name in (*FIELDS, "wait"))
+
+
 def parse_constraint(body: Any, headers: Mapping[str, str]) -> tuple[VersionConstraint, Any]:
     """The request's constraint and its body without `weight_version`.
 
@@ -177,10 +180,11 @@ def parse_constraint(body: Any, headers: Mapping[str, str]) -> tuple[VersionCons
     object can carry the field).
     """
     raw: dict[str, Any] = {}
-    for name in (*FIELDS, "wait"):
-        header = headers.get(HEADER_PREFIX + name.replace("_", "-"))
-        if header is not None:
-            raw[name] = header.strip()
+    if headers:
+        for name, header_name in _HEADERS:
+            header = headers.get(header_name)
+            if header is not None:
+                raw[name] = header.strip()
     if isinstance(body, dict) and BODY_KEY in body:
         field = body[BODY_KEY]
         body = {k: v for k, v in body.items() if k != BODY_KEY}

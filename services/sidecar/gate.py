@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from deltaboard.clients.engines import CommitMode, EngineStamp
@@ -83,11 +83,12 @@ class Admitted:
     constraint: VersionConstraint
     load: int  # the serial of the sidecar's own engine load current at admission
     stale: asyncio.Future[Refused]  # completed when a swap aborts the request (`abort_stale`)
+    # The highest version the request accepts: a swap past it waits for it, or aborts it.
+    # Read a few times at each request's start: worked out once.
+    high: int | None = field(init=False)
 
-    @property
-    def high(self) -> int | None:
-        """The highest version the request accepts: a swap past it waits for it, or aborts it."""
-        return self.constraint.high()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "high", self.constraint.high())
 
 
 class Stale(Exception):
@@ -164,7 +165,7 @@ class VersionGate:
         stale: asyncio.Future[Refused] = asyncio.get_running_loop().create_future()
         admitted = Admitted(self.served, waited_s, constraint, self._serial, stale)
         self.inflight += 1
-        high = constraint.high()
+        high = admitted.high
         if high is not None:
             self._bounded[admitted] = high
         return admitted

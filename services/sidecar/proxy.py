@@ -318,7 +318,11 @@ class Proxy:
 
     async def vouched(self, headers: ResponseHeaders | None, admission: Admitted) -> str | None:
         """None when the gate vouches for the weights behind a response, else why not."""
-        stamp = await self.engine_stamp(headers)
+        return await self.vouched_for(await self.engine_stamp(headers), admission)
+
+    async def vouched_for(self, stamp: EngineStamp | str, admission: Admitted) -> str | None:
+        """None when the gate vouches for `stamp` (what the engine reports it holds, or why
+        that cannot be told) for a response of `admission`, else why not."""
         if isinstance(stamp, EngineStamp) and await self.gate.vouch(stamp, admission):
             return None
         self.count("engine_changed")
@@ -470,8 +474,9 @@ class Proxy:
         admission: Admitted,
         release: Release,
     ) -> None:
-        if self.adapter.stamp_of(upstream.headers) is not None:
-            refusal = await self.vouched(upstream.headers, admission)
+        stamped = self.adapter.stamp_of(upstream.headers)
+        if stamped is not None:
+            refusal = await self.vouched_for(stamped, admission)
             if refusal is not None:
                 response = _error(SidecarCode.ENGINE_CHANGED, refusal, ENGINE_RETRY_AFTER_S)
                 return await response(scope, receive, send)

@@ -59,6 +59,8 @@ READ_PAUSE_BYTES = 2**16
 # A header's name and value must hold no line break. Not `b"\n" in value`: CPython 3.11's
 # `bytes.__contains__` builds a formatted TypeError for every bytes needle before searching.
 _CR_OR_LF = re.compile(rb"[\r\n]")
+# An origin-form target of printable ASCII without a query or fragment: the path as it is.
+_PLAIN_PATH = re.compile(rb"/[\x21\x22\x24-\x3e\x40-\x7e]*")
 STATUS_LINE = {
     status.value: b"HTTP/1.1 %d %s\r\n" % (status.value, status.phrase.encode()) for status in http.HTTPStatus
 }
@@ -124,7 +126,7 @@ class SidecarProtocol(asyncio.Protocol):
         for cycle in (self.running, self.receiving, *self.waiting):
             if cycle is not None and not cycle.complete:
                 cycle.disconnected = True
-                cycle.event.set()
+                cycle.wake()
                 if cycle.on_disconnect is not None:
                     cycle.on_disconnect()
         self.waiting.clear()
@@ -188,8 +190,11 @@ class SidecarProtocol(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser = self.parser
         version = parser.get_http_version()
-        url = httptools.parse_url(self.url)
-        raw_path = url.path
+        if _PLAIN_PATH.fullmatch(self.url):  # most targets: a path alone, nothing to split
+            raw_path, query = self.url, b""
+        else:
+            url = httptools.parse_url(self.url)
+            raw_path, query = url.path, url.query or b""
         path = raw_path.decode("ascii")
         scope = {
             "type": "http",
@@ -202,7 +207,7 @@ class SidecarProtocol(asyncio.Protocol):
             "root_path": "",
             "path": urllib.parse.unquote(path) if "%" in path else path,
             "raw_path": raw_path,
-            "query_string": url.query or b"",
+            "query_string": query,
             "headers": self.headers,
             "state": self.app_state.copy(),
             "extensions": {},
@@ -224,14 +229,14 @@ class SidecarProtocol(asyncio.Protocol):
         cycle.body += body
         if len(cycle.body) > READ_PAUSE_BYTES and self.transport is not None:
             self.transport.pause_reading()
-        cycle.event.set()
+        cycle.wake()
 
     def on_message_complete(self) -> None:
         cycle = self.receiving
         if cycle is None or cycle.complete:
             return
         cycle.more_body = False
-        cycle.event.set()
+        cycle.wake()
 
     # the requests' side
 
@@ -259,6 +264,16 @@ class SidecarProtocol(asyncio.Protocol):
             self.idle = self.loop.call_later(self.keep_alive_s, self._close_idle)
 
 
+def _check_headers(headers: Any) -> None:
+    """Refuse a header whose name or value holds a line break (it would end the head or
+    start a header of its own). One search over them all: a search per name and per value
+    was a good part of an answer's head, and almost every head has none."""
+    if headers and _CR_OR_LF.search(b"".join([part for header in headers for part in header])):
+        for name, value in headers:
+            if _CR_OR_LF.search(value) or _CR_OR_LF.search(name):
+                raise RuntimeError(f"invalid header {name!r}")
+
+
 def _chunk(body: bytes) -> bytes:
     """`body` (not empty) as one chunk of a chunked body."""
     return b"%x\r\n%s\r\n" % (len(body), body)
@@ -279,7 +294,9 @@ class _Cycle:
         self.keep_alive = keep_alive
         self.expect_100 = expect_100
         self.head_only = scope["method"] == "HEAD"
-        self.event = asyncio.Event()  # something happened: a body part, its end, a disconnect
+        # Set when something happened (a body part, its end, a disconnect); made only for a
+        # `receive` that has to wait: most requests arrive whole, before their task's first step.
+        self.event: asyncio.Event | None = None
         self.body = bytearray()
         self.more_body = True
         self.delivered = False  # the whole body went to the app
@@ -292,6 +309,11 @@ class _Cycle:
         self.on_disconnect: Callable[[], None] | None = None
         scope["extensions"][DISCONNECT] = self.watch
         scope["extensions"][SINK] = self
+
+    def wake(self) -> None:
+        """Wake a `receive` waiting for something to happen, if one is."""
+        if self.event is not None:
+            self.event.set()
 
     def watch(self, callback: Callable[[], None]) -> None:
         """Call `callback` if the client goes away before the answer is complete."""
@@ -338,6 +360,8 @@ class _Cycle:
         ):
             if transport is not None:
                 transport.resume_reading()
+            if self.event is None:
+                self.event = asyncio.Event()
             await self.event.wait()
             self.event.clear()
         if self.disconnected or self.complete or self.delivered:
@@ -406,12 +430,14 @@ class _Cycle:
             if self.left and not self.head_only:
                 raise RuntimeError("response content shorter than its content-length")
             self.complete = True
-            self.event.set()
+            self.wake()
             if not self.keep_alive:
                 transport.close()
             self.conn.answered(self)
 
     def _start(self, message: dict[str, Any]) -> None:
+        headers = message.get("headers", ())
+        _check_headers(headers)  # before the answer counts as started: refused, it is a 500
         self.started = True
         self.expect_100 = False
         status = message["status"]
@@ -419,9 +445,7 @@ class _Cycle:
         for name, value in self.conn.state.default_headers:
             head += (name, b": ", value, b"\r\n")
         length: int | None = None
-        for name, value in message.get("headers", ()):
-            if _CR_OR_LF.search(value) or _CR_OR_LF.search(name):
-                raise RuntimeError(f"invalid header {name!r}")
+        for name, value in headers:
             lowered = name.lower()
             if lowered == b"content-length":
                 length = int(value)

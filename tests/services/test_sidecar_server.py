@@ -189,6 +189,76 @@ def test_expect_100_continue_head_requests_and_errors_as_json() -> None:
     asyncio.run(main())
 
 
+def test_targets_split_into_path_and_query_whether_plain_or_not() -> None:
+    async def main() -> None:
+        seen: list[tuple[str, bytes, bytes]] = []
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            seen.append((scope["path"], scope["raw_path"], scope["query_string"]))
+            await send({"type": "http.response.start", "status": 204, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        targets = [b"/v1/completions", b"/a?b=1&c", b"/a%20b", b"/x#frag", b"http://h/p?q", b"/"]
+        protocol, _, state = connect(app)
+        for target in targets:
+            protocol.data_received(b"GET %s HTTP/1.1\r\nhost: x\r\n\r\n" % target)
+            await answered(state, len(seen) + 1)
+        assert seen == [
+            ("/v1/completions", b"/v1/completions", b""),
+            ("/a", b"/a", b"b=1&c"),
+            ("/a b", b"/a%20b", b""),
+            ("/x", b"/x", b""),
+            ("/p", b"/p", b"q"),
+            ("/", b"/", b""),
+        ]
+
+    asyncio.run(main())
+
+
+def test_a_header_holding_a_line_break_is_refused_and_nothing_of_it_is_written() -> None:
+    async def main() -> None:
+        for name, value in ((b"x-a", b"1\r\nx-b: 2"), (b"x-a", b"1\n"), (b"x\ra", b"1")):
+
+            async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+                headers = [(b"content-type", b"text/plain"), (name, value)]  # noqa: B023
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                await send({"type": "http.response.body", "body": b"x"})
+
+            protocol, transport, state = connect(app)
+            protocol.data_received(post("/h", b""))
+            await answered(state, 1)
+            assert len(transport.writes) == 1 and transport.closed
+            assert error_of(transport.writes[0]) == "Internal"
+
+    asyncio.run(main())
+
+
+def test_a_body_that_comes_after_the_app_asked_for_it_wakes_the_app() -> None:
+    async def main() -> None:
+        parts: list[bytes] = []
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            more = True
+            while more:
+                message = await receive()
+                parts.append(message["body"])
+                more = message["more_body"]
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"".join(parts)})
+
+        protocol, transport, state = connect(app)
+        request = post("/late", b"hello")
+        protocol.data_received(request[:-3])  # the head and part of the body
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert parts == [b"he"] and not transport.writes  # the app waits for the rest
+        protocol.data_received(request[-3:])
+        await answered(state, 1)
+        assert parts == [b"he", b"llo"] and transport.writes[0].endswith(b"\r\n5\r\nhello\r\n0\r\n\r\n")
+
+    asyncio.run(main())
+
+
 def error_of(answer: bytes) -> str:
     """The `code` of an error answer (asserting it is the sidecar's JSON error shape)."""
     head, _, body = answer.partition(b"\r\n\r\n")

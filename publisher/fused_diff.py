@@ -119,15 +119,50 @@ class FusedChanges:
     slot_counts: np.ndarray
     sampled: torch.Tensor
     changed: torch.Tensor
+    lanes: ChangedLanes
+
+
+@dataclass(frozen=True)
+class ChangedLanes:
+    """Which elements of each tile of a batch's tile table changed (a bit per element,
+    `masks`), how many (`tile_counts`) and where each tile's run starts in the batch's
+    change arrays (`tile_offsets`): what `class_ranks` reads besides the old buffer."""
+
     tile_counts: torch.Tensor
     tile_offsets: torch.Tensor
     masks: torch.Tensor
     tile: int  # the elements per tile these tables were made with
 
 
-def _key_tables(slots: Sequence[Slot], device: torch.device) -> tuple[torch.Tensor, ...]:
+@functools.lru_cache(maxsize=64)
+def _first_tiles(slots: tuple[Slot, ...], device: torch.device, tile: int) -> torch.Tensor:
+    return torch.from_numpy(tiles(slots, str(device), tile).first[:-1].copy()).to(device)
+
+
+def lanes_at(slots: Sequence[Slot], owner: torch.Tensor, local: torch.Tensor) -> ChangedLanes:
+    """The `ChangedLanes` of changes found by another pass (the torch one): each change's
+    slot (index in the batch) and slot-local position, in slot order, positions ascending.
+    Two scatters over the changes, none over the tensors: a word's changed lanes are
+    distinct bits, so adding them up is their OR."""
+    key = tuple(slots)
+    device = local.device
+    count = tiles(key, str(device), TILE).count
+    tile_of = _first_tiles(key, device, TILE)[owner] + torch.div(local, TILE, rounding_mode="floor")
+    lane = local % TILE
+    masks = torch.zeros(max(count, 1) * (TILE // 32), dtype=torch.int32, device=device)
+    # bit 31 wraps to the sign bit of an int32, as the fused pass stores it
+    masks.index_add_(0, tile_of * (TILE // 32) + torch.div(lane, 32, rounding_mode="floor"),
+                     torch.bitwise_left_shift(torch.ones_like(lane), lane % 32).to(torch.int32))  # fmt: skip
+    counts = torch.zeros(count, dtype=torch.int32, device=device)
+    counts.index_add_(0, tile_of, torch.ones_like(tile_of, dtype=torch.int32))
+    return ChangedLanes(counts, torch.cumsum(counts, 0) - counts, masks, TILE)
+
+
+@functools.lru_cache(maxsize=64)
+def key_tables(slots: tuple[Slot, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Per slot: sample stride (0 for a dtype without exponent: no hint; else a power of two,
-    which the kernel tests with a mask, not a division), shift, key mask."""
+    which the kernel tests with a mask, not a division), shift, key mask (cached: a run
+    diffs the same batches again, and a model of many tensors would build them per tensor)."""
     stride, shift, keymask = [], [], []
     for s in slots:
         field = codec.EXPONENT_FIELDS.get(s.dtype)
@@ -211,7 +246,7 @@ def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot]) -> Fuse
     counts = torch.zeros(n, dtype=torch.int32, device=device)
     bases = torch.empty(n, dtype=torch.int64, device=device)
     masks = torch.empty(max(n, 1) * (TILE // 32), dtype=torch.int32, device=device)
-    stride, shift, keymask = _key_tables(slots, device)
+    stride, shift, keymask = key_tables(key, device)
     bins = hint_bins(slots)
     sampled = torch.empty((len(slots), bins), dtype=torch.int32, device=device)
     changed = torch.empty_like(sampled)
@@ -240,10 +275,7 @@ def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot]) -> Fuse
         per_slot.cpu().numpy(),
         sampled,
         changed,
-        counts,
-        offsets,
-        masks,
-        TILE,
+        ChangedLanes(counts, offsets, masks, TILE),
     )
 
 
@@ -313,20 +345,21 @@ def changed_elements(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple
 def class_ranks(
     old: torch.Tensor,
     slots: Sequence[Slot],
-    found: FusedChanges,
+    lanes: ChangedLanes,
+    changed: int,
     plans: dict[int, tuple[int, int]],
     rank_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Step 3 of the module docstring: the rank of every changed element of the slots in
     `plans` (slot index: class limits, each `min(limit - 1, largest sign-less pattern)`),
-    aligned with `found.positions` (other slots' entries are left unset)."""
+    aligned with the batch's `changed` changes (other slots' entries are left unset)."""
     k = _kernels()
     device = old.device
-    table = tiles(tuple(slots), str(device), found.tile)
+    table = tiles(tuple(slots), str(device), lanes.tile)
     picked = np.concatenate(
         [np.arange(table.first[s], table.first[s + 1]) for s in sorted(plans)] or [np.zeros(0, np.int64)]
     )
-    ranks = torch.empty(found.positions.numel(), dtype=rank_dtype, device=device)
+    ranks = torch.empty(changed, dtype=rank_dtype, device=device)
     if picked.size == 0:
         return ranks
     table_of_limits = np.zeros((len(slots), 2), dtype=np.int64)
@@ -345,7 +378,7 @@ def class_ranks(
         limits,
         members,
         TOP=top,
-        TILE=found.tile,
+        TILE=lanes.tile,
         num_warps=WARPS,
     )
     # members of each tile's slot in the tiles before it: a scan restarted at every slot
@@ -356,7 +389,7 @@ def class_ranks(
     restart = torch.cummax(torch.where(first_of_slot, torch.arange(picked.size, device=device), 0), 0).values
     before = ends - members - (ends - members)[restart]
     k.class_ranks[(picked.size,)](
-        old, chosen, table.start, table.stop, table.slot, found.tile_counts, found.tile_offsets, found.masks,
-        table.offset, limits, before.contiguous(), ranks, TOP=top, TILE=found.tile, num_warps=WARPS,
+        old, chosen, table.start, table.stop, table.slot, lanes.tile_counts, lanes.tile_offsets, lanes.masks,
+        table.offset, limits, before.contiguous(), ranks, TOP=top, TILE=lanes.tile, num_warps=WARPS,
     )  # fmt: skip
     return ranks

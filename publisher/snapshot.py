@@ -27,6 +27,7 @@ from deltaboard.board.contract.schemas import ViewSpec
 from deltaboard.board.contract.view_spec import served_dtype
 from deltaboard.publisher.exponents import ExponentCounts
 from deltaboard.publisher.memcopy import gather_copy, stream_copy
+from deltaboard.publisher.sampled_counts import SampledCounts
 from deltaboard.publisher.view import SAFETENSORS_TO_TORCH, safetensors_dtype
 
 # Element width in bytes -> the integer dtype whose bit patterns the diff compares.
@@ -253,6 +254,8 @@ class ViewBuffer:
         # the host tensors' exponent counts where a version's encoding left them (`encode`):
         # they describe this buffer's bytes until it is filled again
         self.exponent_counts: ExponentCounts | None = None
+        # the device tensors' sampled exponent counts, kept by the diff with hints (`sampled_counts`)
+        self.sampled_counts: SampledCounts | None = None
 
     def bits(self, slot: Slot) -> torch.Tensor:
         """The slot's element bit patterns (flat, integer dtype): what the diff compares."""
@@ -279,6 +282,8 @@ class ViewBuffer:
         found a NaN payload changed), and the view must be bit-exact.
         """
         self.exponent_counts = None  # of the bytes this copy replaces
+        if self.sampled_counts is not None:
+            self.sampled_counts.forget()
         # under no_grad: copies need no detached view (a call per tensor)
         pieces: list[Callable[[], None]] = [batch.copy_from(state) for batch in self._small]
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])

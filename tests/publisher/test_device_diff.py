@@ -315,3 +315,63 @@ def test_a_caller_that_stops_early_stops_the_diff_helper(monkeypatch):
     closed.join(timeout=120)
     assert not closed.is_alive()
     assert not [t for t in threading.enumerate() if t.name.startswith("deltaboard-diff")]
+
+
+def _hint_versions(device: str, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Four versions of a sampled tensor (every 32nd element counted), an unsampled one
+    and an integer one, whose changes favour small weights, sampled positions included."""
+    g = torch.Generator().manual_seed(seed)
+    first = {
+        "big": (torch.randn(70_000, generator=g) * 10.0 ** torch.randint(-6, 1, (70_000,), generator=g)).to(
+            torch.bfloat16
+        ),
+        "small": (torch.randn(3_000, generator=g) * 1e-4).to(torch.float32),
+        "ints": torch.randint(0, 9, (100,), generator=g),
+    }
+    versions = [first]
+    for _ in range(3):
+        nxt = {}
+        for name, t in versions[-1].items():
+            bits = t.clone().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+            small = (
+                t.abs().to(torch.float64) < 1e-3
+                if t.is_floating_point()
+                else torch.ones_like(t, dtype=torch.bool)
+            )
+            moved = (torch.rand(t.numel(), generator=g) < torch.where(small, 0.2, 0.01)).nonzero().flatten()
+            bits[moved] += torch.randint(1, 40, (moved.numel(),), generator=g).to(bits.dtype)
+            nxt[name] = bits.view(t.dtype)
+        versions.append(nxt)
+    return [{k: v.to(device) for k, v in state.items()} for state in versions]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_kept_sampled_counts_give_the_codecs_hint_version_after_version(device, seed):
+    """The device hint plans from sampled counts counted once, then moved by each delta's
+    changes into the new buffer's table: version after version (the two buffers taking
+    turns, as the publisher's do) its thresholds and ranks stay the codec's, and a version
+    that failed (its buffer filled again with another state) leaves the base's counts true."""
+    v = _hint_versions(device, seed)
+    spec = ViewSpec(rules=(ViewRule(pattern=".*", dtype="raw"),))
+    layout = ViewLayout.of(v[0], spec)
+    base, other = ViewBuffer(layout), ViewBuffer(layout)
+    base.fill(v[0])
+    hinted = 0
+    for old_state, new_state, commit in ((v[0], v[1], True), (v[1], v[2], False), (v[1], v[3], True)):
+        other.fill(new_state)
+        result = diff_views(base, other, hints=True)
+        for slot in layout.slots:
+            changes = result.changes.get(slot.name)
+            got = result.hints.get(slot.name)
+            old_bits = tensor_bytes(old_state[slot.name].cpu()).view(codec.uint_dtype(slot.dtype))
+            floating = slot.dtype in codec.EXPONENT_FIELDS
+            want = codec.context_hint(changes, old_bits) if changes is not None and floating else None
+            assert (got is None) == (want is None), slot.name
+            if got is not None and want is not None:
+                hinted += 1
+                assert (got.t_low, got.t_top) == (want.t_low, want.t_top), slot.name
+                assert np.array_equal(got.ranks, want.ranks), slot.name
+        if commit:
+            base, other = other, base
+    assert hinted >= 3  # the classes paid off: the counts were used, not just carried

@@ -131,3 +131,62 @@ def test_the_compaction_kernels_compile_once_whatever_the_capacity() -> None:
     assert "capacity" in unspecialized(fused_kernels.lane_counts)
     assert "m" in unspecialized(fused_kernels.split_words)
     assert "bound" in unspecialized(fused_kernels.reorder)
+
+
+def _buffers(
+    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], spec: ViewSpec
+) -> tuple[ViewBuffer, ViewBuffer]:
+    layout = ViewLayout.of({k: v.to(DEVICE) for k, v in old.items()}, spec)
+    a, b = ViewBuffer(layout), ViewBuffer(layout)
+    a.fill({k: v.to(DEVICE) for k, v in old.items()})
+    b.fill({k: v.to(DEVICE) for k, v in new.items()})
+    return a, b
+
+
+@settings(max_examples=8, deadline=None)
+@given(pair=state_pairs())
+def test_lanes_scattered_from_positions_are_the_fused_pass_lanes(tile, pair):
+    """`lanes_at` rebuilds from the torch pass' positions the changed-lane bits, tile counts
+    and tile offsets that the fused pass writes as it compacts."""
+    a, b = _buffers(pair[0], pair[1], SPEC)
+    for group in a.layout.group_numel:
+        slots = [s for s in a.layout.slots if s.group == group]
+        found = fused_diff.changes(a.groups[group], b.groups[group], slots)
+        owner = torch.repeat_interleave(
+            torch.arange(len(slots), device=DEVICE), torch.from_numpy(found.slot_counts).to(DEVICE)
+        )
+        got = fused_diff.lanes_at(slots, owner, found.positions)
+        want = found.lanes
+        count = fused_diff.tiles(tuple(slots), str(DEVICE), tile).count
+        assert got.tile == want.tile
+        assert torch.equal(got.tile_counts, want.tile_counts.to(got.tile_counts.dtype))
+        assert torch.equal(got.tile_offsets[:count], want.tile_offsets[:count].to(got.tile_offsets.dtype))
+        words = count * (tile // 32)
+        assert torch.equal(got.masks[:words], want.masks[:words])
+
+
+def test_torch_hints_rank_with_the_fused_kernels_where_triton_runs(tile, monkeypatch):
+    """Where Triton runs, the torch pass ranks its changes with the fused pass' rank kernels
+    (the lanes scattered from its positions): the same hints as its own cumulative counts."""
+    g = torch.Generator().manual_seed(11)
+    sizes = [5, 300, 4000, 70_000, 33]
+    old = {
+        f"t{i}": (torch.randn(n, generator=g) * 10.0 ** torch.randint(-6, 1, (n,), generator=g)).to(
+            torch.bfloat16
+        )
+        for i, n in enumerate(sizes)
+    }
+    new = {}
+    for name, t in old.items():
+        bits = t.clone().view(torch.int16)
+        small = t.abs().float() < 1e-3
+        bits[torch.rand(t.numel(), generator=g) < torch.where(small, 0.3, 0.01)] += 1
+        new[name] = bits.view(torch.bfloat16)
+    a, b = _buffers(old, new, ViewSpec())
+    slots = list(a.layout.slots)
+    monkeypatch.setattr(fused_diff, "available", lambda device: False)
+    reference = device_diff._cut(slots, device_diff._find(a, b, slots, True, False))
+    monkeypatch.setattr(fused_diff, "available", lambda device: True)
+    got = device_diff._cut(slots, device_diff._find(a, b, slots, True, False))
+    assert reference.hints, "the classes paid off nowhere: the ranks were not exercised"
+    assert_same(reference, got)

@@ -230,6 +230,14 @@ def _class_ranks(
     )
 
 
+def device_hints(hints: bool | None, device: str) -> bool:
+    """Whether the diff computes context hints on `device`: where asked for, and by default
+    (`None`) on CUDA, where they cost the pass little since their counts follow the changes
+    (design.md, "Publishing a version"); not by default on the CPU, whose codec reads the
+    old bytes in place instead."""
+    return hints if hints is not None else torch.device(device).type == "cuda"
+
+
 Finish = Callable[[], ViewDiff]
 """What `start_diff` returns: the call that waits for a batch's copies and cuts its result."""
 
@@ -262,7 +270,7 @@ def start_diff(
     # Measured on an H200 (design.md, "Publishing a version"): the torch pass is the faster
     # with hints and without (8 GB: 321-380 vs 231-282 GB/s of view without, 85-92 vs 57-74
     # with), so the fused pass runs only when asked for, and hints only when asked for.
-    want_hints = bool(hints)
+    want_hints = device_hints(hints, group[0])
     use_fused = bool(fused)
     if group[0] == "cpu" and not want_hints and not use_fused:
         done = _diff_on_host(old, new, slots)
@@ -575,7 +583,7 @@ def iter_diffs(
     """
     todo = batches(new.layout, batch_bytes_for(new.layout))
     on_cuda = any(device.startswith("cuda") for device, _ in new.layout.group_numel)
-    lanes = CUDA_HINT_LANES if on_cuda and hints else 1
+    lanes = CUDA_HINT_LANES if on_cuda and device_hints(hints, "cuda") else 1
     ahead = CUDA_AHEAD if on_cuda else 1
     with ThreadPoolExecutor(lanes, thread_name_prefix="deltaboard-diff") as pool:
         pending: deque[Future[Finish]] = deque()

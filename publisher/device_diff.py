@@ -473,8 +473,9 @@ def _torch_hints(
     sampled = kept.table[rows, :bins].copy()
     is_floating = np.array([s.dtype in codec.EXPONENT_FIELDS for s in slots])
     unknown = np.flatnonzero(is_floating & (counts > 0) & (sampled[:, 0] < 0))
-    if unknown.size:
+    if unknown.size:  # counted once: they describe the old bytes until `fill` replaces them
         sampled[unknown] = _count_sampled(old, [slots[i] for i in unknown.tolist()], bins)
+        kept.table[rows][unknown, :bins] = sampled[unknown]
     known = sampled[:, 0] >= 0
     moved = moving.table[rows]
     moved[:] = -1

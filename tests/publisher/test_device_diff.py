@@ -351,14 +351,20 @@ def test_kept_sampled_counts_give_the_codecs_hint_version_after_version(device, 
     """The device hint plans from sampled counts counted once, then moved by each delta's
     changes into the new buffer's table: version after version (the two buffers taking
     turns, as the publisher's do) its thresholds and ranks stay the codec's, and a version
-    that failed (its buffer filled again with another state) leaves the base's counts true."""
+    that failed (its buffer filled again with another state) leaves the base's counts true,
+    those the base was counted to as well."""
     v = _hint_versions(device, seed)
     spec = ViewSpec(rules=(ViewRule(pattern=".*", dtype="raw"),))
     layout = ViewLayout.of(v[0], spec)
     base, other = ViewBuffer(layout), ViewBuffer(layout)
     base.fill(v[0])
     hinted = 0
-    for old_state, new_state, commit in ((v[0], v[1], True), (v[1], v[2], False), (v[1], v[3], True)):
+    for old_state, new_state, commit in (
+        (v[0], v[1], False),
+        (v[0], v[2], True),
+        (v[2], v[1], False),
+        (v[2], v[3], True),
+    ):
         other.fill(new_state)
         result = diff_views(base, other, hints=True)
         for slot in layout.slots:

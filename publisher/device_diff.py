@@ -474,8 +474,9 @@ def _torch_hints(
     is_floating = np.array([s.dtype in codec.EXPONENT_FIELDS for s in slots])
     unknown = np.flatnonzero(is_floating & (counts > 0) & (sampled[:, 0] < 0))
     if unknown.size:  # counted once: they describe the old bytes until `fill` replaces them
-        sampled[unknown] = _count_sampled(old, [slots[i] for i in unknown.tolist()], bins)
+        sampled[unknown], crossed = _count_sampled(old, slots, unknown.tolist(), bins)
         kept.table[rows][unknown, :bins] = sampled[unknown]
+        counts_bytes += crossed
     known = sampled[:, 0] >= 0
     moved = moving.table[rows]
     moved[:] = -1
@@ -512,28 +513,38 @@ def _sampled_counts(buffer: ViewBuffer) -> SampledCounts:
         return buffer.sampled_counts
 
 
-def _count_sampled(old: ViewBuffer, slots: Sequence[Slot], bins: int) -> np.ndarray:
-    """The exponent counts of the sampled old elements of `slots` (step 2 of the contract),
-    a row each: the first time a tensor is hinted; then its counts are kept. Many slots'
-    samples per `unique`, in chunks of at most `RANK_CHUNK_ELEMENTS`."""
-    out = np.zeros((len(slots), bins), dtype=np.int64)
+def _count_sampled(
+    old: ViewBuffer, slots: Sequence[Slot], picked: list[int], bins: int
+) -> tuple[np.ndarray, int]:
+    """The exponent counts of the sampled old elements of the slots `picked` (indices in the
+    batch; step 2 of the contract), a row each, and the bytes that crossed to the host for
+    them: the first time a tensor is hinted; then its counts are kept. Where Triton runs,
+    one launch over their tiles (`fused_diff.sampled_counts`); else many slots' samples
+    per `unique`, in chunks of at most `RANK_CHUNK_ELEMENTS`."""
+    group = old.groups[slots[0].group]
+    if fused_diff.available(group.device):
+        (found,) = to_host(fused_diff.sampled_counts(group, slots, picked, bins))
+        return found.astype(np.int64), found.nbytes
+    out = np.zeros((len(picked), bins), dtype=np.int64)
+    crossed = 0
     chunk: list[torch.Tensor] = []
     size = 0
 
-    def flush() -> None:
+    def flush() -> int:
         present, times = to_host(*torch.unique(torch.cat(chunk), return_counts=True))
         out.reshape(-1)[present] += times
+        return present.nbytes + times.nbytes
 
-    for i, slot in enumerate(slots):
-        sample = old.bits(slot)[:: codec.sample_stride(slot.numel)]
-        chunk.append(_exponent_keys(sample, slot.dtype, i * bins))
+    for row, i in enumerate(picked):
+        sample = old.bits(slots[i])[:: codec.sample_stride(slots[i].numel)]
+        chunk.append(_exponent_keys(sample, slots[i].dtype, row * bins))
         size += sample.numel()
         if size >= RANK_CHUNK_ELEMENTS:
-            flush()
+            crossed += flush()
             chunk, size = [], 0
     if chunk:
-        flush()
-    return out
+        crossed += flush()
+    return out, crossed
 
 
 def _diff_on_host(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> ViewDiff:

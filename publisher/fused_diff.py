@@ -342,6 +342,39 @@ def changed_elements(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple
     return tuple(out)
 
 
+def _tiles_of(table: Tiles, picked: Sequence[int]) -> np.ndarray:
+    """The tiles of the slots `picked` (indices in the batch, ascending), in order."""
+    return np.concatenate(
+        [np.arange(table.first[s], table.first[s + 1]) for s in picked] or [np.zeros(0, np.int64)]
+    )
+
+
+def sampled_counts(
+    old: torch.Tensor, slots: Sequence[Slot], picked: Sequence[int], bins: int
+) -> torch.Tensor:
+    """Step 2 of the planning contract's sampled counts for the floating slots `picked`
+    (indices in the batch, ascending), a row each on the device, in one launch over their
+    tiles: what the device diff counts the first time it hints a tensor (then it keeps
+    them), which a model of thousands of small tensors would otherwise pay in launches
+    per tensor."""
+    k = _kernels()
+    device = old.device
+    key = tuple(slots)
+    table = tiles(key, str(device), TILE)
+    chosen = _tiles_of(table, picked)
+    out = torch.zeros((len(picked), bins), dtype=torch.int32, device=device)
+    if chosen.size == 0:
+        return out
+    rows = np.zeros(len(slots), dtype=np.int64)
+    rows[list(picked)] = np.arange(len(picked))
+    stride, shift, keymask = key_tables(key, device)
+    k.sampled_counts[(chosen.size,)](
+        old, torch.from_numpy(chosen).to(device), table.start, table.stop, table.slot, table.offset,
+        stride, shift, keymask, torch.from_numpy(rows).to(device), out, BINS=bins, TILE=TILE, num_warps=WARPS,
+    )  # fmt: skip
+    return out
+
+
 def class_ranks(
     old: torch.Tensor,
     slots: Sequence[Slot],
@@ -356,9 +389,7 @@ def class_ranks(
     k = _kernels()
     device = old.device
     table = tiles(tuple(slots), str(device), lanes.tile)
-    picked = np.concatenate(
-        [np.arange(table.first[s], table.first[s + 1]) for s in sorted(plans)] or [np.zeros(0, np.int64)]
-    )
+    picked = _tiles_of(table, sorted(plans))
     ranks = torch.empty(changed, dtype=rank_dtype, device=device)
     if picked.size == 0:
         return ranks

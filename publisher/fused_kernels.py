@@ -187,3 +187,20 @@ def class_ranks(
             low != 0, low_before, tl.where(small != 0, small_before - low_before, local - small_before)
         )
         tl.store(ranks + dst, rank, mask=hit)
+
+
+@triton.jit
+def sampled_counts(
+    old, tiles, t_start, t_stop, t_slot, s_offset, s_stride, s_shift, s_keymask, rows, out,
+    BINS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    t = tl.load(tiles + i)
+    idx = tl.load(t_start + t) + tl.arange(0, TILE)
+    slot = tl.load(t_slot + t)
+    stride = tl.load(s_stride + slot)  # a power of 2
+    take = (idx < tl.load(t_stop + t)) & (((idx - tl.load(s_offset + slot)) & (stride - 1)) == 0)
+    a = tl.load(old + idx, mask=take, other=0)
+    keys = ((a >> tl.load(s_shift + slot)) & tl.load(s_keymask + slot)).to(tl.int32)
+    hist = tl.histogram(keys, BINS, mask=take)
+    tl.atomic_add(out + tl.load(rows + slot) * BINS + tl.arange(0, BINS), hist, mask=hist > 0)

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deltaboard.board import codec
 from deltaboard.board.contract.schemas import ViewRule, ViewSpec
 from deltaboard.publisher import device_diff, fused_diff
 from deltaboard.publisher.device_diff import ViewDiff
@@ -190,3 +191,23 @@ def test_torch_hints_rank_with_the_fused_kernels_where_triton_runs(tile, monkeyp
     got = device_diff._cut(slots, device_diff._find(a, b, slots, True, False))
     assert reference.hints, "the classes paid off nowhere: the ranks were not exercised"
     assert_same(reference, got)
+
+
+@settings(max_examples=8, deadline=None)
+@given(pair=state_pairs())
+def test_sampled_counts_in_one_launch_match_torch(tile, pair):
+    """The first count of a tensor's sampled exponents (every 32nd element of a large one,
+    every element of a small one) in one launch over the batch's tiles equals torch's."""
+    a, _ = _buffers(pair[0], pair[0], SPEC)
+    for group in a.layout.group_numel:
+        slots = [s for s in a.layout.slots if s.group == group]
+        picked = [i for i, s in enumerate(slots) if s.dtype in codec.EXPONENT_FIELDS]
+        bins = fused_diff.hint_bins(slots)
+        counted = []
+        for triton_runs in (False, True):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(fused_diff, "available", lambda device, runs=triton_runs: runs)
+                counted.append(device_diff._count_sampled(a, slots, picked, bins)[0])
+        assert np.array_equal(counted[0], counted[1])
+        sampled = [-(-slots[i].numel // codec.sample_stride(slots[i].numel)) for i in picked]
+        assert counted[0].sum(axis=1).tolist() == sampled  # every sampled element, once

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from unittest import mock
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deltaboard.board import codec
-from deltaboard.board.codec import ranked
+from deltaboard.board.codec import context, ranked
 from tests.board.codec_cases import PATTERNS, Case, make_case
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -102,3 +103,64 @@ def test_plan_refuses_counts_of_different_lengths() -> None:
     belong to one dtype are refused before it runs."""
     with pytest.raises(ValueError):
         codec.plan_thresholds(np.ones(256, dtype=np.int64), np.ones(512, dtype=np.int64), 1000)
+
+
+@numba.njit(cache=False)
+def _every_pair(all_hist: np.ndarray, changed_hist: np.ndarray) -> tuple[int, int, float, float]:
+    """`context.choose_thresholds` without its bounds: every candidate pair priced, in order."""
+    size = all_hist.size
+    n_all, n_ch = np.zeros(size + 1), np.zeros(size + 1)
+    for e in range(size):
+        n_all[e + 1] = n_all[e] + all_hist[e]
+        n_ch[e + 1] = n_ch[e] + np.float64(changed_hist[e])
+    plain = n_all[size] * context._h(n_ch[size] / max(n_all[size], 1.0))
+    marked = np.zeros(size + 1, dtype=np.bool_)
+    marked[0] = True
+    for e in range(size):
+        if changed_hist[e] > 0:
+            marked[e] = marked[e + 1] = True
+    cand = np.flatnonzero(marked)
+    best, low, top = np.inf, 0, 0
+    for i in range(cand.size):
+        for j in range(i, cand.size):
+            cost = (
+                context._cost(n_all, n_ch, 0, int(cand[i]))
+                + context._cost(n_all, n_ch, int(cand[i]), int(cand[j]))
+                + context._cost(n_all, n_ch, int(cand[j]), size)
+            )
+            if cost < best:
+                best, low, top = cost, cand[i], cand[j]
+    return int(low), int(top), best, plain
+
+
+@st.composite
+def histograms(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """Exponent counts of a tensor (scaled as a sampled one's may be) and of its changes:
+    training-like (a few neighbouring exponents), random, or mirrored (equal costs)."""
+    size = draw(st.sampled_from([16, 32, 256, 2048]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    kind = draw(st.sampled_from(["training", "random", "mirrored"]))
+    if kind == "random":
+        sampled = rng.integers(0, draw(st.sampled_from([2, 50, 10_000])), size)
+    else:
+        centre, width = int(rng.integers(0, size)), int(rng.integers(1, min(size, 24)))
+        sampled = np.zeros(size, dtype=np.int64)
+        lo, hi = max(0, centre - width), min(size, centre + width)
+        sampled[lo:hi] = rng.integers(1, 5_000, hi - lo)
+        if kind == "mirrored":
+            sampled[lo:hi] = np.minimum(sampled[lo:hi], sampled[lo:hi][::-1])
+    rate = draw(st.sampled_from([0.0, 0.001, 0.02, 0.3, 1.0]))
+    changed = rng.binomial(sampled, rate * rng.random(size) ** 2) if rate < 1 else sampled.copy()
+    scale = draw(st.sampled_from([1.0, 32.0, 31.7]))  # a sampled tensor's counts scale up
+    return sampled.astype(np.int64) * scale, changed.astype(np.int64)
+
+
+@settings(max_examples=400, deadline=None)
+@given(histograms())
+def test_the_bounded_threshold_search_takes_the_pair_every_pair_takes(
+    counts: tuple[np.ndarray, np.ndarray],
+) -> None:
+    """The skips are exact: the same thresholds and costs as pricing every pair, ties included."""
+    all_hist, changed_hist = counts
+    assert context.choose_thresholds(all_hist, changed_hist) == _every_pair(all_hist, changed_hist)

@@ -13,11 +13,12 @@ computed where the tensor lives.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -165,7 +166,7 @@ def encode_rank(
         raise ValueError(
             f"the view of sharded tensors holds {missing[:3]}, slices of no tensor (FP8 scales?)"
         )
-    slots, tensors, total = layout.by_name, layout.tensors, layout.numel
+    tensors, total = layout.tensors, layout.numel
     digests: dict[str, str] = {}  # a keyframe's are its own tensors' (names may have changed)
     global_digests: dict[str, str] = {}
     counts = None if context is False else _host_counts(layout, base)
@@ -179,33 +180,71 @@ def encode_rank(
             )
             keyframes.append((columns, partial(_keyframes, buffer, group, slices, counts)))
         _encode_in_order(keyframes, encoders, window, packer, digests, global_digests)
-        parts = packer.finish()
-        buffer.exponent_counts = counts
-        return RankVersion(
-            tensors,
-            parts,
-            digests,
-            total,
-            total,
-            layout.view_bytes,
-            0,
-            0.0,
-            slices=dict(slices),
-            slice_digests=global_digests,
-        )
-    base.exponent_counts = None  # moved in place by this version's patches: the new view's
-    digests.update(base_digests)
-    global_digests.update(base_slice_digests or {})
-    changed = host_bytes = hint_bytes = 0
-    diff_s = 0.0
+        diffed = _Diffed(changed=total)  # a keyframe: every element, nothing diffed
+    else:
+        base.exponent_counts = None  # moved in place by this version's patches: the new view's
+        digests.update(base_digests)
+        global_digests.update(base_slice_digests or {})
+        diffed = _Diffed()
+        with contextlib.closing(
+            _delta_bundles(base, buffer, base_digests, context, slices, global_digests, counts, diffed)
+        ) as deltas:
+            _encode_in_order(deltas, encoders, window, packer, digests, global_digests)
+    parts = packer.finish()
+    buffer.exponent_counts = counts
+    return RankVersion(
+        tensors,
+        parts,
+        digests,
+        diffed.changed,
+        total,
+        layout.view_bytes,
+        diffed.host_bytes,
+        diffed.waited_s,
+        diffed.hint_bytes,
+        slices=dict(slices),
+        slice_digests=global_digests,
+    )
+
+
+@dataclass
+class _Diffed:
+    """What `_delta_bundles` found while the bundles went by: changed elements, bytes moved
+    to the host (the part of them that carried context hints), and time spent waiting for
+    the diff that encoding did not hide."""
+
+    changed: int = 0
+    host_bytes: int = 0
+    hint_bytes: int = 0
+    waited_s: float = 0.0
+
+
+def _delta_bundles(
+    base: ViewBuffer,
+    buffer: ViewBuffer,
+    base_digests: Mapping[str, str],
+    context: bool | None,
+    slices: Mapping[str, LocalSlice],
+    global_digests: Mapping[str, str],
+    counts: ExponentCounts | None,
+    diffed: _Diffed,
+) -> Generator[Bundle, None, None]:
+    """A delta's bundles, diff batch after diff batch, made as the encoders take them: the
+    next batch is finished (its changes gathered) and cut into bundles while the encoders
+    still run the last batch's, not after all of them came back (for a model of many
+    small tensors that work is a Python step per tensor, which the encoders would wait
+    for at every batch)."""
+    slots = buffer.layout.by_name
     started = time.perf_counter()
     # device hints only where asked for (`diff_slots`); the CPU path hands the codec the
     # old bytes instead
     for part in iter_diffs(base, buffer, hints=context):
-        diff_s += time.perf_counter() - started  # time waiting for the diff, not hidden by encoding
+        diffed.waited_s += time.perf_counter() - started  # not hidden by encoding
         names, changes = list(part.changes), list(part.changes.values())
         counted = [c.positions.size for c in changes]
-        deltas: list[Bundle] = []
+        diffed.changed += sum(counted)
+        diffed.host_bytes += part.host_bytes - part.hint_bytes
+        diffed.hint_bytes += part.hint_bytes
         for a, b in _bundles(counted):
             group_names = names[a:b]
             in_group = [slots[name] for name in group_names]
@@ -225,27 +264,8 @@ def encode_rank(
             columns = Tensors(
                 group_names, [s.dtype for s in in_group], [s.shape for s in in_group], counted[a:b]
             )
-            deltas.append((columns, encode))
-        _encode_in_order(deltas, encoders, window, packer, digests, global_digests)
-        changed += sum(counted)
-        host_bytes += part.host_bytes - part.hint_bytes
-        hint_bytes += part.hint_bytes
+            yield columns, encode
         started = time.perf_counter()
-    parts = packer.finish()
-    buffer.exponent_counts = counts
-    return RankVersion(
-        tensors,
-        parts,
-        digests,
-        changed,
-        total,
-        layout.view_bytes,
-        host_bytes,
-        diff_s,
-        hint_bytes,
-        slices=dict(slices),
-        slice_digests=global_digests,
-    )
 
 
 def _host_counts(layout: ViewLayout, base: ViewBuffer | None) -> ExponentCounts | None:
@@ -298,7 +318,7 @@ def _bundles(work: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def _encode_in_order(
-    bundles: list[Bundle],
+    bundles: Iterable[Bundle],
     encoders: Executor,
     window: int,
     packer: BlobPacker,

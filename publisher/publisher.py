@@ -22,8 +22,9 @@ Memory, in bytes (documented bound, see `memory_bound_bytes`):
           the fused pass' bitmask and tile table (about 1/16 of a diff batch's bytes);
   host:   max_pending_blob_bytes + blob_max_bytes   blobs sealed or being packed (`packer`),
           plus 2 * encode_workers bundles' bytes while a keyframe encodes (a large tensor, or
-          small ones of at most ~2 x `encode.BUNDLE_ELEMENTS` elements), plus the changes of two
-          diff batches (`device_diff.iter_diffs`: ~12 bytes per changed bf16 element), plus
+          small ones of at most ~2 x `encode.BUNDLE_ELEMENTS` elements), plus the changes of three
+          diff batches (one encoding, one bundled behind it, one diffed: `device_diff.iter_diffs`
+          and `encode`; ~12 bytes per changed bf16 element), plus
           the host tensors' kept exponent counts (`exponents`: 8 bytes per exponent value of
           each tensor's dtype, 2 KiB per bf16 or fp32 tensor; one table, moved from view to view).
 

@@ -11,6 +11,7 @@ import torch
 
 from deltaboard.board import codec
 from deltaboard.board.contract.schemas import Manifest, ViewSpec
+from deltaboard.publisher import device_diff, encode
 from deltaboard.publisher.encode import BUNDLE_ELEMENTS, encode_rank
 from deltaboard.publisher.manifest import Proposal, build_manifest
 from deltaboard.publisher.packer import BlobPacker
@@ -29,6 +30,25 @@ class CountingPool(ThreadPoolExecutor):
         return super().submit(fn, *args, **kwargs)
 
 
+def _stepped_views(
+    tensors: int, numel: int, rate: float, seed: int
+) -> tuple[ViewLayout, ViewBuffer, ViewBuffer]:
+    """A view of `tensors` small bf16 tensors and the view after a step that moves about
+    `rate` of their elements by one ULP: (layout, old view, new view)."""
+    g = torch.Generator().manual_seed(seed)
+    old = {f"t{i}": (torch.randn(numel, generator=g) * 0.02).to(torch.bfloat16) for i in range(tensors)}
+    new = {}
+    for name, t in old.items():
+        bits = t.clone().view(torch.int16)
+        bits[torch.rand(numel, generator=g) < rate] += 1
+        new[name] = bits.view(torch.bfloat16)
+    layout = ViewLayout.of(old, ViewSpec())
+    base, buffer = ViewBuffer(layout), ViewBuffer(layout)
+    base.fill(old)
+    buffer.fill(new)
+    return layout, base, buffer
+
+
 def test_small_tensors_are_encoded_in_bundles_with_the_same_patches(monkeypatch):
     """One encoder task and one codec call per bundle; each patch what `encode_changes`
     writes for its tensor alone."""
@@ -40,17 +60,7 @@ def test_small_tensors_are_encoded_in_bundles_with_the_same_patches(monkeypatch)
         return encode_batch(changes, *args, **kwargs)
 
     monkeypatch.setattr(codec, "encode_batch", counted)
-    g = torch.Generator().manual_seed(0)
-    old = {f"t{i}": (torch.randn(500, generator=g) * 0.02).to(torch.bfloat16) for i in range(3000)}
-    new = {}
-    for name, t in old.items():
-        bits = t.clone().view(torch.int16)
-        bits[torch.rand(500, generator=g) < 0.02] += 1
-        new[name] = bits.view(torch.bfloat16)
-    layout = ViewLayout.of(old, ViewSpec())
-    base, buffer = ViewBuffer(layout), ViewBuffer(layout)
-    base.fill(old)
-    buffer.fill(new)
+    layout, base, buffer = _stepped_views(3000, 500, 0.02, seed=0)
     blobs: dict[str, bytes] = {}
     digests = {s.name: codec.digest(base.host_bytes(s), s.dtype) for s in layout.slots}
     pool = CountingPool()
@@ -89,3 +99,33 @@ def test_a_manifest_of_many_entries_is_what_its_json_reads_back():
     assert Manifest.model_validate_json(text).model_dump_json() == text
     files = [e.file for e in manifest.tensors]
     assert len(set(files)) > 1 and files == sorted(files)  # shards in order, several of them
+
+
+def test_the_next_diff_batch_is_bundled_while_the_encoders_run_the_last(monkeypatch):
+    """The encoders get the next diff batch's bundles while the last batch's still run:
+    every bundle is packed with the window full, not only those inside one diff batch
+    (a model of many small tensors would leave the encoders waiting at every batch while
+    its changes are gathered and bundled)."""
+    monkeypatch.setattr(device_diff, "CPU_BATCH_BYTES", 20_000)  # ~20 batches of 10 tensors
+    monkeypatch.setattr(encode, "BUNDLE_ELEMENTS", 30)  # ~3 bundles a batch
+    layout, base, buffer = _stepped_views(200, 1000, 0.01, seed=2)
+    digests = {s.name: codec.digest(base.host_bytes(s), s.dtype) for s in layout.slots}
+    blobs: dict[str, bytes] = {}
+    pool = CountingPool()
+    in_flight: list[int] = []  # bundles handed to the encoders and not yet packed, at each pack
+    with ThreadPoolExecutor(2) as uploads, pool:
+        packer = BlobPacker(blobs.__setitem__, uploads, blob_max_bytes=1 << 20, max_pending_bytes=1 << 24)
+        add = packer.add
+
+        def counted_add(*args: Any) -> None:
+            in_flight.append(pool.submitted - len(in_flight))
+            add(*args)
+
+        monkeypatch.setattr(packer, "add", counted_add)
+        version = encode_rank(buffer, base, digests, packer, pool, window=4)
+    assert len(device_diff.batches(layout, device_diff.CPU_BATCH_BYTES)) > 10
+    assert len(in_flight) == pool.submitted > 30
+    assert in_flight[:-3] == [4] * (len(in_flight) - 3)  # then the last three drain
+    for part, slot in zip(version.parts, layout.slots, strict=True):
+        blob = blobs[part.sha256][part.offset : part.offset + part.length]
+        assert np.array_equal(codec.apply(base.host_bytes(slot), blob), buffer.host_bytes(slot))

@@ -79,6 +79,7 @@ from deltaboard.services.sidecar.constraints import (
     VersionConstraint,
     parse_constraint,
 )
+from deltaboard.services.sidecar.deadline import Deadline
 from deltaboard.services.sidecar.gate import Admitted, Refused, Stale, VersionGate, unless_stale
 from deltaboard.services.sidecar.metrics import SidecarMetrics
 from deltaboard.services.sidecar.server import DISCONNECT, SINK
@@ -435,12 +436,12 @@ class Proxy:
         abortable = admission.high is not None  # only such a request can go stale
         start = admission.start
         try:
-            async with asyncio.timeout(self.settings.engine_timeout_s) as deadline:
+            with Deadline(self.settings.engine_timeout_s) as deadline:
                 sending = self.pool.request(scope["method"], target, headers, raw)
                 upstream = await (unless_stale(sending, admission) if abortable else sending)
                 opened.append(upstream)
                 if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                    deadline.reschedule(None)  # a stream lasts as long as its client reads it
+                    deadline.clear()  # a stream lasts as long as its client reads it
                     return await self._stream(scope, receive, send, upstream, admission, release)
                 reading = upstream.aread()
                 content = await (unless_stale(reading, admission) if abortable else reading)

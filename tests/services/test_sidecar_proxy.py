@@ -10,13 +10,15 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware.gzip import GZipMiddleware
 
 from deltaboard.clients.engines import EngineStamp, make_adapter
@@ -37,7 +39,13 @@ PROMPT = [3, 1, 4, 1, 5]
 class Node:
     """A sidecar app in front of `engine_url`, with the gate in the test's hands."""
 
-    def __init__(self, engine_url: str, mode: str = "quiesce", abort_stale: bool = False) -> None:
+    def __init__(
+        self,
+        engine_url: str,
+        mode: str = "quiesce",
+        abort_stale: bool = False,
+        engine_timeout_s: float = 600.0,
+    ) -> None:
         self.gate = VersionGate(mode, drain_timeout_s=30, abort_stale=abort_stale)  # type: ignore[arg-type]
 
         @asynccontextmanager
@@ -47,7 +55,7 @@ class Node:
 
         status = lambda: {"served": self.gate.served, "healthy": self.gate.healthy}  # noqa: E731
         self.adapter = make_adapter("reference", engine_url)
-        settings = ProxySettings(engine_url, default_wait_s=0.0)
+        settings = ProxySettings(engine_url, default_wait_s=0.0, engine_timeout_s=engine_timeout_s)
         app = create_proxy_app(self.gate, self.adapter, settings, SidecarMetrics(), status, bind)
         self.server = BackgroundServer(app).start()
         self.client = httpx.Client(base_url=self.server.url, timeout=60)
@@ -326,6 +334,50 @@ def test_engine_down_is_503_with_retry_after():
         assert n.gate.inflight == 0
     finally:
         n.close()
+
+
+def slow_engine(pause_s: float) -> FastAPI:
+    """An engine that answers a plain request only after `pause_s`, and streams an event,
+    then after `pause_s` the rest."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def complete(request: Request) -> Response:
+        if not (await request.json()).get("stream"):
+            await asyncio.sleep(pause_s)
+            return JSONResponse({"choices": []})
+
+        async def events() -> AsyncIterator[bytes]:
+            yield b'data: {"i": 0}\n\n'
+            await asyncio.sleep(pause_s)
+            yield b'data: {"i": 1}\n\ndata: [DONE]\n\n'
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"weight_version": 1, "loads": 1}
+
+    return app
+
+
+def test_the_engine_timeout_bounds_an_answer_and_a_streams_head_not_the_stream():
+    with BackgroundServer(slow_engine(pause_s=1.0)) as engine:
+        n = Node(engine.url, engine_timeout_s=0.3)
+        try:
+            n.serve(1, stamp=EngineStamp("1", loads=1))
+            late = completion(n)
+            assert late.status_code == 503 and late.headers["retry-after"]
+            error = late.json()["error"]
+            assert error["code"] == "EngineUnavailable" and "TimeoutError" in error["message"]
+            stream = completion(n, stream=True)
+            assert stream.status_code == 200
+            events = [e for e in stream.text.split("\n\n") if e]
+            assert events[:2] == ['data: {"i": 0}', 'data: {"i": 1}'] and events[-1] == "data: [DONE]"
+            assert json.loads(events[-2][6:])["weight_version"] == {"start": 1, "end": 1, "spans": [[0, 1]]}
+            assert n.gate.inflight == 0
+        finally:
+            n.close()
 
 
 def aborted(engine: str) -> int:

@@ -475,12 +475,12 @@ def _torch_hints(
     unknown = np.flatnonzero(is_floating & (counts > 0) & (sampled[:, 0] < 0))
     if unknown.size:  # counted once: they describe the old bytes until `fill` replaces them
         sampled[unknown], crossed = _count_sampled(old, slots, unknown.tolist(), bins)
-        kept.table[rows][unknown, :bins] = sampled[unknown]
+        kept.table[rows[unknown], :bins] = sampled[unknown]
         counts_bytes += crossed
     known = sampled[:, 0] >= 0
-    moved = moving.table[rows]
-    moved[:] = -1
+    moved = np.full((len(slots), moving.table.shape[1]), -1, dtype=np.int64)
     moved[known, :bins] = sampled[known] - removed[known] + added[known]
+    moving.table[rows] = moved
     plans = _plans(slots, counts, sampled, changed)
     if not plans:
         return plans, np.empty(0, dtype=np.int64), counts_bytes

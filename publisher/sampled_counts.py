@@ -36,12 +36,11 @@ class SampledCounts:
             default=1,
         )
         self.table = np.full((len(layout.slots), columns), -1, dtype=np.int64)
-        self._first_row = {slot.name: row for row, slot in enumerate(layout.slots)}
+        self._row = {slot.name: row for row, slot in enumerate(layout.slots)}
 
-    def rows(self, slots: Sequence[Slot]) -> slice:
-        """The rows of consecutive slots of the layout (a diff batch)."""
-        first = self._first_row[slots[0].name]
-        return slice(first, first + len(slots))
+    def rows(self, slots: Sequence[Slot]) -> np.ndarray:
+        """The rows of `slots` (a diff batch: slots of one group, of the layout)."""
+        return np.array([self._row[slot.name] for slot in slots], dtype=np.int64)
 
     def forget(self) -> None:
         self.table[:, 0] = -1

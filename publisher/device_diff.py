@@ -386,15 +386,20 @@ def _plans(
 ) -> dict[int, tuple[int, int]]:
     """Step 3 of the contract in `codec.plan_thresholds`, for each changed floating slot whose
     exponent counts (rows of `sampled` and `changed`, at least as wide as its exponent range)
-    make the classes pay off."""
-    plans = {}
+    make the classes pay off: one compiled call per dtype (`codec.plan_thresholds_many`)."""
+    by_dtype: dict[str, list[int]] = {}
     for i, slot in enumerate(slots):
         if counts[i] and slot.dtype in codec.EXPONENT_FIELDS:
-            bins = codec.EXPONENT_FIELDS[slot.dtype][1] + 1
-            plan = codec.plan_thresholds(sampled[i, :bins], changed[i, :bins], slot.numel)
-            if plan is not None:
-                plans[i] = plan
-    return plans
+            by_dtype.setdefault(slot.dtype, []).append(i)
+    plans: dict[int, tuple[int, int]] = {}
+    for dtype, rows in by_dtype.items():
+        bins = codec.EXPONENT_FIELDS[dtype][1] + 1
+        numel = np.array([slots[i].numel for i in rows], dtype=np.int64)
+        found = codec.plan_thresholds_many(sampled[rows, :bins], changed[rows, :bins], numel)
+        plans.update(
+            (i, (int(low), int(top))) for i, (low, top) in zip(rows, found.tolist(), strict=True) if low >= 0
+        )
+    return dict(sorted(plans.items()))
 
 
 def _limits(slot: Slot, plan: tuple[int, int], top: int) -> tuple[int, int]:

@@ -41,7 +41,7 @@ from deltaboard.board.codec.digest import (
 from deltaboard.board.codec.dtypes import WIDTHS, uint_dtype, width
 from deltaboard.board.codec.errors import PatchError
 from deltaboard.board.codec.header import ENCODINGS, PatchHeader
-from deltaboard.board.codec.ranked import ContextHint, context_hint
+from deltaboard.board.codec.ranked import ContextHint, context_hint, plan_thresholds_many
 from deltaboard.board.codec.span import compose
 
 __all__ = [
@@ -72,6 +72,7 @@ __all__ = [
     "keyframe",
     "keyframe_into",
     "plan_thresholds",
+    "plan_thresholds_many",
     "read_header",
     "sample_stride",
     "slice_positions",

@@ -7,12 +7,14 @@ bits are the context the codec conditions on, the new bits what it encodes. Bit
 patterns are compared as integers, so -0/+0 differ and an unchanged NaN is unchanged.
 
 For tensors off the host (CUDA) the diff also computes each changed tensor's
-`board.codec.ContextHint` there (`context_hints`): the codec's context encoding needs the
-class of every element of the old tensor, which would otherwise mean copying the old
-tensor to the host. The device follows the codec's public planning contract
+`board.codec.ContextHint` there (by default, `device_hints`): the codec's context encoding
+needs the class of every element of the old tensor, which would otherwise mean copying
+the old tensor to the host. The device follows the codec's public planning contract
 (`codec.plan_thresholds` states it: the same sampled exponent counts, the thresholds
 chosen from them on the host, the same comparisons on the sign-less bit patterns) and
-only the counts and one rank per changed element cross.
+only the counts and one rank per changed element cross. The sampled counts follow the
+changes (`sampled_counts`): after a tensor's first hint, a version's hint work is
+proportional to its changes, but for the rank pass over the tensors whose classes pay off.
 On the CPU the publisher hands the codec the old bytes themselves (no copy).
 
 The view is diffed in batches of consecutive tensors (`batches`); within a batch the
@@ -261,15 +263,14 @@ def start_diff(
     comparison over the batch's range, one gather of the changed words, a `searchsorted`
     over the slots' offsets to cut the result per tensor); then one small transfer to the
     host (`HostCopy`). `hints` adds the changed tensors' context hints, whose rank pass runs
-    while the changes are copied to the host (off by default: the CPU path hands the codec
-    the old bytes instead, and on a GPU they cost the pass most of its throughput). Only
-    the torch pass without hints leaves its copy running when it returns; the others need
-    the host's answer in the middle (the counts, the thresholds) and finish before.
+    while the changes are copied to the host (`device_hints` says when by default: on
+    CUDA; the CPU path hands the codec the old bytes instead). Only the torch pass without
+    hints leaves its copy running when it returns; the others need the host's answer in
+    the middle (the counts, the thresholds) and finish before.
     """
     group = slots[0].group
     # Measured on an H200 (design.md, "Publishing a version"): the torch pass is the faster
-    # with hints and without (8 GB: 321-380 vs 231-282 GB/s of view without, 85-92 vs 57-74
-    # with), so the fused pass runs only when asked for, and hints only when asked for.
+    # with hints and without, so the fused pass runs only when asked for.
     want_hints = device_hints(hints, group[0])
     use_fused = bool(fused)
     if group[0] == "cpu" and not want_hints and not use_fused:

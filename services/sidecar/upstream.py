@@ -26,7 +26,7 @@ A response's connection goes back to the pool only once its body was read to the
 `aclose` before that closes the connection, which is how the engine learns that nobody
 reads the request any more (it stops generating). Failures to reach the engine or to get
 a whole answer raise `UpstreamError`. Reads have no timeout of their own: the caller
-bounds a request as a whole (`asyncio.timeout`), and cancelling it closes its connection.
+bounds a request as a whole (the proxy's `Deadline`), and cancelling it closes its connection.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ import torch
 from deltaboard.board import codec
 from deltaboard.publisher.snapshot import Slot
 
-TILE = 4096  # elements per program; a multiple of 32 (a bitmask word per 32 lanes), < 2**16 (`class_ranks`)
+TILE = 4096  # elements per program; a multiple of 32 (one bitmask word per 32 lanes)
 WARPS = 8  # warps per program: 8 beat 4 on the H200 at TILE 4096 (design.md)
 REORDER_STEP = 128  # entries a `reorder` program moves per step (a tile holds ~TILE/100)
 

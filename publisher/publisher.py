@@ -26,17 +26,20 @@ Memory, in bytes (documented bound, see `memory_bound_bytes`):
           diff batches (one encoding, one bundled behind it, one diffed: `device_diff.iter_diffs`
           and `encode`; ~12 bytes per changed bf16 element), plus
           the host tensors' kept exponent counts (`exponents`: 8 bytes per exponent value of
-          each tensor's dtype, 2 KiB per bf16 or fp32 tensor; one table, moved from view to view).
+          each tensor's dtype, 2 KiB per bf16 or fp32 tensor; one table, moved from view to view),
+          plus on CUDA with hints the device tensors' kept sampled counts (`sampled_counts`:
+          8 bytes per exponent value of the view's widest floating dtype per tensor, a table
+          per view buffer).
 
 The codec's context encoding (`context`) makes deltas smaller (docs/design.md has the
 measured figures): every follower downloads, and the board stores, that much less. It
 reads the old exponent class of every element. On the CPU the publisher hands the codec
-the old bytes in place; the pass costs background time only, none of it on the trainer
-thread, so the default (`None`, auto) uses it there. On CUDA it needs a hint computed on
-the device, which on an H200 costs the snapshot + diff pass about two thirds of its
-throughput whether the fused Triton pass (`fused_diff`) or torch computes it (design.md),
-so auto leaves it off there. `context=True` asks for it everywhere (on CUDA the torch
-pass computes the hint: it measured faster than the fused one), `context=False` nowhere.
+the old bytes in place; on CUDA the diff computes a hint on the device (`device_diff`:
+exponent counts that follow the changes, the ranks of the tensors whose classes pay off).
+Either way the cost is background time, none of it on the trainer thread (on an H200 the
+hinted 8 GB pass takes 1.6x to 5x the unhinted one's ~17 ms, design.md), so the default
+(`None`) uses it everywhere; `context=False` turns it off, `context=True` is the same as
+the default.
 
 Threads: the caller's (snapshot only), one worker (orders the stages, commits), a diff
 helper, an encoder pool (`encode_workers`, default min(4, cores)), an upload pool, and

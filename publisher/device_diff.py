@@ -342,13 +342,6 @@ def _find(
     """`start_diff` on the device (see `Found`)."""
     group = slots[0].group
     old_g, new_g = old.groups[group], new.groups[group]
-    if use_fused and want_hints:
-        found = fused_diff.changes(old_g, new_g, slots)
-        copy = HostCopy((found.positions.to(_index_dtype(slots)), found.old_bits, found.new_bits))
-        counts = found.slot_counts
-        ranks: Hints | None = _fused_hints(old_g, slots, found, counts)
-        local, old_h, new_h = copy.wait()
-        return lambda: (local, counts, old_h, new_h, ranks)
     start = slots[0].offset
     stop = word_aligned(slots[-1].offset + slots[-1].numel, group[1])
     find = functools.partial(fused_diff.changed_elements, key=tuple(slots)) if use_fused else _changed
@@ -410,26 +403,6 @@ def _limits(slot: Slot, plan: tuple[int, int], top: int) -> tuple[int, int]:
     return min(low - 1, top), min(small - 1, top)
 
 
-def _fused_hints(
-    old: torch.Tensor, slots: Sequence[Slot], found: fused_diff.FusedChanges, counts: np.ndarray
-) -> Hints:
-    """The fused pass' histograms to the host, the thresholds, then the ranks on the device."""
-    rows = np.flatnonzero(counts)
-    picked = torch.from_numpy(rows).to(old.device)
-    sampled_rows, changed_rows = to_host(found.sampled[picked], found.changed[picked])
-    sampled = np.zeros((len(slots), found.sampled.shape[1]), dtype=sampled_rows.dtype)
-    changed = np.zeros_like(sampled)
-    sampled[rows], changed[rows] = sampled_rows, changed_rows
-    plans = _plans(slots, counts, sampled, changed)
-    top = (1 << (8 * old.element_size() - 1)) - 1
-    limits = {i: _limits(slots[i], plan, top) for i, plan in plans.items()}
-    ranks = fused_diff.class_ranks(
-        old, slots, found.lanes, found.positions.numel(), limits, _index_dtype(slots)
-    )
-    (host_ranks,) = to_host(ranks) if plans else (np.empty(0, dtype=np.int64),)
-    return plans, host_ranks, sampled_rows.nbytes + changed_rows.nbytes + (host_ranks.nbytes if plans else 0)
-
-
 @dataclass(frozen=True)
 class _Changed:
     """A batch's changes on the device, in slot order: each one's slot (index in the batch),
@@ -444,7 +417,7 @@ class _Changed:
 def _torch_hints(
     old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot], counts: np.ndarray, found: _Changed
 ) -> Hints:
-    """The reference of `_fused_hints` in torch, with the sampled counts kept.
+    """The context hints of a batch's changes, found by either pass, the sampled counts kept.
 
     Step 2 of the contract over the changes only, all the batch's slots at once: one
     `unique` (a sort: a histogram of concentrated exponents by atomics measured 12x slower

@@ -1,27 +1,27 @@
 """The diff of a batch of slots as a few Triton launches over the whole batch, not per tensor.
 
 `device_diff` finds changes with torch (`ne`, `nonzero`, gathers: one synchronising kernel
-chain per chunk, and the context hint's exponent counts and class ranks as further full
-passes); here the same result comes from kernels that read each buffer once and write only
-what changed, whatever the number of tensors:
+chain per chunk); here the same result comes from kernels that read each buffer once and
+write only what changed, whatever the number of tensors:
 
-1. one read of both buffers, in tiles: each tile compares old and new, claims its range
-   of the output with one atomic add on a cursor (tiles claim in whatever order they run),
-   and stores what changed there in ascending order (an exclusive prefix sum of the
-   changed counts): position, old bits, new bits. Without hints (`compact_words`) the
-   tiles compare whole 64-bit words and write the changed words; only those are then
-   split into their changed elements (`changed_elements`). With hints (`compact`), a tile never
-   straddles two slots (its slot is one table lookup) and scans element by element,
-   storing slot-local positions, its changed lanes as a bitmask (1/16 of a bf16 tile's
-   bytes), and adding its sampled old exponents and its changed elements' old exponents
-   to its slot's two histograms (`codec.plan_thresholds` step 2). The output is sized
-   before the count is known (`_compacted`); a pass that finds more runs once more;
+1. one read of both buffers, in tiles of 64-bit words (`compact_words`): each tile
+   compares old and new, claims its range of the output with one atomic add on a cursor
+   (tiles claim in whatever order they run), and stores its changed words there in
+   ascending order (an exclusive prefix sum of the changed counts): index, old, new. The
+   output is sized before the count is known (`_compacted`); a pass that finds more runs
+   once more;
 2. a scan of the tile counts (torch `cumsum`) gives each tile's place in order, and
    `reorder` moves every tile's run there: only the changes are read and written again;
-3. with hints, once the host picked each slot's thresholds from the histograms
-   (`codec.plan_thresholds`, called as the contract says), `class_counts` counts each
-   tile's members of the two lower classes, a per-slot scan of those counts gives each
-   tile's members before it, and `class_ranks` ranks the changed lanes of each tile.
+   `lane_counts` and `split_words` then split the changed words into their changed
+   elements (`changed_elements`).
+
+The context hint's kernels work on element tiles that never straddle two slots (`tiles`),
+for either pass' changes (`device_diff` computes the hint's counts over the changes):
+`sampled_counts` counts a tensor's sampled old exponents the first time it is hinted;
+once the host picked each slot's thresholds (`codec.plan_thresholds`, called as the
+contract says), `class_counts` counts each tile's members of the two lower classes, a
+per-slot scan of those counts gives each tile's members before it, and `class_ranks`
+ranks the changed lanes of each tile (`lanes_at` scatters them from the positions).
 
 The torch path in `device_diff` stays the reference (and the fallback where Triton is
 missing): `tests/publisher/test_fused_diff.py` checks that both give the same positions,
@@ -105,21 +105,6 @@ def tiles(slots: tuple[Slot, ...], device: str, tile: int) -> Tiles:
         first,
         torch.from_numpy(offsets).to(on),
     )
-
-
-@dataclass
-class FusedChanges:
-    """What the fused pass found in a batch, on its device: slot-local positions and bits
-    in slot order, each slot's changed count (host), and the per-slot exponent histograms
-    of the sampled old tensor and of the changed elements' old bits."""
-
-    positions: torch.Tensor
-    old_bits: torch.Tensor
-    new_bits: torch.Tensor
-    slot_counts: np.ndarray
-    sampled: torch.Tensor
-    changed: torch.Tensor
-    lanes: ChangedLanes
 
 
 @dataclass(frozen=True)
@@ -233,50 +218,6 @@ def _reordered(
     if size and counts.numel():
         _kernels().reorder[(counts.numel(),)](counts, bases, offsets, size, *claimed, *out, STEP=REORDER_STEP)
     return out
-
-
-def changes(old: torch.Tensor, new: torch.Tensor, slots: Sequence[Slot]) -> FusedChanges:
-    """Steps 1 and 2 of the module docstring over the group buffers `old` and `new`, for the
-    pass with hints (`changed_elements` is the pass without)."""
-    k = _kernels()
-    device = old.device
-    key = tuple(slots)
-    table = tiles(key, str(device), TILE)
-    n = table.count
-    counts = torch.zeros(n, dtype=torch.int32, device=device)
-    bases = torch.empty(n, dtype=torch.int64, device=device)
-    masks = torch.empty(max(n, 1) * (TILE // 32), dtype=torch.int32, device=device)
-    stride, shift, keymask = key_tables(key, device)
-    bins = hint_bins(slots)
-    sampled = torch.empty((len(slots), bins), dtype=torch.int32, device=device)
-    changed = torch.empty_like(sampled)
-
-    def launch(cursor: torch.Tensor, capacity: int, out: list[torch.Tensor]) -> None:
-        sampled.zero_()
-        changed.zero_()
-        if n:
-            k.compact[(n,)](
-                old, new, table.start, table.stop, table.slot, table.offset, counts, bases, cursor,
-                capacity, *out, masks, stride, shift, keymask, sampled, changed,
-                BINS=bins, TILE=TILE, num_warps=WARPS,
-            )  # fmt: skip
-
-    numel = sum(s.numel for s in slots)
-    total, claimed, _ = _compacted(key, numel // 64, (torch.int64, old.dtype, old.dtype), device, launch)
-    offsets = torch.cumsum(counts, 0) - counts
-    positions, old_bits, new_bits = _reordered(total, counts, offsets, bases, claimed)
-    per_slot = torch.zeros(len(slots), dtype=torch.int64, device=device)
-    if n:
-        per_slot.index_add_(0, table.slot.to(torch.int64), counts.to(torch.int64))
-    return FusedChanges(
-        positions,
-        old_bits,
-        new_bits,
-        per_slot.cpu().numpy(),
-        sampled,
-        changed,
-        ChangedLanes(counts, offsets, masks, TILE),
-    )
 
 
 WORD_TILE = 1024  # 64-bit words per `compact_words` program

@@ -13,42 +13,6 @@ def bitwise_or(a, b):
 
 
 @triton.jit(do_not_specialize=["capacity"])  # sized from the last pass: varies
-def compact(
-    old, new, t_start, t_stop, t_slot, s_offset, counts, bases, cursor, capacity,
-    pos_out, old_out, new_out, masks, s_stride, s_shift, s_keymask, sampled, changed_hist,
-    BINS: tl.constexpr, TILE: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0)
-    start = tl.load(t_start + t)
-    idx = start + tl.arange(0, TILE)
-    inside = idx < tl.load(t_stop + t)
-    a = tl.load(old + idx, mask=inside, other=0)
-    b = tl.load(new + idx, mask=inside, other=0)
-    ne = ((a != b) & inside).to(tl.int32)
-    n = tl.sum(ne, axis=0)
-    tl.store(counts + t, n)
-    base = tl.atomic_add(cursor, n.to(tl.int64), sem="relaxed")  # tiles claim their range in any order
-    tl.store(bases + t, base)
-    slot = tl.load(t_slot + t)
-    if n > 0:
-        dst = base + tl.cumsum(ne, 0) - ne
-        hit = (ne != 0) & (dst < capacity)  # past the capacity: counted, not written
-        tl.store(pos_out + dst, idx - tl.load(s_offset + slot), mask=hit)
-        tl.store(old_out + dst, a, mask=hit)
-        tl.store(new_out + dst, b, mask=hit)
-    lanes = tl.reshape(ne, (TILE // 32, 32)) << tl.arange(0, 32)[None, :]
-    tl.store(masks + t * (TILE // 32) + tl.arange(0, TILE // 32), tl.reduce(lanes, 1, bitwise_or))
-    stride = tl.load(s_stride + slot)
-    if stride > 0:  # a floating slot: the sampled old exponents, and the changed ones
-        keys = ((a >> tl.load(s_shift + slot)) & tl.load(s_keymask + slot)).to(tl.int32)
-        take = inside & (((idx - tl.load(s_offset + slot)) & (stride - 1)) == 0)  # a power of 2
-        hist = tl.histogram(keys, BINS, mask=take)
-        tl.atomic_add(sampled + slot * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
-        hist = tl.histogram(keys, BINS, mask=ne != 0)
-        tl.atomic_add(changed_hist + slot * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
-
-
-@triton.jit(do_not_specialize=["capacity"])  # sized from the last pass: varies
 def compact_words(
     old, new, n_words, counts, bases, cursor, capacity, word_out, old_out, new_out, TILE: tl.constexpr
 ):  # fmt: skip

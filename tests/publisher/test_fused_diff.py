@@ -103,17 +103,17 @@ def test_many_tensors_in_one_launch_match(tile):
 
 def test_a_pass_that_finds_more_than_it_made_room_for_runs_again(tile, monkeypatch):
     """The output is sized before the count is known (`fused_diff._compacted`): every element
-    of a tensor changed overflows the first guess of both passes (without hints and
-    with), and each must run again, sized exactly, rather than lose changes; a
-    later diff with fewer changes fits the guess its predecessor left."""
+    of a tensor changed overflows the first guess of the word pass (with hints and without:
+    the hint works on its changes), which must run again, sized exactly, rather than lose
+    changes; a later diff with fewer changes fits the guess its predecessor left."""
     monkeypatch.setattr(fused_diff, "_expected", {})
     g = torch.Generator().manual_seed(5)
     old = {"w": torch.randn(6000, generator=g).to(torch.bfloat16)}
     everything = {"w": (old["w"].view(torch.int16) + 1).view(torch.bfloat16)}
     for hints in (False, True):
         both(old, everything, ViewSpec(), hints=hints)
-    # each pass counted every change: the pass without hints in 64-bit words (4 bf16 each)
-    assert list(fused_diff._expected.values()) == [6000 // 4, 6000]
+    # the pass counted every change in 64-bit words (4 bf16 each)
+    assert list(fused_diff._expected.values()) == [6000 // 4]
     some = everything["w"].clone()
     some.view(torch.int16)[::7] += 1
     for hints in (False, True):
@@ -126,7 +126,6 @@ def test_the_compaction_kernels_compile_once_whatever_the_capacity() -> None:
     from deltaboard.publisher import fused_kernels
     from tests.support.triton_kernels import unspecialized
 
-    assert "capacity" in unspecialized(fused_kernels.compact)
     assert "capacity" in unspecialized(fused_kernels.compact_words)
     # the changed word count (or a capacity) the split kernels and the reorder take varies too
     assert "capacity" in unspecialized(fused_kernels.lane_counts)
@@ -146,24 +145,34 @@ def _buffers(
 
 @settings(max_examples=8, deadline=None)
 @given(pair=state_pairs())
-def test_lanes_scattered_from_positions_are_the_fused_pass_lanes(tile, pair):
-    """`lanes_at` rebuilds from the torch pass' positions the changed-lane bits, tile counts
-    and tile offsets that the fused pass writes as it compacts."""
+def test_lanes_scattered_from_positions_mark_each_change_in_its_tile(tile, pair):
+    """`lanes_at` sets, for each change, the bit of its lane in its tile's mask words (tiles
+    of `tile` elements from each slot's start), counts each tile's changes and where each
+    tile's run starts: built here change by change from the torch pass' positions."""
     a, b = _buffers(pair[0], pair[1], SPEC)
     for group in a.layout.group_numel:
         slots = [s for s in a.layout.slots if s.group == group]
-        found = fused_diff.changes(a.groups[group], b.groups[group], slots)
-        owner = torch.repeat_interleave(
-            torch.arange(len(slots), device=DEVICE), torch.from_numpy(found.slot_counts).to(DEVICE)
+        found = device_diff._cut(slots, device_diff._find(a, b, slots, False, False))
+        local = [
+            found.changes[s.name].positions if s.name in found.changes else np.zeros(0, np.int64)
+            for s in slots
+        ]
+        owner = np.repeat(np.arange(len(slots)), [p.size for p in local])
+        positions = np.concatenate(local).astype(np.int64)
+        got = fused_diff.lanes_at(
+            slots, torch.from_numpy(owner).to(DEVICE), torch.from_numpy(positions).to(DEVICE)
         )
-        got = fused_diff.lanes_at(slots, owner, found.positions)
-        want = found.lanes
-        count = fused_diff.tiles(tuple(slots), str(DEVICE), tile).count
-        assert got.tile == want.tile
-        assert torch.equal(got.tile_counts, want.tile_counts.to(got.tile_counts.dtype))
-        assert torch.equal(got.tile_offsets[:count], want.tile_offsets[:count].to(got.tile_offsets.dtype))
-        words = count * (tile // 32)
-        assert torch.equal(got.masks[:words], want.masks[:words])
+        table = fused_diff.tiles(tuple(slots), str(DEVICE), tile)
+        words = np.zeros(max(table.count, 1) * (tile // 32), dtype=np.uint32)
+        counts = np.zeros(table.count, dtype=np.int64)
+        for s, p in zip(owner.tolist(), positions.tolist(), strict=True):
+            t = int(table.first[s]) + p // tile
+            words[t * (tile // 32) + (p % tile) // 32] |= np.uint32(1 << (p % 32))
+            counts[t] += 1
+        assert got.tile == tile
+        assert np.array_equal(got.masks.cpu().numpy().view(np.uint32), words)
+        assert np.array_equal(got.tile_counts.cpu().numpy(), counts)
+        assert np.array_equal(got.tile_offsets.cpu().numpy(), np.cumsum(counts) - counts)
 
 
 def test_torch_hints_rank_with_the_fused_kernels_where_triton_runs(tile, monkeypatch):

@@ -33,7 +33,6 @@ from deltaboard.board.contract.errors import (
 )
 from deltaboard.board.contract.schemas import (
     BlobUploadTarget,
-    CommitRequest,
     FleetNode,
     Head,
     Heartbeat,
@@ -379,10 +378,17 @@ class BoardClient:
 
     # ---- versions ----------------------------------------------------------------------
 
-    def commit(self, run: str, manifest: Manifest) -> Head:
-        """Commit; a retried commit that had in fact landed is recognised and succeeds."""
+    def commit(self, run: str, manifest: Manifest, manifest_json: str | None = None) -> Head:
+        """Commit; a retried commit that had in fact landed is recognised and succeeds.
+        `manifest_json`: the manifest already serialized (`manifest.model_dump_json()`), by
+        a caller that needs its size too: a manifest of 20,000 tensors takes ~7 ms to dump."""
         try:
-            body = self._body(CommitRequest(manifest=manifest))
+            if manifest_json is None:
+                manifest_json = manifest.model_dump_json()
+            body = {
+                "content": f'{{"manifest":{manifest_json}}}',
+                "headers": {"Content-Type": "application/json"},
+            }
             return self._json("POST", f"/v1/runs/{run}/commit", Head, **body)
         except NotHead:
             head = self.head(run)

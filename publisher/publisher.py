@@ -472,7 +472,7 @@ class Publisher:
             del self._pending_assets[name]
         try:
             try:
-                manifest = self._send(proposal, ranks)
+                return self._send(proposal, ranks)
             except NotHead:
                 if self._board_next_version() != proposal.version:
                     raise
@@ -480,25 +480,26 @@ class Publisher:
                 # our own earlier attempt, whose manifest landed but whose head CAS did not
                 # (a board crash in between, then retries given up). A new epoch replaces it.
                 self._lease.take_new_epoch()
-                manifest = self._send(proposal, ranks)
+                return self._send(proposal, ranks)
         except NotHead as exc:
             self._resync()
             raise PublishError(f"version {proposal.version} was not committed: {exc}") from exc
-        return len(manifest.model_dump_json().encode())
 
-    def _send(self, proposal: Proposal, ranks: list[RankVersion]) -> Manifest:
-        """Commit the manifest under the current epoch; `NotHead` is left to the caller."""
+    def _send(self, proposal: Proposal, ranks: list[RankVersion]) -> int:
+        """Commit the manifest under the current epoch, serialized once for the request and
+        its size, which it returns; `NotHead` is left to the caller."""
         assert self._lease is not None
         manifest = build_manifest(self.run, proposal, self.spec, self._lease.epoch, ranks)
+        manifest_json = manifest.model_dump_json()
         try:
-            self.client.commit(self.run, manifest)
+            self.client.commit(self.run, manifest, manifest_json)
         except StaleEpoch as exc:
             raise self._lease.fence(f"the board refused version {proposal.version}") from exc
         except NotHead:
             raise
         except BoardError as exc:
             raise PublishError(f"version {proposal.version} was not committed: {exc}") from exc
-        return manifest
+        return len(manifest_json.encode())
 
     def _board_next_version(self) -> int:
         head = self.client.head(self.run).version

@@ -151,8 +151,9 @@ def encode_rank(
     bundles at a time, and packed in layout order, so blobs and manifests do not depend on
     thread timing and a keyframe holds at most `window` bundles' host bytes and patches
     while the packer waits for the link.
-    `context` asks for the codec's context encoding: True everywhere, None (auto) where
-    it costs little (the old bytes on the host), False nowhere (see `Publisher`).
+    `context` asks for the codec's context encoding: None (the default) and True
+    everywhere (the old bytes on the host, a device hint on CUDA: `device_diff.device_hints`),
+    False nowhere (see `Publisher`).
     `slices` (sharded state): where each local tensor sits in its whole tensor; each
     slice's digest at global positions is kept up to date from `base_slice_digests`.
     With the context encoding, the host tensors' exponent counts move from `base` to

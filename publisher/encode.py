@@ -237,9 +237,9 @@ def _delta_bundles(
     for at every batch)."""
     slots = buffer.layout.by_name
     started = time.perf_counter()
-    # device hints only where asked for (`diff_slots`); the CPU path hands the codec the
-    # old bytes instead
-    for part in iter_diffs(base, buffer, hints=context):
+    # device hints where they are the context's source (CUDA), never on the CPU, which
+    # hands the codec the old bytes: `context=True` means the encoding, not a device pass
+    for part in iter_diffs(base, buffer, hints=False if context is False else None):
         diffed.waited_s += time.perf_counter() - started  # not hidden by encoding
         names, changes = list(part.changes), list(part.changes.values())
         counted = [c.positions.size for c in changes]

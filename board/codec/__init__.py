@@ -6,9 +6,10 @@ for the additive digest.
 
 Two APIs: the operations (`diff`, `encode_changes`, `apply`, ...) and the planning rules
 of the `context` encoding (`EXPONENT_FIELDS`, `sample_stride`, `exponent_counts`,
-`plan_thresholds`, `class_limits`), which a second implementation of `context_hint` (the
-publisher's device diff) follows to produce the same `ContextHint`; the docstring of
-`plan_thresholds` states that contract step by step.
+`plan_thresholds`, or `plan_thresholds_many` for many tensors at once, `class_limits`),
+which a second implementation of `context_hint` (the publisher's device diff) follows to
+produce the same `ContextHint`; the docstring of `plan_thresholds` states that contract
+step by step.
 """
 
 from deltaboard.board.codec.api import (
@@ -27,6 +28,7 @@ from deltaboard.board.codec.context import (
     class_limits,
     exponent_counts,
     plan_thresholds,
+    plan_thresholds_many,
     sample_stride,
 )
 from deltaboard.board.codec.digest import (
@@ -41,7 +43,7 @@ from deltaboard.board.codec.digest import (
 from deltaboard.board.codec.dtypes import WIDTHS, uint_dtype, width
 from deltaboard.board.codec.errors import PatchError
 from deltaboard.board.codec.header import ENCODINGS, PatchHeader
-from deltaboard.board.codec.ranked import ContextHint, context_hint, plan_thresholds_many
+from deltaboard.board.codec.ranked import ContextHint, context_hint
 from deltaboard.board.codec.span import compose
 
 __all__ = [

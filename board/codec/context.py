@@ -105,6 +105,28 @@ def _cost(n_all: np.ndarray, n_ch: np.ndarray, a: int, b: int) -> float:
 
 
 @kernel
+def candidates(
+    all_hist: np.ndarray, changed_hist: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    """What a threshold search prices with (`_cost`): the cumulative counts of all and of
+    the changed elements by exponent, the estimated bits without classes, and the
+    candidate thresholds (0 and both sides of every exponent that has changes)."""
+    size = all_hist.size
+    n_all = np.zeros(size + 1)
+    n_ch = np.zeros(size + 1)
+    for e in range(size):
+        n_all[e + 1] = n_all[e] + all_hist[e]
+        n_ch[e + 1] = n_ch[e] + np.float64(changed_hist[e])
+    plain = n_all[size] * _h(n_ch[size] / max(n_all[size], 1.0))
+    marked = np.zeros(size + 1, dtype=np.bool_)
+    marked[0] = True
+    for e in range(size):
+        if changed_hist[e] > 0:
+            marked[e] = marked[e + 1] = True
+    return n_all, n_ch, plain, np.flatnonzero(marked)
+
+
+@kernel
 def choose_thresholds(all_hist: np.ndarray, changed_hist: np.ndarray) -> tuple[int, int, float, float]:
     """(t_low, t_top, estimated bits with classes, estimated bits without) for positions.
 
@@ -125,19 +147,8 @@ def choose_thresholds(all_hist: np.ndarray, changed_hist: np.ndarray) -> tuple[i
     taken is the one the full search takes.
     """
     size = all_hist.size
-    n_all = np.zeros(size + 1)
-    n_ch = np.zeros(size + 1)
-    for e in range(size):
-        n_all[e + 1] = n_all[e] + all_hist[e]
-        n_ch[e + 1] = n_ch[e] + np.float64(changed_hist[e])
-    total, changed = n_all[size], n_ch[size]
-    plain = total * _h(changed / max(total, 1.0))
-    marked = np.zeros(size + 1, dtype=np.bool_)
-    marked[0] = True
-    for e in range(size):
-        if changed_hist[e] > 0:
-            marked[e] = marked[e + 1] = True
-    cand = np.flatnonzero(marked)
+    n_all, n_ch, plain, cand = candidates(all_hist, changed_hist)
+    total = n_all[size]
     k = cand.size
     below, above = np.empty(k), np.empty(k)
     cut = np.zeros(k)  # cut[j] - cut[i]: [cand[i], cand[j]) as a class between every two
@@ -209,3 +220,29 @@ def plan(sampled: np.ndarray, changed: np.ndarray, numel: int) -> tuple[int, int
     histogram = sampled * (numel / max(1, sampled_numel))  # the whole tensor's
     t_low, t_top, with_classes, plain = choose_thresholds(histogram, changed)
     return (t_low, t_top) if with_classes <= CONTEXT_GAIN * plain else (-1, -1)
+
+
+@kernel
+def _plan_rows(sampled: np.ndarray, changed: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    out = np.empty((numel.size, 2), dtype=np.int64)
+    for i in range(numel.size):
+        out[i, 0], out[i, 1] = plan(sampled[i], changed[i], numel[i])
+    return out
+
+
+def plan_thresholds_many(sampled: np.ndarray, changed: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """`plan_thresholds` of many tensors of one dtype in one compiled loop: rows of their
+    exponent counts (as `plan_thresholds` takes them) and their element counts `numel`;
+    a row (t_low, t_top) each, (-1, -1) where the classes do not pay off. The same planner:
+    for a second implementation of the contract that hints thousands of small tensors,
+    which would pay the call's fixed cost (~6 us) per tensor."""
+    sampled = np.ascontiguousarray(sampled, dtype=np.int64)
+    changed = np.ascontiguousarray(changed, dtype=np.int64)
+    numel = np.ascontiguousarray(numel, dtype=np.int64)
+    if sampled.shape != changed.shape or sampled.ndim != 2 or numel.shape != sampled.shape[:1]:
+        raise ValueError(
+            f"rows of exponent counts of one dtype and a numel each expected, got {sampled.shape}, "
+            f"{changed.shape} and {numel.shape}"
+        )
+    result: np.ndarray = _plan_rows(sampled, changed, numel)
+    return result

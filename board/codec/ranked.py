@@ -52,32 +52,6 @@ def host_hint(
     return t_low, t_top, ranks_within(old, positions, shift, t_low, t_top)
 
 
-@kernel
-def _plan_rows(sampled: np.ndarray, changed: np.ndarray, numel: np.ndarray) -> np.ndarray:
-    out = np.empty((numel.size, 2), dtype=np.int64)
-    for i in range(numel.size):
-        out[i, 0], out[i, 1] = plan(sampled[i], changed[i], numel[i])
-    return out
-
-
-def plan_thresholds_many(sampled: np.ndarray, changed: np.ndarray, numel: np.ndarray) -> np.ndarray:
-    """`plan_thresholds` of many tensors of one dtype in one compiled loop: rows of their
-    exponent counts (as `plan_thresholds` takes them) and their element counts `numel`;
-    a row (t_low, t_top) each, (-1, -1) where the classes do not pay off. The same planner:
-    for a second implementation of the contract that hints thousands of small tensors,
-    which would pay the call's fixed cost (~6 us) per tensor."""
-    sampled = np.ascontiguousarray(sampled, dtype=np.int64)
-    changed = np.ascontiguousarray(changed, dtype=np.int64)
-    numel = np.ascontiguousarray(numel, dtype=np.int64)
-    if sampled.shape != changed.shape or sampled.ndim != 2 or numel.shape != sampled.shape[:1]:
-        raise ValueError(
-            f"rows of exponent counts of one dtype and a numel each expected, got {sampled.shape}, "
-            f"{changed.shape} and {numel.shape}"
-        )
-    result: np.ndarray = _plan_rows(sampled, changed, numel)
-    return result
-
-
 def context_hint(changes: Changes, old_bits: np.ndarray) -> ContextHint | None:
     """The hint from the old bits on the host; None when the classes do not pay off."""
     shift, mask = EXPONENT_FIELDS[changes.dtype]

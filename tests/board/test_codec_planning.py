@@ -109,17 +109,7 @@ def test_plan_refuses_counts_of_different_lengths() -> None:
 def _every_pair(all_hist: np.ndarray, changed_hist: np.ndarray) -> tuple[int, int, float, float]:
     """`context.choose_thresholds` without its bounds: every candidate pair priced, in order."""
     size = all_hist.size
-    n_all, n_ch = np.zeros(size + 1), np.zeros(size + 1)
-    for e in range(size):
-        n_all[e + 1] = n_all[e] + all_hist[e]
-        n_ch[e + 1] = n_ch[e] + np.float64(changed_hist[e])
-    plain = n_all[size] * context._h(n_ch[size] / max(n_all[size], 1.0))
-    marked = np.zeros(size + 1, dtype=np.bool_)
-    marked[0] = True
-    for e in range(size):
-        if changed_hist[e] > 0:
-            marked[e] = marked[e + 1] = True
-    cand = np.flatnonzero(marked)
+    n_all, n_ch, plain, cand = context.candidates(all_hist, changed_hist)
     best, low, top = np.inf, 0, 0
     for i in range(cand.size):
         for j in range(i, cand.size):

@@ -225,7 +225,11 @@ class BoardClient:
 
     @staticmethod
     def _body(model: BaseModel) -> dict[str, Any]:
-        return {"content": model.model_dump_json(), "headers": {"Content-Type": "application/json"}}
+        return BoardClient._json_body(model.model_dump_json())
+
+    @staticmethod
+    def _json_body(text: str) -> dict[str, Any]:
+        return {"content": text, "headers": {"Content-Type": "application/json"}}
 
     # ---- health and runs ---------------------------------------------------------------
 
@@ -385,10 +389,7 @@ class BoardClient:
         try:
             if manifest_json is None:
                 manifest_json = manifest.model_dump_json()
-            body = {
-                "content": f'{{"manifest":{manifest_json}}}',
-                "headers": {"Content-Type": "application/json"},
-            }
+            body = self._json_body(f'{{"manifest":{manifest_json}}}')  # a CommitRequest
             return self._json("POST", f"/v1/runs/{run}/commit", Head, **body)
         except NotHead:
             head = self.head(run)

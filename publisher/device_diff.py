@@ -363,7 +363,7 @@ def _find(
         return arrived
     local, counts, old_h, new_h, _ = arrived()
     ranks = (
-        _torch_hints(old, new, slots, counts, _Changed(owner, device_local, old_changed, new_changed))
+        _hints(old, new, slots, counts, _Changed(owner, device_local, old_changed, new_changed))
         if changed
         else None
     )
@@ -393,7 +393,7 @@ def _plans(
         plans.update(
             (i, (int(low), int(top))) for i, (low, top) in zip(rows, found.tolist(), strict=True) if low >= 0
         )
-    return dict(sorted(plans.items()))
+    return plans
 
 
 def _limits(slot: Slot, plan: tuple[int, int], top: int) -> tuple[int, int]:
@@ -414,7 +414,7 @@ class _Changed:
     new_bits: torch.Tensor
 
 
-def _torch_hints(
+def _hints(
     old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot], counts: np.ndarray, found: _Changed
 ) -> Hints:
     """The context hints of a batch's changes, found by either pass, the sampled counts kept.

@@ -73,13 +73,15 @@ def _kernels() -> ModuleType:
 class Tiles:
     """A batch's tile table on its device: tile t covers group elements
     [start[t], stop[t]) of slot `slot[t]` (an index into the batch); `first[s]` is slot s's
-    first tile (`first[-1]` the tile count), on the host."""
+    first tile (`first[-1]` the tile count), on the host, and `first_tile` the same but the
+    count on the device."""
 
     start: torch.Tensor
     stop: torch.Tensor
     slot: torch.Tensor
     first: np.ndarray
     offset: torch.Tensor  # per slot: its first element in the group
+    first_tile: torch.Tensor
 
     @property
     def count(self) -> int:
@@ -104,6 +106,7 @@ def tiles(slots: tuple[Slot, ...], device: str, tile: int) -> Tiles:
         torch.from_numpy(slot).to(on),
         first,
         torch.from_numpy(offsets).to(on),
+        torch.from_numpy(first[:-1].copy()).to(on),
     )
 
 
@@ -119,20 +122,15 @@ class ChangedLanes:
     tile: int  # the elements per tile these tables were made with
 
 
-@functools.lru_cache(maxsize=64)
-def _first_tiles(slots: tuple[Slot, ...], device: torch.device, tile: int) -> torch.Tensor:
-    return torch.from_numpy(tiles(slots, str(device), tile).first[:-1].copy()).to(device)
-
-
 def lanes_at(slots: Sequence[Slot], owner: torch.Tensor, local: torch.Tensor) -> ChangedLanes:
     """The `ChangedLanes` of changes found by another pass (the torch one): each change's
     slot (index in the batch) and slot-local position, in slot order, positions ascending.
     Two scatters over the changes, none over the tensors: a word's changed lanes are
     distinct bits, so adding them up is their OR."""
-    key = tuple(slots)
     device = local.device
-    count = tiles(key, str(device), TILE).count
-    tile_of = _first_tiles(key, device, TILE)[owner] + torch.div(local, TILE, rounding_mode="floor")
+    table = tiles(tuple(slots), str(device), TILE)
+    count = table.count
+    tile_of = table.first_tile[owner] + torch.div(local, TILE, rounding_mode="floor")
     lane = local % TILE
     masks = torch.zeros(max(count, 1) * (TILE // 32), dtype=torch.int32, device=device)
     # bit 31 wraps to the sign bit of an int32, as the fused pass stores it

@@ -15,8 +15,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import TypeAdapter
+
 from deltaboard.board import codec
-from deltaboard.board.contract.schemas import Manifest, ManifestStats, TensorPart, ViewSpec
+from deltaboard.board.contract.schemas import (
+    Manifest,
+    ManifestStats,
+    TensorColumns,
+    TensorPart,
+    TensorTable,
+    ViewSpec,
+)
 from deltaboard.board.contract.view_spec import plan_layout
 from deltaboard.publisher.encode import RankVersion
 from deltaboard.publisher.packer import PackedParts
@@ -47,8 +56,8 @@ def build_manifest(
     meta = dict(proposal.meta)
     if proposal.step is not None:
         meta["step"] = proposal.step
-    # format v2: the entries as columns, validated column by column in pydantic's core (no
-    # object per entry: a model of 20,000 tensors)
+    # format v2: the entries as columns (no object per entry: a model of 20,000 tensors),
+    # taken as they are (`_columns`); the rest of the manifest is validated
     return Manifest.model_validate(
         {
             "run": run,
@@ -59,8 +68,8 @@ def build_manifest(
             "epoch": epoch,
             "created_at": time.time(),
             "meta": meta,
-            "tensors": _columns(entries, placement),
-            "state_digest": codec.state_digest((name, digests[name]) for name in by_name),
+            "tensors": TensorTable(_columns(entries, placement)),
+            "state_digest": codec.sorted_state_digest(by_name, list(map(digests.__getitem__, by_name))),
             "stats": ManifestStats(
                 changed_elements=sum(r.changed_elements for r in ranks),
                 total_elements=sum(r.total_elements for r in ranks),
@@ -74,13 +83,34 @@ def build_manifest(
 Tensors = tuple[tuple[str, str, tuple[int, ...]], ...]
 
 
+# The entry columns that follow from the caller's tensors (names, dtypes, shapes) and their
+# layout (files), with the constraints `TensorColumns` puts on them.
+def _column(name: str) -> TypeAdapter[Any]:
+    annotation = TensorColumns.model_fields[name].annotation
+    assert annotation is not None
+    return TypeAdapter(annotation)
+
+
+_LAYOUT_COLUMNS = {column: _column(column) for column in ("name", "dtype", "shape", "file")}
+
+
 @functools.lru_cache(maxsize=4)
 def _planned(tensors: Tensors, spec: ViewSpec) -> tuple[Mapping[str, str], list[str]]:
     """Each tensor's shard file, and the names sorted (as the state digest takes its
-    entries, whose sort then meets them in order): the same for every version of the same
-    tensors, so made once for them (walks over every tensor, which a model of many tensors
-    would pay per version)."""
-    return plan_layout(tensors, spec).placement, sorted(name for name, _, _ in tensors)
+    entries): the same for every version of the same tensors, so made once for them (walks
+    over every tensor, which a model of many tensors would pay per version). The tensors'
+    names, dtypes, shapes and files are validated here, once, as the manifest's columns
+    (`ValidationError`): a version's entries are some of these tensors."""
+    placement = plan_layout(tensors, spec).placement
+    names = [name for name, _, _ in tensors]
+    for column, values in (
+        ("name", names),
+        ("dtype", [dtype for _, dtype, _ in tensors]),
+        ("shape", [shape for _, _, shape in tensors]),
+        ("file", [placement[name] for name in names]),
+    ):
+        _LAYOUT_COLUMNS[column].validate_python(values)
+    return placement, sorted(names)
 
 
 @dataclass(frozen=True)
@@ -95,27 +125,33 @@ class Entries:
     parts: list[TensorPart | None] | None  # None: every entry a whole tensor
 
 
-def _columns(entries: Entries, placement: Mapping[str, str]) -> dict[str, Any]:
-    """`TensorColumns` of the entries (each blob's sha256 once, entries naming its index)."""
+def _columns(entries: Entries, placement: Mapping[str, str]) -> TensorColumns:
+    """`TensorColumns` of the entries (each blob's sha256 once, entries naming its index),
+    not validated again: what the caller gave (names, dtypes, shapes) and the files were
+    validated once per set of tensors (`_planned`), and the rest is this publisher's own
+    work (the codec's digests, the packer's blob ranges and counts), which the board
+    validates on commit. Validated here too, every entry of every version would cost its
+    time again, serially between the last upload and the board (a model of many small
+    tensors pays it per entry)."""
     packed = entries.packed
     # two sealed blobs of the same bytes (identical tensors, in one packer or two ranks')
     # are one blob: the columns name each sha256 once
     index: dict[str, int] = {}
     renamed = [index.setdefault(sha, len(index)) for sha in packed.blobs]
     blob = packed.blob if len(index) == len(renamed) else [renamed[b] for b in packed.blob]
-    return {
-        "blobs": list(index),
-        "name": packed.names,
-        "dtype": packed.dtypes,
-        "shape": entries.shapes,
-        "file": [placement[name] for name in packed.names],
-        "blob": blob,
-        "offset": packed.offsets,
-        "length": packed.lengths,
-        "digest": entries.digests,
-        "changed": packed.changed,
-        "part": entries.parts,
-    }
+    return TensorColumns.model_construct(
+        blobs=tuple(index),
+        name=tuple(packed.names),
+        dtype=tuple(packed.dtypes),
+        shape=tuple(entries.shapes),
+        file=tuple(map(placement.__getitem__, packed.names)),
+        blob=tuple(blob),
+        offset=tuple(packed.offsets),
+        length=tuple(packed.lengths),
+        digest=tuple(entries.digests),
+        changed=tuple(packed.changed),
+        part=None if entries.parts is None else tuple(entries.parts),
+    )
 
 
 def _whole(ranks: Sequence[RankVersion]) -> tuple[Tensors, Entries, Mapping[str, str]]:

@@ -38,6 +38,7 @@ from deltaboard.board.codec.digest import (
     digest_slice,
     digest_update,
     slice_positions,
+    sorted_state_digest,
     state_digest,
 )
 from deltaboard.board.codec.dtypes import WIDTHS, uint_dtype, width
@@ -78,6 +79,7 @@ __all__ = [
     "read_header",
     "sample_stride",
     "slice_positions",
+    "sorted_state_digest",
     "state_digest",
     "uint_dtype",
     "width",

@@ -22,7 +22,9 @@ compiled loop that the compiler vectorises; a full pass runs on every core.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
+import operator
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -258,5 +260,24 @@ def state_digest(entries: Iterable[tuple[str, str]]) -> str:
     Sorted by name so that it does not depend on iteration order: sha256 of the lines
     `name NUL digest LF`, hashed in one call (a model may have tens of thousands).
     """
-    text = "".join(f"{name}\0{value}\n" for name, value in sorted(entries))
-    return hashlib.sha256(text.encode()).hexdigest()
+    pairs = sorted(entries)
+    return _lines_digest([name for name, _ in pairs], [value for _, value in pairs])
+
+
+def sorted_state_digest(names: Sequence[str], values: Sequence[str]) -> str:
+    """`state_digest` of the pairs (names[i], values[i]) whose names are already sorted and
+    distinct (a publisher's tensors, sorted once per layout): the order is checked in one
+    C-level scan instead of sorting the pairs again, which compares tuples."""
+    if len(names) != len(values):
+        raise ValueError(f"{len(names)} names and {len(values)} digests")
+    if any(map(operator.ge, names, itertools.islice(names, 1, None))):
+        raise ValueError("names must be sorted and distinct")
+    return _lines_digest(names, values)
+
+
+def _lines_digest(names: Sequence[str], values: Sequence[str]) -> str:
+    """sha256 of the lines `names[i] NUL values[i] LF`."""
+    if not names:
+        return hashlib.sha256(b"").hexdigest()
+    text = "\n".join(map("\0".join, zip(names, values, strict=True)))
+    return hashlib.sha256(f"{text}\n".encode()).hexdigest()

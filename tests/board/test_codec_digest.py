@@ -76,3 +76,17 @@ def test_state_digest_is_sha256_of_the_sorted_lines() -> None:
     for name, value in sorted(entries):
         reference.update(name.encode() + b"\0" + value.encode() + b"\n")
     assert codec.state_digest(entries) == reference.hexdigest()
+
+
+def test_sorted_state_digest_is_the_state_digest_of_sorted_distinct_names() -> None:
+    """A publisher's names, sorted once per layout, give the state digest without a sort;
+    names out of order or twice are refused (they would give another digest)."""
+    entries = [("a.weight", "1" * 32), ("b.weight", "2" * 32), ("ü", "3" * 32)]
+    names, values = [n for n, _ in entries], [v for _, v in entries]
+    assert codec.sorted_state_digest(names, values) == codec.state_digest(reversed(entries))
+    assert codec.sorted_state_digest([], []) == codec.state_digest([]) == hashlib.sha256().hexdigest()
+    for bad in (names[::-1], [names[0], names[0], names[2]]):
+        with pytest.raises(ValueError):
+            codec.sorted_state_digest(bad, values)
+    with pytest.raises(ValueError):
+        codec.sorted_state_digest(names, values[:2])

@@ -7,10 +7,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
+from pydantic import ValidationError
 
 from deltaboard.board import codec
-from deltaboard.board.contract.schemas import Manifest, ViewSpec
+from deltaboard.board.contract.schemas import Manifest, TensorTable, ViewSpec
 from deltaboard.publisher import device_diff, encode
 from deltaboard.publisher.encode import BUNDLE_ELEMENTS, encode_rank
 from deltaboard.publisher.manifest import Proposal, build_manifest
@@ -96,9 +98,29 @@ def test_a_manifest_of_many_entries_is_what_its_json_reads_back():
     spec = ViewSpec(shard_max_bytes=1 << 20)
     manifest = build_manifest("run", Proposal(0, "full", None, {}), spec, 1, [version])
     text = manifest.model_dump_json()
-    assert Manifest.model_validate_json(text).model_dump_json() == text
+    read = Manifest.model_validate_json(text)
+    assert read.model_dump_json() == text
+    # the columns, taken as built, hold what validating them gives (tuples, ints, strings)
+    assert read == manifest
+    assert TensorTable.of(read.tensors).columns == TensorTable.of(manifest.tensors).columns
     files = [e.file for e in manifest.tensors]
     assert len(set(files)) > 1 and files == sorted(files)  # shards in order, several of them
+
+
+@pytest.mark.parametrize("name", ["", "x" * 513])
+def test_a_tensor_name_the_manifest_cannot_carry_is_refused_by_the_publisher(name: str):
+    """The entries are not validated again per version, but the caller's names (and dtypes,
+    shapes, files) are, once per set of tensors: a name the schema refuses fails the build
+    of the manifest, as it did when every entry was validated, not the board's commit."""
+    state = {"ok": torch.zeros(4), name: torch.zeros(4)}
+    spec = ViewSpec()
+    buffer = ViewBuffer(ViewLayout.of(state, spec))
+    buffer.fill(state)
+    with ThreadPoolExecutor(2) as uploads, ThreadPoolExecutor(2) as encoders:
+        packer = BlobPacker(lambda _, __: None, uploads, blob_max_bytes=1 << 20, max_pending_bytes=1 << 24)
+        version = encode_rank(buffer, None, {}, packer, encoders, window=4)
+    with pytest.raises(ValidationError):
+        build_manifest("run", Proposal(0, "full", None, {}), spec, 1, [version])
 
 
 def test_the_next_diff_batch_is_bundled_while_the_encoders_run_the_last(monkeypatch):

@@ -229,12 +229,10 @@ def sidecar_process(engine_url: str, config: BenchConfig, port: Connection) -> N
     listening = sock.getsockname()[1]
     adapter = make_adapter("reference", engine_url)
 
-    def build(gate: Any, lifespan: Any) -> Any:
+    def build(gate: Any, metrics: SidecarMetrics, lifespan: Any) -> Any:
         status = lambda: {"served": gate.served, "healthy": gate.healthy}  # noqa: E731
         worker_adapter = make_adapter("reference", engine_url)
-        return create_proxy_app(
-            gate, worker_adapter, ProxySettings(engine_url), SidecarMetrics(), status, lifespan
-        )
+        return create_proxy_app(gate, worker_adapter, ProxySettings(engine_url), metrics, status, lifespan)
 
     def swapping(gate: Any, stop: threading.Event) -> None:
         version = 0
@@ -249,7 +247,7 @@ def sidecar_process(engine_url: str, config: BenchConfig, port: Connection) -> N
             finally:
                 gate.end_swap(version, time.monotonic() - started, loaded)
 
-    workers.serve(sock, build, swapping, config.workers, config.mode)  # type: ignore[arg-type]
+    workers.serve(sock, build, swapping, config.workers, config.mode, SidecarMetrics())  # type: ignore[arg-type]
 
 
 # --- the load generator ---------------------------------------------------------------

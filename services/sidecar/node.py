@@ -99,10 +99,11 @@ class Sidecar:
             config = self.config
             serve_workers(
                 sock,
-                lambda gate, lifespan: self._worker_app(gate, lifespan, shared),
+                lambda gate, metrics, lifespan: self._worker_app(gate, metrics, lifespan, shared),
                 self._own,
                 workers,
                 config.mode,
+                self.metrics,
                 config.drain_timeout_s,
                 config.abort_stale,
                 shared,
@@ -113,12 +114,16 @@ class Sidecar:
         if self.sync.fatal is not None:
             raise SidecarFailed(f"the sidecar stopped: {self.sync.fatal}")
 
-    def _worker_app(self, gate: VersionGate, lifespan: Lifespan, shared: dict[str, Any]) -> InferenceRoutes:
-        """In a worker process (this sidecar forked): its proxy, around the worker's gate;
-        what only the owner knows comes in through `shared`."""
+    def _worker_app(
+        self, gate: VersionGate, metrics: SidecarMetrics, lifespan: Lifespan, shared: dict[str, Any]
+    ) -> InferenceRoutes:
+        """In a worker process (this sidecar forked): its proxy, around the worker's gate,
+        counting into `metrics` (this sidecar's, forked); what only the owner knows comes
+        in through `shared`."""
         self.gate = gate
+        self.metrics = metrics
         self._from_owner = shared
-        self.app = create_proxy_app(gate, self.adapter, self._settings, self.metrics, self.status, lifespan)
+        self.app = create_proxy_app(gate, self.adapter, self._settings, metrics, self.status, lifespan)
         add_status_page(self.app.app)
         return self.app
 

@@ -531,10 +531,11 @@ def create_proxy_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        metrics.served.set(gate.served if gate.served is not None else -1)
-        metrics.head.set(gate.head if gate.head is not None else -1)
-        metrics.inflight.set(gate.inflight)
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        if metrics.fleet is not None:  # one worker of several: the owner answers for all
+            body = await asyncio.to_thread(metrics.fleet)
+        else:
+            body = metrics.exposition(gate.served, gate.head, gate.inflight)
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/sidecar/status")
     async def sidecar_status() -> dict[str, Any]:

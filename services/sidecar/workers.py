@@ -21,9 +21,13 @@ own is asked for when the loop needs it: its waiting requests' pins (`pins`, the
 over the workers) and whether a response showed weights the sidecar did not load
 (`healthy`: false if any worker says so).
 
-Each worker answers `/healthz`, `/metrics` and `/sidecar/status` for itself: its gate,
-its requests in flight and counters; what only the owner knows (the loop's last error and
-its recent swaps) rides along with each command (`FleetGate.info`). A worker that dies
+`/metrics` is the fleet's, whichever worker a scrape reaches: the worker asks the owner,
+which asks every worker for its share (per-request counts, requests in flight) and renders
+the sums with its own swap series (`SidecarMetrics.exposition`), over pipes of their own,
+so a scrape does not wait behind a swap's drain. Each worker answers `/healthz` and
+`/sidecar/status` for itself: its gate and its requests in flight; what only the owner
+knows (the loop's last error and its recent swaps) rides along with each command
+(`FleetGate.info`). A worker that dies
 ends the sidecar (the owner stops the others and returns), as does the loop stopping for
 good; a worker whose owner is gone exits.
 """
@@ -40,15 +44,17 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 from deltaboard.clients.engines import CommitMode, EngineStamp
 from deltaboard.services.sidecar.background import settle_gc, uvicorn_server
 from deltaboard.services.sidecar.gate import VersionGate
+from deltaboard.services.sidecar.metrics import SidecarMetrics
 
 Lifespan = Callable[[Any], AbstractAsyncContextManager[None]]
-BuildApp = Callable[[VersionGate, Lifespan], Any]
-"""`(gate, lifespan) -> ASGI app`: a worker's proxy around its gate, run with `lifespan`."""
+BuildApp = Callable[[VersionGate, SidecarMetrics, Lifespan], Any]
+"""`(gate, metrics, lifespan) -> ASGI app`: a worker's proxy around its gate, counting
+into `metrics` (whose `/metrics` is the fleet's), run with `lifespan`."""
 Own = Callable[["FleetGate", threading.Event], None]
 """What the owner runs until the event is set: the version loop, driving the fleet's gate."""
 STOP_TIMEOUT_S = 30.0
@@ -153,19 +159,63 @@ def _obey(
         server.should_exit = True
 
 
+def _share(gate: VersionGate, metrics: SidecarMetrics, conn: Connection) -> None:
+    """A worker's metrics thread: its share of the fleet's metrics, each time the owner asks."""
+    try:
+        while True:
+            conn.recv()
+            conn.send(metrics.share(gate.inflight))
+    except (EOFError, OSError):  # the owner is gone: `_obey` ends this worker
+        pass
+
+
+def _asking(conn: Connection) -> Callable[[], bytes]:
+    """A worker's `SidecarMetrics.fleet`: the fleet's metrics, asked of the owner (one
+    scrape at a time per worker; each is one message each way)."""
+    lock = threading.Lock()
+
+    def ask() -> bytes:
+        with lock:
+            conn.send(None)
+            return conn.recv_bytes()
+
+    return ask
+
+
+def _totals(
+    asks: list[Connection], shares: list[Connection], metrics: SidecarMetrics, fleet: FleetGate
+) -> None:
+    """The owner's metrics thread: a worker's scrape (on `asks`) is answered with the
+    fleet's metrics, every worker's share (asked on `shares`, all at once) added to the
+    owner's own series. Ends with the first worker gone: so is the fleet (`serve`)."""
+    try:
+        while True:
+            for conn in wait(asks):
+                cast(Connection, conn).recv()
+                for share in shares:
+                    share.send(None)
+                parts = [share.recv() for share in shares]
+                cast(Connection, conn).send_bytes(metrics.exposition(fleet.served, fleet.head, 0, parts))
+    except (EOFError, OSError):
+        pass
+
+
 def _work(
     sock: socket.socket,
     build: BuildApp,
-    conn: Connection,
+    conns: tuple[Connection, Connection, Connection],
     owners: list[Connection],
     mode: CommitMode,
     drain_timeout_s: float,
     abort_stale: bool,
     info: dict[str, Any],
+    metrics: SidecarMetrics,
 ) -> None:
     for inherited in owners:  # the owner's ends: only the owner may hold them, so that
         inherited.close()  # its exit reaches this worker as the end of its pipe
+    conn, ask, share = conns
     gate = VersionGate(mode, drain_timeout_s, abort_stale)
+    metrics.fleet = _asking(ask)
     bound = threading.Event()
 
     @asynccontextmanager
@@ -175,8 +225,9 @@ def _work(
         settle_gc()  # started: what follows is serving
         yield
 
-    server = uvicorn_server(build(gate, lifespan))
+    server = uvicorn_server(build(gate, metrics, lifespan))
     threading.Thread(target=_obey, args=(gate, conn, bound, server, info), daemon=True).start()
+    threading.Thread(target=_share, args=(gate, metrics, share), daemon=True).start()
     server.run(sockets=[sock])
 
 
@@ -190,32 +241,45 @@ def serve(
     own: Own,
     workers: int,
     mode: CommitMode,
+    metrics: SidecarMetrics,
     drain_timeout_s: float = 60.0,
     abort_stale: bool = False,
     info: dict[str, Any] | None = None,
 ) -> None:
     """Fork `workers` processes serving `build`'s app on `sock`, run `own` with their
     `FleetGate`, and return once `own` returns, a worker dies, or on Ctrl-C (the workers
-    are stopped). `info` is the dict a worker's status reads the owner's `FleetGate.info`
-    into (forked with the worker)."""
+    are stopped). `metrics` is the owner's (what `own` records: swaps) and, forked, each
+    worker's; a scrape of any worker reads the fleet's. `info` is the dict a worker's
+    status reads the owner's `FleetGate.info` into (forked with the worker)."""
     context = multiprocessing.get_context("fork")  # the app's builder is a closure
     if threading.current_thread() is threading.main_thread():  # where signals are handled
         signal.signal(signal.SIGTERM, _exit)  # stop the workers on the way out, as on Ctrl-C
-    conns, processes = [], []
+    conns: list[Connection] = []  # commands, one per worker
+    asks: list[Connection] = []  # the workers' scrapes
+    shares: list[Connection] = []  # the owner's questions for each worker's share
+    processes = []
     stop = threading.Event()
     loop: threading.Thread | None = None
     try:
         for i in range(workers):
-            mine, theirs = context.Pipe()
-            conns.append(mine)
+            pipes = [context.Pipe() for _ in range(3)]
+            mine = [ours for ours, _ in pipes]
+            conns.append(mine[0])
+            asks.append(mine[1])
+            shares.append(mine[2])
+            theirs = tuple(end for _, end in pipes)
             shared = info if info is not None else {}
-            args = (sock, build, theirs, conns, mode, drain_timeout_s, abort_stale, shared)
+            owned = [*conns, *asks, *shares]
+            args = (sock, build, theirs, owned, mode, drain_timeout_s, abort_stale, shared, metrics)
             process = context.Process(target=_work, args=args, name=f"sidecar-worker-{i}", daemon=True)
             process.start()
-            theirs.close()
+            for end in theirs:
+                end.close()
             processes.append(process)
         sock.close()  # the workers hold it
         fleet = FleetGate(conns, mode)
+        totals = threading.Thread(target=_totals, args=(asks, shares, metrics, fleet), daemon=True)
+        totals.start()
         loop = threading.Thread(target=own, args=(fleet, stop), name="sidecar-owner", daemon=True)
         loop.start()
         while loop.is_alive() and all(p.is_alive() for p in processes):
@@ -230,6 +294,6 @@ def serve(
                 process.kill()
         if loop is not None:
             loop.join(STOP_TIMEOUT_S)  # a swap in progress finishes; a long-poll ends
-        for conn in conns:
+        for conn in (*conns, *asks, *shares):
             with contextlib.suppress(OSError):
                 conn.close()

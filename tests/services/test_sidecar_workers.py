@@ -1,6 +1,7 @@
 """Several sidecar worker processes, one version loop: a swap stops admissions in every
-worker before the engine is touched (`services.sidecar.workers`), and `bench sidecar`
-runs (its figures' keys, no error and no missing stamp, across worker processes)."""
+worker before the engine is touched (`services.sidecar.workers`), `/metrics` is the
+fleet's whichever worker a scrape reaches, and `bench sidecar` runs (its figures' keys, no
+error and no missing stamp, across worker processes)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import json
 import multiprocessing
 import os
 import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -51,13 +55,21 @@ REPORT_KEYS = {
 def _owner(engine_url: str, sock: Any, commands: Connection) -> None:
     """The sidecar's owner process: workers on `sock`, its loop driven by `commands`."""
     adapter = make_adapter("reference", engine_url)
+    owners = SidecarMetrics()  # the owner's: the swaps, as a version loop records them
 
-    def build(gate: VersionGate, lifespan: workers.Lifespan) -> Any:
+    def build(gate: VersionGate, metrics: SidecarMetrics, lifespan: workers.Lifespan) -> Any:
         def status() -> dict[str, Any]:  # with the worker's garbage collector, as it serves
             collector = {"frozen": gc.get_freeze_count(), "threshold": gc.get_threshold()[0]}
-            return {"served": gate.served, "healthy": gate.healthy, "gc": collector}
+            own = metrics.share(gate.inflight).outcomes.get("proxied", 0)  # this worker's alone
+            return {
+                "served": gate.served,
+                "healthy": gate.healthy,
+                "gc": collector,
+                "pid": os.getpid(),
+                "own": own,
+            }
 
-        return create_proxy_app(gate, adapter, ProxySettings(engine_url), SidecarMetrics(), status, lifespan)
+        return create_proxy_app(gate, adapter, ProxySettings(engine_url), metrics, status, lifespan)
 
     def own(fleet: workers.FleetGate, stop: threading.Event) -> None:
         commands.send(fleet.states())
@@ -67,10 +79,11 @@ def _owner(engine_url: str, sock: Any, commands: Connection) -> None:
                 fleet.begin_swap(version)
             else:  # the engine loads it, and the workers serve it
                 fleet.end_swap(version, 0.0, adapter.reload(Path(os.devnull), version, fleet.mode))
+                owners.swaps.inc()
             commands.send(fleet.states())
 
     try:
-        workers.serve(sock, build, own, WORKERS, "quiesce")
+        workers.serve(sock, build, own, WORKERS, "quiesce", owners)
     finally:
         os._exit(0)  # a forked test process: none of the test runner's exit handlers
 
@@ -81,7 +94,10 @@ def ask(url: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=BODY, headers=headers, timeout=30)
 
 
-def test_a_swap_stops_admissions_in_every_worker_before_the_engine_is_touched() -> None:
+@contextmanager
+def _fleet() -> Iterator[tuple[str, Connection]]:
+    """A sidecar of `WORKERS` workers in front of a fake engine: its URL and the owner's
+    command pipe (`_owner`); stopped on the way out, the owner's exit checked."""
     sock = listen("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     with fast_engine() as engine_url:
@@ -91,26 +107,7 @@ def test_a_swap_stops_admissions_in_every_worker_before_the_engine_is_touched() 
         sock.close()
         try:
             assert len(commands.recv()) == WORKERS  # every worker is up
-            commands.send(("end", 1))
-            assert all(s.served == 1 and not s.swapping for s in commands.recv())
-            assert all(ask(url).headers["x-weight-version-end"] == "1" for _ in range(8))
-            # every worker serves with its startup's objects out of the collector's passes
-            collectors = [httpx.get(f"{url}/healthz", timeout=30).json()["gc"] for _ in range(8)]
-            assert all(c["frozen"] > 0 and c["threshold"] == GC_YOUNG_THRESHOLD for c in collectors)
-
-            commands.send(("begin", 2))
-            states = commands.recv()
-            assert len(states) == WORKERS and all(s.swapping and s.served == 1 for s in states)
-            held = [ask(url) for _ in range(16)]  # whichever worker each one reaches
-            assert {r.status_code for r in held} == {409}
-            assert {r.json()["error"]["code"] for r in held} == {"WeightVersionNotReady"}
-
-            commands.send(("end", 2))
-            assert all(s.served == 2 and not s.swapping for s in commands.recv())
-            answers = [ask(url) for _ in range(8)]
-            assert all(
-                r.json()["weight_version"] == {"start": 2, "end": 2, "spans": [[0, 2]]} for r in answers
-            )
+            yield url, commands
             commands.send("stop")
             owner.join(60)
             assert owner.exitcode == 0
@@ -118,6 +115,62 @@ def test_a_swap_stops_admissions_in_every_worker_before_the_engine_is_touched() 
             if owner.is_alive():
                 owner.terminate()
                 owner.join(10)
+
+
+def _series(text: str, name: str) -> float:
+    """The value of the one sample `name` (with its labels) in a Prometheus exposition."""
+    (value,) = [line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(name + " ")]
+    return float(value)
+
+
+def test_metrics_are_the_fleets_whichever_worker_a_scrape_reaches() -> None:
+    with _fleet() as (url, commands):
+        commands.send(("end", 1))
+        commands.recv()
+        sent = 0
+        with ThreadPoolExecutor(8) as pool:  # at once, so that both workers take some
+            while sent < 400:
+                assert {r.status_code for r in pool.map(ask, [url] * 40)} == {200}
+                sent += 40
+                own: dict[int, int] = {}  # each worker's own count, as its status says
+                for _ in range(100):
+                    status = httpx.get(f"{url}/healthz", timeout=30).json()
+                    own[status["pid"]] = status["own"]
+                    if len(own) == WORKERS:
+                        break
+                if len(own) == WORKERS and all(own.values()):
+                    break
+        assert len(own) == WORKERS and all(own.values()), own  # both served requests
+        assert sum(own.values()) == sent, own
+        for _ in range(8):  # whichever worker takes the scrape: the sums, and the owner's swaps
+            text = httpx.get(f"{url}/metrics", timeout=30).text
+            assert _series(text, 'deltaboard_sidecar_requests_total{outcome="proxied"}') == sent
+            assert _series(text, "deltaboard_sidecar_version_wait_seconds_count") == sent
+            assert _series(text, "deltaboard_sidecar_swaps_total") == 1
+            assert _series(text, "deltaboard_sidecar_served_version") == 1
+            assert _series(text, "deltaboard_sidecar_inflight") == 0
+
+
+def test_a_swap_stops_admissions_in_every_worker_before_the_engine_is_touched() -> None:
+    with _fleet() as (url, commands):
+        commands.send(("end", 1))
+        assert all(s.served == 1 and not s.swapping for s in commands.recv())
+        assert all(ask(url).headers["x-weight-version-end"] == "1" for _ in range(8))
+        # every worker serves with its startup's objects out of the collector's passes
+        collectors = [httpx.get(f"{url}/healthz", timeout=30).json()["gc"] for _ in range(8)]
+        assert all(c["frozen"] > 0 and c["threshold"] == GC_YOUNG_THRESHOLD for c in collectors)
+
+        commands.send(("begin", 2))
+        states = commands.recv()
+        assert len(states) == WORKERS and all(s.swapping and s.served == 1 for s in states)
+        held = [ask(url) for _ in range(16)]  # whichever worker each one reaches
+        assert {r.status_code for r in held} == {409}
+        assert {r.json()["error"]["code"] for r in held} == {"WeightVersionNotReady"}
+
+        commands.send(("end", 2))
+        assert all(s.served == 2 and not s.swapping for s in commands.recv())
+        answers = [ask(url) for _ in range(8)]
+        assert all(r.json()["weight_version"] == {"start": 2, "end": 2, "spans": [[0, 2]]} for r in answers)
 
 
 def test_the_bench_runs_across_workers_with_swaps_and_misses_no_stamp() -> None:

@@ -28,7 +28,7 @@ import contextlib
 import functools
 import threading
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -38,7 +38,7 @@ import torch
 from deltaboard.board import codec
 from deltaboard.publisher import fused_diff
 from deltaboard.publisher.sampled_counts import SampledCounts
-from deltaboard.publisher.snapshot import Slot, ViewBuffer, ViewLayout, word_aligned
+from deltaboard.publisher.snapshot import Slot, SlotBatch, ViewBuffer, ViewLayout, as_batch, word_aligned
 
 CHUNK_ELEMENTS = 1 << 27
 RANK_CHUNK_ELEMENTS = 1 << 26  # class counts: int32 cumulative sums of at most this many
@@ -162,18 +162,21 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     return HostCopy(tensors).wait()
 
 
-def batches(layout: ViewLayout, batch_bytes: int) -> list[list[Slot]]:
-    """Consecutive slots of one group, about `batch_bytes` each: the unit of the pipeline."""
+@functools.lru_cache(maxsize=16)
+def batches(layout: ViewLayout, batch_bytes: int) -> tuple[SlotBatch, ...]:
+    """Consecutive slots of one group, about `batch_bytes` each: the unit of the pipeline.
+    Made once per layout (cached): every version diffs the same batches, and the tables
+    cached per batch are then found by the batch's kept hash (`SlotBatch`)."""
     out: list[list[Slot]] = []
     size, group = 0, None
-    for slot in layout.slots:  # the group and size spelt out: a model of many tensors walks this per version
+    for slot in layout.slots:
         nbytes = slot.numel * slot.width
         if (slot.device, slot.width) != group or size + nbytes > batch_bytes:
             out.append([])
             size, group = 0, (slot.device, slot.width)
         out[-1].append(slot)
         size += nbytes
-    return out
+    return tuple(SlotBatch(batch) for batch in out)
 
 
 def _sign_less_max(bits: torch.Tensor) -> int:
@@ -188,7 +191,8 @@ def _exponent_keys(bits: torch.Tensor, dtype: str, offset: int) -> torch.Tensor:
     return ((bits >> shift) & mask).to(torch.int32).add_(offset)
 
 
-def _index_dtype(slots: Iterable[Slot]) -> torch.dtype:
+@functools.lru_cache(maxsize=256)
+def _index_dtype(slots: SlotBatch) -> torch.dtype:
     """int32 slot-local indices (positions, ranks: half the bytes to the host) unless a
     tensor has 2**31 elements or more; one dtype for a batch, so that `to_host` packs them
     aligned."""
@@ -203,7 +207,7 @@ def _class_ranks(
     rank_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Rank of each changed position within its class (step 4 of the contract in
-    `codec.plan_thresholds`), the class limits as `_limits` gives them.
+    `codec.plan_thresholds`), the class limits as `_Plans.limits` holds them.
 
     Members up to each position come from cumulative counts, chunk by chunk; the
     position's own membership (known from its old bits) is taken off once. `rank_dtype`
@@ -320,7 +324,7 @@ def _cut(slots: Sequence[Slot], found: Found) -> ViewDiff:
             )
     if ranks is not None:
         plans, host_ranks, result.hint_bytes = ranks
-        for i, (t_low, t_top) in plans.items():
+        for i, (t_low, t_top) in zip(plans.picked.tolist(), plans.thresholds.tolist(), strict=True):
             result.hints[slots[i].name] = codec.ContextHint(
                 t_low, t_top, host_ranks[bounds[i] : bounds[i + 1]]
             )
@@ -329,7 +333,7 @@ def _cut(slots: Sequence[Slot], found: Found) -> ViewDiff:
 
 
 @functools.lru_cache(maxsize=256)
-def _slot_starts(slots: tuple[Slot, ...], device: torch.device) -> torch.Tensor:
+def _slot_starts(slots: SlotBatch, device: torch.device) -> torch.Tensor:
     """Each slot's first element, relative to the batch's, on `device` (cached: a run diffs
     the same batches again, and a copy from pageable memory would wait for the stream)."""
     first = slots[0].offset
@@ -344,14 +348,15 @@ def _find(
     old_g, new_g = old.groups[group], new.groups[group]
     start = slots[0].offset
     stop = word_aligned(slots[-1].offset + slots[-1].numel, group[1])
-    find = functools.partial(fused_diff.changed_elements, key=tuple(slots)) if use_fused else _changed
+    batch = as_batch(slots)
+    find = functools.partial(fused_diff.changed_elements, key=batch) if use_fused else _changed
     pos, old_changed, new_changed = find(old_g[start:stop], new_g[start:stop])
-    starts = _slot_starts(tuple(slots), pos.device)
+    starts = _slot_starts(batch, pos.device)
     owner = torch.searchsorted(starts, pos, right=True) - 1
     device_local = pos - starts[owner]
     # each slot's first change (positions ascend): counts without a synchronising bincount
     copy = HostCopy(
-        (torch.searchsorted(pos, starts), device_local.to(_index_dtype(slots)), old_changed, new_changed)
+        (torch.searchsorted(pos, starts), device_local.to(_index_dtype(batch)), old_changed, new_changed)
     )
     changed = pos.numel()
 
@@ -363,44 +368,91 @@ def _find(
         return arrived
     local, counts, old_h, new_h, _ = arrived()
     ranks = (
-        _hints(old, new, slots, counts, _Changed(owner, device_local, old_changed, new_changed))
+        _hints(old, new, batch, counts, _Changed(owner, device_local, old_changed, new_changed))
         if changed
         else None
     )
     return lambda: (local, counts, old_h, new_h, ranks)
 
 
-Hints = tuple[dict[int, tuple[int, int]], np.ndarray, int]
-"""Per planned slot (index in the batch) its thresholds; the ranks of the batch's changes
-(meaningful in the planned slots' ranges); the bytes that crossed to the host for them."""
+@dataclass(frozen=True)
+class _Plans:
+    """The slots of a batch whose classes pay off (indices in the batch, ascending), their
+    thresholds (t_low, t_top) and their class limits as the rank passes test them (`_plans`),
+    a row each."""
+
+    picked: np.ndarray
+    thresholds: np.ndarray
+    limits: np.ndarray
+
+
+Hints = tuple[_Plans, np.ndarray, int]
+"""The planned slots; the ranks of the batch's changes (meaningful in the planned slots'
+ranges); the bytes that crossed to the host for them."""
+
+
+@dataclass(frozen=True)
+class _BatchInfo:
+    """What the hints read of a batch's slots, made once per batch (`_info`): a model of many
+    tensors would otherwise walk its slots in Python at every version."""
+
+    numel: np.ndarray  # per slot
+    floating: np.ndarray  # per slot: whether its dtype has an exponent (a hint)
+    by_dtype: dict[str, np.ndarray]  # per floating dtype, its slots (indices, ascending)
+    bins: int  # `fused_diff.hint_bins`
+
+
+@functools.lru_cache(maxsize=256)
+def _info(slots: SlotBatch) -> _BatchInfo:
+    by_dtype: dict[str, list[int]] = {}
+    for i, slot in enumerate(slots):
+        if slot.dtype in codec.EXPONENT_FIELDS:
+            by_dtype.setdefault(slot.dtype, []).append(i)
+    floating = np.zeros(len(slots), dtype=bool)
+    for rows in by_dtype.values():
+        floating[rows] = True
+    return _BatchInfo(
+        np.array([s.numel for s in slots], dtype=np.int64),
+        floating,
+        {dtype: np.array(rows, dtype=np.int64) for dtype, rows in by_dtype.items()},
+        fused_diff.hint_bins(slots),
+    )
+
+
+def _rows(table: np.ndarray, rows: np.ndarray, bins: int) -> np.ndarray:
+    """`table`'s first `bins` columns of `rows` (ascending, distinct): a view when they are
+    all of its rows (the common batch: every tensor changed, one dtype), not a gather."""
+    return table[:, :bins] if rows.size == table.shape[0] else table[rows, :bins]
 
 
 def _plans(
-    slots: Sequence[Slot], counts: np.ndarray, sampled: np.ndarray, changed: np.ndarray
-) -> dict[int, tuple[int, int]]:
+    slots: SlotBatch, counts: np.ndarray, sampled: np.ndarray, changed: np.ndarray, top: int
+) -> _Plans:
     """Step 3 of the contract in `codec.plan_thresholds`, for each changed floating slot whose
     exponent counts (rows of `sampled` and `changed`, at least as wide as its exponent range)
-    make the classes pay off: one compiled call per dtype (`codec.plan_thresholds_many`)."""
-    by_dtype: dict[str, list[int]] = {}
-    for i, slot in enumerate(slots):
-        if counts[i] and slot.dtype in codec.EXPONENT_FIELDS:
-            by_dtype.setdefault(slot.dtype, []).append(i)
-    plans: dict[int, tuple[int, int]] = {}
-    for dtype, rows in by_dtype.items():
+    make the classes pay off: one compiled call per dtype (`codec.plan_thresholds_many`).
+    The limits are `codec.class_limits` as `magnitude <= limit - 1` tests them, clamped to
+    `top`, the largest sign-less pattern, so that each fits the signed element type."""
+    info = _info(slots)
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for dtype, of_dtype in info.by_dtype.items():
+        rows = of_dtype[counts[of_dtype] > 0]
+        if rows.size == 0:
+            continue
         bins = codec.EXPONENT_FIELDS[dtype][1] + 1
-        numel = np.array([slots[i].numel for i in rows], dtype=np.int64)
-        found = codec.plan_thresholds_many(sampled[rows, :bins], changed[rows, :bins], numel)
-        plans.update(
-            (i, (int(low), int(top))) for i, (low, top) in zip(rows, found.tolist(), strict=True) if low >= 0
+        found = codec.plan_thresholds_many(
+            _rows(sampled, rows, bins), _rows(changed, rows, bins), info.numel[rows]
         )
-    return plans
-
-
-def _limits(slot: Slot, plan: tuple[int, int], top: int) -> tuple[int, int]:
-    """The class tests `magnitude < limit` as `magnitude <= limit - 1`, clamped to the largest
-    sign-less pattern so that the limit fits the signed element type."""
-    low, small = codec.class_limits(slot.dtype, *plan)
-    return min(low - 1, top), min(small - 1, top)
+        pays = found[:, 0] >= 0
+        low, small = codec.class_limits(dtype, found[pays, 0], found[pays, 1])
+        parts.append((rows[pays], found[pays], np.minimum(np.stack((low, small), axis=1) - 1, top)))
+    if not parts:
+        return _Plans(
+            np.zeros(0, dtype=np.int64), np.zeros((0, 2), dtype=np.int64), np.zeros((0, 2), dtype=np.int64)
+        )
+    picked, thresholds, limits = (np.concatenate(column) for column in zip(*parts, strict=True))
+    order = np.argsort(picked, kind="stable")
+    return _Plans(picked[order], thresholds[order], limits[order])
 
 
 @dataclass(frozen=True)
@@ -414,9 +466,7 @@ class _Changed:
     new_bits: torch.Tensor
 
 
-def _hints(
-    old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot], counts: np.ndarray, found: _Changed
-) -> Hints:
+def _hints(old: ViewBuffer, new: ViewBuffer, slots: SlotBatch, counts: np.ndarray, found: _Changed) -> Hints:
     """The context hints of a batch's changes, found by either pass, the sampled counts kept.
 
     Step 2 of the contract over the changes only, all the batch's slots at once: one
@@ -431,8 +481,9 @@ def _hints(
     else from cumulative counts per slot (`_class_ranks`).
     """
     device = found.local.device
-    bins = fused_diff.hint_bins(slots)
-    stride, shift, keymask = fused_diff.key_tables(tuple(slots), device)
+    info = _info(slots)
+    bins = info.bins
+    stride, shift, keymask = fused_diff.key_tables(slots, device)
     st = stride[found.owner]
     floating = st > 0
     base = found.owner * bins
@@ -443,40 +494,55 @@ def _hints(
     keys = torch.cat((old_keys[floating], old_keys[sampled_changed] + n, new_keys[sampled_changed] + 2 * n))
     present, times = torch.unique(keys, return_counts=True)
     present_h, times_h = to_host(present, times)
-    hist = np.zeros(3 * n, dtype=np.int64)
-    hist[present_h] = times_h
-    changed, removed, added = hist.reshape(3, len(slots), bins)
     counts_bytes = present_h.nbytes + times_h.nbytes
+    # the keys ascend: the changed elements' old exponents, then the sampled elements'
+    # exponents that the changes remove, then those they add (each range a [slot, bin] table)
+    removed_at, added_at = np.searchsorted(present_h, (n, 2 * n)).tolist()
+    changed = np.zeros((len(slots), bins), dtype=np.int64)
+    changed.reshape(-1)[present_h[:removed_at]] = times_h[:removed_at]
     kept, moving = _sampled_counts(old), _sampled_counts(new)
     rows = kept.rows(slots)
-    sampled = kept.table[rows, :bins].copy()
-    is_floating = np.array([s.dtype in codec.EXPONENT_FIELDS for s in slots])
-    unknown = np.flatnonzero(is_floating & (counts > 0) & (sampled[:, 0] < 0))
+    sampled = kept.table[rows, :bins]  # a view where the rows are consecutive: written through
+    unknown = np.flatnonzero(info.floating & (counts > 0) & (sampled[:, 0] < 0))
     if unknown.size:  # counted once: they describe the old bytes until `fill` replaces them
-        sampled[unknown], crossed = _count_sampled(old, slots, unknown.tolist(), bins)
-        kept.table[rows[unknown], :bins] = sampled[unknown]
+        counted, crossed = _count_sampled(old, slots, unknown, bins)
+        sampled[unknown] = counted  # through to the kept table where `sampled` is a view
+        if not isinstance(rows, slice):
+            kept.table[rows[unknown], :bins] = counted
         counts_bytes += crossed
-    known = sampled[:, 0] >= 0
-    moved = np.full((len(slots), moving.table.shape[1]), -1, dtype=np.int64)
-    moved[known, :bins] = sampled[known] - removed[known] + added[known]
-    moving.table[rows] = moved
-    plans = _plans(slots, counts, sampled, changed)
-    if not plans:
-        return plans, np.empty(0, dtype=np.int64), counts_bytes
+    # the new buffer's counts: the old ones moved by the changes, in place where the rows
+    # are consecutive (a gather and a scatter of the whole table otherwise)
+    moved = (
+        moving.table[rows]
+        if isinstance(rows, slice)
+        else np.empty((len(slots), moving.table.shape[1]), np.int64)
+    )
+    moved[:, bins:] = -1
+    moved[:, :bins] = sampled
+    for lo, hi, sign in ((removed_at, added_at, -1), (added_at, present_h.size, 1)):
+        at = present_h[lo:hi] - (n if sign < 0 else 2 * n)
+        moved[at // bins, at % bins] += sign * times_h[lo:hi]
+    moved[sampled[:, 0] < 0] = -1
+    if not isinstance(rows, slice):
+        moving.table[rows] = moved
     top = (1 << (8 * found.old_bits.element_size() - 1)) - 1
+    plans = _plans(slots, counts, sampled, changed, top)
+    if plans.picked.size == 0:
+        return plans, np.empty(0, dtype=np.int64), counts_bytes
     rank_dtype = _index_dtype(slots)
-    limits = {i: _limits(slots[i], plan, top) for i, plan in plans.items()}
     group = old.groups[slots[0].group]
     if fused_diff.available(device):
         lanes = fused_diff.lanes_at(slots, found.owner, found.local)
-        ranks = fused_diff.class_ranks(group, slots, lanes, found.local.numel(), limits, rank_dtype)
+        ranks = fused_diff.class_ranks(
+            group, slots, lanes, found.local.numel(), plans.picked, plans.limits, rank_dtype
+        )
     else:
         bounds = np.concatenate(([0], np.cumsum(counts)))
         ranks = torch.zeros(found.local.numel(), dtype=rank_dtype, device=device)
-        for i, pair in limits.items():
+        for i, (low, small) in zip(plans.picked.tolist(), plans.limits.tolist(), strict=True):
             lo, hi = bounds[i], bounds[i + 1]
             ranks[lo:hi] = _class_ranks(
-                old.bits(slots[i]), found.local[lo:hi], found.old_bits[lo:hi], pair, rank_dtype
+                old.bits(slots[i]), found.local[lo:hi], found.old_bits[lo:hi], (low, small), rank_dtype
             )
     (host_ranks,) = to_host(ranks)
     return plans, host_ranks, counts_bytes + host_ranks.nbytes
@@ -493,7 +559,7 @@ def _sampled_counts(buffer: ViewBuffer) -> SampledCounts:
 
 
 def _count_sampled(
-    old: ViewBuffer, slots: Sequence[Slot], picked: list[int], bins: int
+    old: ViewBuffer, slots: SlotBatch, picked: np.ndarray, bins: int
 ) -> tuple[np.ndarray, int]:
     """The exponent counts of the sampled old elements of the slots `picked` (indices in the
     batch; step 2 of the contract), a row each, and the bytes that crossed to the host for
@@ -514,7 +580,7 @@ def _count_sampled(
         out.reshape(-1)[present] += times
         return present.nbytes + times.nbytes
 
-    for row, i in enumerate(picked):
+    for row, i in enumerate(picked.tolist()):
         sample = old.bits(slots[i])[:: codec.sample_stride(slots[i].numel)]
         chunk.append(_exponent_keys(sample, slots[i].dtype, row * bins))
         size += sample.numel()

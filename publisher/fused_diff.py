@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from deltaboard.board import codec
-from deltaboard.publisher.snapshot import Slot
+from deltaboard.publisher.snapshot import Slot, as_batch
 
 TILE = 4096  # elements per program; a multiple of 32 (one bitmask word per 32 lanes)
 WARPS = 8  # warps per program: 8 beat 4 on the H200 at TILE 4096 (design.md)
@@ -128,7 +128,7 @@ def lanes_at(slots: Sequence[Slot], owner: torch.Tensor, local: torch.Tensor) ->
     Two scatters over the changes, none over the tensors: a word's changed lanes are
     distinct bits, so adding them up is their OR."""
     device = local.device
-    table = tiles(tuple(slots), str(device), TILE)
+    table = tiles(as_batch(slots), str(device), TILE)
     count = table.count
     tile_of = table.first_tile[owner] + torch.div(local, TILE, rounding_mode="floor")
     lane = local % TILE
@@ -281,16 +281,15 @@ def changed_elements(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple
     return tuple(out)
 
 
-def _tiles_of(table: Tiles, picked: Sequence[int]) -> np.ndarray:
-    """The tiles of the slots `picked` (indices in the batch, ascending), in order."""
-    return np.concatenate(
-        [np.arange(table.first[s], table.first[s + 1]) for s in picked] or [np.zeros(0, np.int64)]
-    )
+def _tiles_of(table: Tiles, picked: np.ndarray) -> np.ndarray:
+    """The tiles of the slots `picked` (indices in the batch, ascending), in order: each
+    slot's run of tiles, laid end to end without a call per slot."""
+    first = table.first[picked]
+    sizes = table.first[picked + 1] - first
+    return np.repeat(first - (np.cumsum(sizes) - sizes), sizes) + np.arange(int(sizes.sum()))
 
 
-def sampled_counts(
-    old: torch.Tensor, slots: Sequence[Slot], picked: Sequence[int], bins: int
-) -> torch.Tensor:
+def sampled_counts(old: torch.Tensor, slots: Sequence[Slot], picked: np.ndarray, bins: int) -> torch.Tensor:
     """Step 2 of the planning contract's sampled counts for the floating slots `picked`
     (indices in the batch, ascending), a row each on the device, in one launch over their
     tiles: what the device diff counts the first time it hints a tensor (then it keeps
@@ -298,14 +297,14 @@ def sampled_counts(
     per tensor."""
     k = _kernels()
     device = old.device
-    key = tuple(slots)
+    key = as_batch(slots)
     table = tiles(key, str(device), TILE)
     chosen = _tiles_of(table, picked)
     out = torch.zeros((len(picked), bins), dtype=torch.int32, device=device)
     if chosen.size == 0:
         return out
     rows = np.zeros(len(slots), dtype=np.int64)
-    rows[list(picked)] = np.arange(len(picked))
+    rows[picked] = np.arange(len(picked))
     stride, shift, keymask = key_tables(key, device)
     k.sampled_counts[(chosen.size,)](
         old, torch.from_numpy(chosen).to(device), table.start, table.stop, table.slot, table.offset,
@@ -319,23 +318,24 @@ def class_ranks(
     slots: Sequence[Slot],
     lanes: ChangedLanes,
     changed: int,
-    plans: dict[int, tuple[int, int]],
+    planned: np.ndarray,
+    limits: np.ndarray,
     rank_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Step 3 of the module docstring: the rank of every changed element of the slots in
-    `plans` (slot index: class limits, each `min(limit - 1, largest sign-less pattern)`),
-    aligned with the batch's `changed` changes (other slots' entries are left unset)."""
+    """Step 3 of the module docstring: the rank of every changed element of the slots
+    `planned` (indices in the batch, ascending; `limits` a row each: the class limits, each
+    `min(limit - 1, largest sign-less pattern)`), aligned with the batch's `changed`
+    changes (other slots' entries are left unset)."""
     k = _kernels()
     device = old.device
-    table = tiles(tuple(slots), str(device), lanes.tile)
-    picked = _tiles_of(table, sorted(plans))
+    table = tiles(as_batch(slots), str(device), lanes.tile)
+    picked = _tiles_of(table, planned)
     ranks = torch.empty(changed, dtype=rank_dtype, device=device)
     if picked.size == 0:
         return ranks
     table_of_limits = np.zeros((len(slots), 2), dtype=np.int64)
-    for s, pair in plans.items():
-        table_of_limits[s] = pair
-    limits = torch.from_numpy(table_of_limits).to(device)
+    table_of_limits[planned] = limits
+    on_device = torch.from_numpy(table_of_limits).to(device)
     chosen = torch.from_numpy(picked).to(device)
     top = (1 << (8 * old.element_size() - 1)) - 1
     members = torch.empty((picked.size, 2), dtype=torch.int64, device=device)
@@ -345,7 +345,7 @@ def class_ranks(
         table.start,
         table.stop,
         table.slot,
-        limits,
+        on_device,
         members,
         TOP=top,
         TILE=lanes.tile,
@@ -362,6 +362,6 @@ def class_ranks(
     before = ends - members - (ends - members)[restart]
     k.class_ranks[(picked.size,)](
         old, chosen, table.start, table.stop, table.slot, lanes.tile_counts, lanes.tile_offsets, lanes.masks,
-        table.offset, limits, before.contiguous(), ranks, TOP=top, TILE=lanes.tile, num_warps=WARPS,
+        table.offset, on_device, before.contiguous(), ranks, TOP=top, TILE=lanes.tile, num_warps=WARPS,
     )  # fmt: skip
     return ranks

@@ -15,7 +15,6 @@ idea for host tensors, whose counts the encoder moves.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,7 +22,7 @@ import numpy as np
 from deltaboard.board import codec
 
 if TYPE_CHECKING:
-    from deltaboard.publisher.snapshot import Slot, ViewLayout
+    from deltaboard.publisher.snapshot import SlotBatch, ViewLayout
 
 
 class SampledCounts:
@@ -37,10 +36,20 @@ class SampledCounts:
         )
         self.table = np.full((len(layout.slots), columns), -1, dtype=np.int64)
         self._row = {slot.name: row for row, slot in enumerate(layout.slots)}
+        self._batch_rows: dict[SlotBatch, slice | np.ndarray] = {}
 
-    def rows(self, slots: Sequence[Slot]) -> np.ndarray:
-        """The rows of `slots` (a diff batch: slots of one group, of the layout)."""
-        return np.array([self._row[slot.name] for slot in slots], dtype=np.int64)
+    def rows(self, slots: SlotBatch) -> slice | np.ndarray:
+        """The rows of `slots` (a diff batch: slots of one group, in layout order): a slice
+        where they are consecutive (the layout holds one group, or the batch's group is not
+        interleaved with another's), so that they are read and written in place; else their
+        indices. Found once per batch: every version diffs the same ones."""
+        found = self._batch_rows.get(slots)
+        if found is None:
+            rows = np.array([self._row[slot.name] for slot in slots], dtype=np.int64)
+            consecutive = rows.size > 0 and bool(np.all(np.diff(rows) == 1))
+            found = slice(int(rows[0]), int(rows[-1]) + 1) if consecutive else rows
+            self._batch_rows[slots] = found
+        return found
 
     def forget(self) -> None:
         self.table[:, 0] = -1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from deltaboard.board import codec
@@ -41,6 +41,21 @@ def test_many_rows_plan_as_each_row_does(rows: tuple[np.ndarray, np.ndarray, np.
     for i in range(numel.size):
         want = codec.plan_thresholds(sampled[i], changed[i], int(numel[i]))
         assert tuple(got[i]) == (want if want is not None else (-1, -1))
+
+
+@settings(max_examples=8, deadline=None)
+@given(count_rows(), st.integers(0, 2**32 - 1))
+def test_thousands_of_rows_shared_by_threads_plan_in_order(
+    rows: tuple[np.ndarray, np.ndarray, np.ndarray], seed: int
+) -> None:
+    """Thousands of rows are planned by the codec's threads, a range each: every row's plan
+    lands in its own place (rows drawn in a random order, so that a part out of place shows)."""
+    sampled, changed, numel = rows
+    assume(numel.size > 0)
+    want = codec.plan_thresholds_many(sampled, changed, numel)
+    order = np.random.default_rng(seed).integers(0, numel.size, 5000)
+    got = codec.plan_thresholds_many(sampled[order], changed[order], numel[order])
+    assert np.array_equal(got, want[order])
 
 
 def test_rows_that_do_not_match_are_refused() -> None:

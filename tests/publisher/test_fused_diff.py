@@ -21,7 +21,7 @@ from deltaboard.board import codec
 from deltaboard.board.contract.schemas import ViewRule, ViewSpec
 from deltaboard.publisher import device_diff, fused_diff
 from deltaboard.publisher.device_diff import ViewDiff
-from deltaboard.publisher.snapshot import ViewBuffer, ViewLayout
+from deltaboard.publisher.snapshot import SlotBatch, ViewBuffer, ViewLayout
 from tests.publisher.test_device_diff import SPEC, float_pairs, state_pairs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -209,8 +209,9 @@ def test_sampled_counts_in_one_launch_match_torch(tile, pair):
     every element of a small one) in one launch over the batch's tiles equals torch's."""
     a, _ = _buffers(pair[0], pair[0], SPEC)
     for group in a.layout.group_numel:
-        slots = [s for s in a.layout.slots if s.group == group]
-        picked = [i for i, s in enumerate(slots) if s.dtype in codec.EXPONENT_FIELDS]
+        slots = SlotBatch(s for s in a.layout.slots if s.group == group)
+        floating = [i for i, s in enumerate(slots) if s.dtype in codec.EXPONENT_FIELDS]
+        picked = np.array(floating, dtype=np.int64)
         bins = fused_diff.hint_bins(slots)
         counted = []
         for triton_runs in (False, True):
@@ -218,5 +219,5 @@ def test_sampled_counts_in_one_launch_match_torch(tile, pair):
                 patch.setattr(fused_diff, "available", lambda device, runs=triton_runs: runs)
                 counted.append(device_diff._count_sampled(a, slots, picked, bins)[0])
         assert np.array_equal(counted[0], counted[1])
-        sampled = [-(-slots[i].numel // codec.sample_stride(slots[i].numel)) for i in picked]
+        sampled = [-(-slots[i].numel // codec.sample_stride(slots[i].numel)) for i in picked.tolist()]
         assert counted[0].sum(axis=1).tolist() == sampled  # every sampled element, once

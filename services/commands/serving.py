@@ -96,20 +96,22 @@ def sidecar(
         "max below it: 410 WeightVersionGone, or an error event ending a stream) instead of "
         "waiting for them to finish.",
     ),
-    workers: int = typer.Option(
-        1,
-        min=1,
-        help="Processes serving requests on the port, for an engine faster than one core of "
-        "proxying; one more process runs the version loop for all of them. 2 on a node with "
-        "cores to spare halves the time added to a first token; each worker then answers "
-        "/metrics for itself.",
+    workers: str = typer.Option(
+        "auto",
+        help="Processes serving requests on the port; one more process runs the version loop "
+        "for all of them, and /metrics totals them. auto: 2 where the sidecar may use two cores "
+        "or more (a second worker shortens the time added to a first token), else 1.",
     ),
 ) -> None:
     """Serve the version-aware proxy in front of an engine; it runs its own follower, which
     keeps the directory at the run's head and reloads the engine."""
     from deltaboard.services.commands.failures import UserError
     from deltaboard.services.sidecar.node import Sidecar, SidecarConfig, SidecarFailed
+    from deltaboard.services.sidecar.workers import AUTO, auto_workers
 
+    processes = auto_workers() if workers == AUTO else int(workers) if workers.isdigit() else 0
+    if processes < 1:
+        raise typer.BadParameter(f"--workers must be {AUTO} or a number of at least 1, not {workers!r}")
     if engine_kind not in ("reference", "sglang", "vllm"):
         raise typer.BadParameter("--engine-kind must be reference, sglang or vllm")
     if mode not in ("quiesce", "in_place"):
@@ -131,7 +133,7 @@ def sidecar(
         hot=hot,
     )
     try:
-        Sidecar(config).serve(host, port, workers)
+        Sidecar(config).serve(host, port, processes)
     except SidecarFailed as exc:
         raise UserError(str(exc)) from exc
 

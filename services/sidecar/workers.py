@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import signal
 import socket
 import threading
@@ -58,6 +59,17 @@ into `metrics` (whose `/metrics` is the fleet's), run with `lifespan`."""
 Own = Callable[["FleetGate", threading.Event], None]
 """What the owner runs until the event is set: the version loop, driving the fleet's gate."""
 STOP_TIMEOUT_S = 30.0
+AUTO = "auto"
+"""`deltaboard sidecar --workers auto` (the default): `auto_workers()`."""
+
+
+def auto_workers() -> int:
+    """How many workers `--workers auto` runs: 2 where this process may use two cores or
+    more, else 1. A second worker splits each burst of stream starts between two event
+    loops, which shortens the time the sidecar adds to a first token, for some more CPU
+    per streamed token (each worker's reads bring fewer tokens); more than two was not
+    measured (docs/design.md)."""
+    return 2 if len(os.sched_getaffinity(0)) >= 2 else 1
 
 
 @dataclass(frozen=True)
@@ -211,6 +223,7 @@ def _work(
     info: dict[str, Any],
     metrics: SidecarMetrics,
 ) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the owner's: uvicorn sets its own
     for inherited in owners:  # the owner's ends: only the owner may hold them, so that
         inherited.close()  # its exit reaches this worker as the end of its pipe
     conn, ask, share = conns
@@ -231,8 +244,13 @@ def _work(
     server.run(sockets=[sock])
 
 
-def _exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+class _Terminated(BaseException):
+    """SIGTERM in the owner: the workers are stopped, then the signal is raised again, so
+    the sidecar's exit says it was terminated, as uvicorn's does for one process."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated
 
 
 def serve(
@@ -253,13 +271,14 @@ def serve(
     status reads the owner's `FleetGate.info` into (forked with the worker)."""
     context = multiprocessing.get_context("fork")  # the app's builder is a closure
     if threading.current_thread() is threading.main_thread():  # where signals are handled
-        signal.signal(signal.SIGTERM, _exit)  # stop the workers on the way out, as on Ctrl-C
+        signal.signal(signal.SIGTERM, _terminate)  # stop the workers on the way out, as on Ctrl-C
     conns: list[Connection] = []  # commands, one per worker
     asks: list[Connection] = []  # the workers' scrapes
     shares: list[Connection] = []  # the owner's questions for each worker's share
     processes = []
     stop = threading.Event()
     loop: threading.Thread | None = None
+    terminated = False
     try:
         for i in range(workers):
             pipes = [context.Pipe() for _ in range(3)]
@@ -284,6 +303,8 @@ def serve(
         loop.start()
         while loop.is_alive() and all(p.is_alive() for p in processes):
             wait([p.sentinel for p in processes], timeout=0.5)
+    except _Terminated:
+        terminated = True
     finally:
         stop.set()
         for process in processes:
@@ -297,3 +318,6 @@ def serve(
         for conn in (*conns, *asks, *shares):
             with contextlib.suppress(OSError):
                 conn.close()
+    if terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)

@@ -274,6 +274,12 @@ def test_a_sidecar_of_worker_processes_follows_the_run(board, published, tmp_pat
             statuses = [httpx.get(f"{url}/sidecar/status").json() for _ in range(8)]
             assert {s["served"] for s in statuses} == {head}  # every worker it reached
             wait_until(lambda: httpx.get(f"{url}/sidecar/status").json()["swaps"], "no swaps shown")
+            # /metrics is the fleet's, whichever worker answers: the owner's loop swapped, and
+            # the workers' two answers are counted together
+            for _ in range(8):
+                samples = dict(line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics").text.splitlines())
+                assert float(samples["deltaboard_sidecar_swaps_total"]) >= 1
+                assert float(samples['deltaboard_sidecar_requests_total{outcome="proxied"}']) == 2
         finally:
             process.send_signal(signal.SIGTERM)
             assert process.wait(60) is not None, (tmp_path / "log").read_text()

@@ -44,6 +44,10 @@ CHUNK_ELEMENTS = 1 << 27
 RANK_CHUNK_ELEMENTS = 1 << 26  # class counts: int32 cumulative sums of at most this many
 CPU_BATCH_BYTES = 1 << 25
 CUDA_BATCH_BYTES = 1 << 30
+# slots a batch holds at most: a model of thousands of small tensors is diffed in several
+# batches, so that the encoding of one overlaps the diff of the next (an H200's 1 GB batch
+# of 20,000 tensors was diffed whole, hints and all, before its first tensor encoded)
+BATCH_SLOTS = 2048
 CUDA_AHEAD = 4  # batches whose kernels and copies run ahead of the one the caller takes (`iter_diffs`)
 CUDA_HINT_LANES = 2  # with hints, batches diffed at once, each on a pass stream of its own
 
@@ -164,14 +168,15 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
 
 @functools.lru_cache(maxsize=16)
 def batches(layout: ViewLayout, batch_bytes: int) -> tuple[SlotBatch, ...]:
-    """Consecutive slots of one group, about `batch_bytes` each: the unit of the pipeline.
-    Made once per layout (cached): every version diffs the same batches, and the tables
-    cached per batch are then found by the batch's kept hash (`SlotBatch`)."""
+    """Consecutive slots of one group, about `batch_bytes` each and `BATCH_SLOTS` at most:
+    the unit of the pipeline. Made once per layout (cached): every version diffs the same
+    batches, and the tables cached per batch are then found by the batch's kept hash
+    (`SlotBatch`)."""
     out: list[list[Slot]] = []
     size, group = 0, None
     for slot in layout.slots:
         nbytes = slot.numel * slot.width
-        if (slot.device, slot.width) != group or size + nbytes > batch_bytes:
+        if (slot.device, slot.width) != group or size + nbytes > batch_bytes or len(out[-1]) >= BATCH_SLOTS:
             out.append([])
             size, group = 0, (slot.device, slot.width)
         out[-1].append(slot)

@@ -151,3 +151,17 @@ def test_the_next_diff_batch_is_bundled_while_the_encoders_run_the_last(monkeypa
     for part, slot in zip(version.parts, layout.slots, strict=True):
         blob = blobs[part.sha256][part.offset : part.offset + part.length]
         assert np.array_equal(codec.apply(base.host_bytes(slot), blob), buffer.host_bytes(slot))
+
+
+def test_a_batch_holds_at_most_batch_slots_tensors_of_one_group_in_layout_order(monkeypatch):
+    """However large the batch's bytes, a model of many small tensors is cut into batches of
+    at most `BATCH_SLOTS` slots (so that the encoders start on the first while the next is
+    diffed), each of one group, together every slot once, in the layout's order."""
+    monkeypatch.setattr(device_diff, "BATCH_SLOTS", 7)
+    state = {f"t{i}": torch.zeros(5, dtype=torch.bfloat16 if i % 25 else torch.int32) for i in range(60)}
+    layout = ViewLayout.of(state, ViewSpec())
+    assert len(layout.group_numel) == 2  # two element widths: two groups, interleaved
+    got = device_diff.batches(layout, 1 << 30)
+    assert [s for batch in got for s in batch] == list(layout.slots)
+    assert all(0 < len(batch) <= 7 and len({s.group for s in batch}) == 1 for batch in got)
+    assert len(got) > 60 // 7

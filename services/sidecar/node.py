@@ -2,10 +2,10 @@
 
 `Sidecar(config).app` is the ASGI app (with the node's status page at `/ui`); its lifespan
 starts the version loop on a thread (bound to the app's event loop) and stops it on
-shutdown. `Sidecar.serve(host, port, workers)` with several workers forks that many
-processes serving the app, and runs the version loop in this one for all of them
-(`services.sidecar.workers`). `Sidecar.serve(host, port)` (what `deltaboard sidecar` runs) binds its port
-before the lifespan starts, so that a sidecar that cannot listen exits before its loop
+shutdown. `Sidecar.serve(host, port, workers)` (what `deltaboard sidecar` runs) with
+several workers forks that many processes serving the app, and runs the version loop in
+this one for all of them (`services.sidecar.workers`). It binds its port before the
+lifespan or the loop starts, so that a sidecar that cannot listen exits before its loop
 ever touches the engine, and returns (raising `SidecarFailed`) when the loop stops for
 good. The demo and the tests run the app in-process with `BackgroundServer`, which binds
 first too.

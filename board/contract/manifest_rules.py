@@ -56,16 +56,21 @@ def _checked_elements(manifest: Manifest) -> list[int]:
     first broken rule, as a loop over the entries would."""
     table = TensorTable.of(manifest.tensors)
     c = table.columns
-    bad_dtypes = set(c.dtype).difference(DTYPE_WIDTHS)
-    bad_shapes = {shape for shape in set(c.shape) if any(d < 0 for d in shape)}
+    dtypes, shapes = set(c.dtype), set(c.shape)
+    bad_dtypes = dtypes.difference(DTYPE_WIDTHS)
+    bad_shapes = {shape for shape in shapes if any(d < 0 for d in shape)}
     bad_files = {file for file in set(c.file) if not _shard_file(file)}
     # a bad dtype or shape gives a meaningless count, but its row is refused for the dtype or shape
     elements = list(map(math.prod, c.shape))
+    # no entry can pass the size limit when the widest dtype's most elements do not (each
+    # distinct dtype and shape judged once): the scan of every entry's size only then
+    widest = max((DTYPE_WIDTHS.get(dtype, 0) for dtype in dtypes), default=0)
+    oversized = widest * max(map(math.prod, shapes), default=0) > MAX_TENSOR_BYTES
     sizes = map(operator.mul, map(DTYPE_WIDTHS.get, c.dtype, itertools.repeat(0)), elements)
     flagged = [
         first_true(map(bad_dtypes.__contains__, c.dtype)) if bad_dtypes else None,
         first_true(map(bad_shapes.__contains__, c.shape)) if bad_shapes else None,
-        first_true(map(MAX_TENSOR_BYTES.__lt__, sizes)),
+        first_true(map(MAX_TENSOR_BYTES.__lt__, sizes)) if oversized else None,
         first_true(map(operator.gt, c.changed, elements)),
         first_true(map(bad_files.__contains__, c.file)) if bad_files else None,
     ]
@@ -195,7 +200,11 @@ def check_stats(manifest: Manifest, elements: Sequence[int]) -> None:
         shapes = tuple(c.shape[i] for i in rows)
         elements = [elements[i] for i in rows]
     total = sum(elements)
-    view_bytes = sum(map(operator.mul, map(DTYPE_WIDTHS.__getitem__, dtypes), elements))
+    widths = set(map(DTYPE_WIDTHS.__getitem__, set(dtypes)))
+    if len(widths) == 1:  # one element width (a bf16 view): one product, not one per entry
+        view_bytes = widths.pop() * total
+    else:
+        view_bytes = sum(map(operator.mul, map(DTYPE_WIDTHS.__getitem__, dtypes), elements))
     full = manifest.kind == "full"
     for field, stated, held in (
         ("stats.total_elements", stats.total_elements, total),

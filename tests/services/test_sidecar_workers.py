@@ -151,6 +151,25 @@ def test_metrics_are_the_fleets_whichever_worker_a_scrape_reaches() -> None:
             assert _series(text, "deltaboard_sidecar_inflight") == 0
 
 
+def test_a_scrape_is_answered_while_a_swap_waits_for_a_stream_to_drain() -> None:
+    with _fleet() as (url, commands):
+        commands.send(("end", 1))
+        commands.recv()
+        body = {**BODY, "max_tokens": 100, "stream": True, "step_ms": 20}  # two seconds of tokens
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as stream:
+            lines = stream.iter_lines()
+            next(lines)  # under way
+            commands.send(("begin", 2))  # quiesce: the owner's loop waits for the stream to end
+            text = httpx.get(f"{url}/metrics", timeout=30).text
+            assert not commands.poll()  # answered while the swap still waits
+            assert _series(text, "deltaboard_sidecar_inflight") == 1
+            assert _series(text, "deltaboard_sidecar_served_version") == 1
+            assert any("[DONE]" in line for line in lines)
+        assert all(s.swapping for s in commands.recv())
+        commands.send(("end", 2))
+        commands.recv()
+
+
 def test_a_swap_stops_admissions_in_every_worker_before_the_engine_is_touched() -> None:
     with _fleet() as (url, commands):
         commands.send(("end", 1))

@@ -404,6 +404,19 @@ class _Cycle:
             else:
                 self._body(transport, body, True)
 
+    def write_framed(self, framed: bytes) -> bool:
+        """Parts of the answer's body already framed as whole chunks (none the last),
+        written now as they are: `write` without framing them again (the proxy passes an
+        engine's chunks so). False, with nothing written, when this answer is not chunked:
+        the caller writes the payloads with `write`."""
+        if not self.chunked:
+            return False
+        transport = self.conn.transport
+        if not (self.complete or self.disconnected or transport is None):
+            head, self.head = self.head, None
+            transport.write(framed if head is None else b"".join([*head, framed]))
+        return True
+
     def behind(self) -> asyncio.Future[None] | None:
         """While the client reads slower than it is written to: a future done once it has
         caught up (a `write`r stops writing until then)."""

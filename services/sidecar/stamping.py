@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 from deltaboard.services.sidecar.constraints import SidecarCode
 from deltaboard.services.sidecar.gate import Admitted, Stale, VersionGate, unless_stale
+from deltaboard.services.sidecar.upstream import Framed, whole_chunks
 
 
 def range_headers(start: int | None, end: int | None) -> dict[str, str]:
@@ -91,6 +92,7 @@ def version_field(start: int | None, end: int | None, reported: Any = None) -> d
 
 
 _FIELD = b'"weight_version"'
+_EVENTS = whole_chunks(b"\n\n")  # a read of whole chunks, each ending an event
 # Bytes are searched with `find`, not `in`: CPython 3.11's `bytes.__contains__` first tries
 # its argument as an integer and builds a formatted TypeError for every bytes one, which
 # costs more than the search itself (a stream's every read searches two or three times).
@@ -204,9 +206,12 @@ class Release:
 
 class Sink(Protocol):
     """Where a stream's parts can be written from a callback (the sidecar's server's
-    `_Cycle`): `write` a part now; `behind` gives a future while the client lags."""
+    `_Cycle`): `write` a part now, or `write_framed` parts already framed as chunks (False:
+    the answer is not chunked, nothing written); `behind` gives a future while the client lags."""
 
     def write(self, body: bytes) -> None: ...
+
+    def write_framed(self, framed: bytes) -> bool: ...
 
     def behind(self) -> asyncio.Future[None] | None: ...
 
@@ -261,7 +266,17 @@ async def restamped_stream(
                 sink.write(complete)
             return True
 
-        await upstream.forward(forward, sink.behind)
+        def as_read(framed: bytes) -> bool | None:
+            """A read of whole chunks, each ending an event (`_EVENTS`), passed on as it came
+            when it is what `forward` would write: no event held from before and neither
+            `[DONE]` nor the engine's versions in it (the chunk framing, hex digits and CRLF,
+            can neither hide nor fake either: a search of the framed bytes finds what one of
+            the payloads would). Else None: decoded, for `forward`."""
+            if pending or _ends(framed):
+                return None
+            return True if sink.write_framed(framed) else None
+
+        await upstream.forward(forward, sink.behind, Framed(_EVENTS, as_read))
         if last:
             last = await _ending(last, start, release, verify, reported)
             if last:

@@ -20,7 +20,10 @@ time; this client does none of that:
 - `UpstreamResponse.forward` hands a chunked body's reads to a callback from the
   connection's own `data_received` (the connection's protocol is swapped for the time),
   so a stream passed to the client costs no coroutine step per read; reading pauses while
-  the client lags behind what the callback wrote.
+  the client lags behind what the callback wrote. A read of whole chunks, each ending as
+  the caller says (a stream's events: `\n\n`; `whole_chunks`), can go to another
+  callback as it came, framing and all, not decoded: the client's answer is chunked too,
+  and such a read is passed on in one write, with no step per chunk.
 
 A response's connection goes back to the pool only once its body was read to the end;
 `aclose` before that closes the connection, which is how the engine learns that nobody
@@ -32,8 +35,11 @@ bounds a request as a whole (the proxy's `Deadline`), and cancelling it closes i
 from __future__ import annotations
 
 import asyncio
+import functools
+import re
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -137,18 +143,26 @@ class UpstreamResponse:
         return b"".join([part async for part in self.aiter_raw()])
 
     async def forward(
-        self, on_data: Callable[[bytes], bool], backpressure: Callable[[], asyncio.Future[None] | None]
+        self,
+        on_data: Callable[[bytes], bool],
+        backpressure: Callable[[], asyncio.Future[None] | None],
+        framed: Framed | None = None,
     ) -> None:
         """Hand each read of a chunked body, decoded, to `on_data` from the connection's
         own `data_received`, as it arrives: no coroutine step, future or generator per
         read. Returns once `on_data` returns False or the body has ended; the rest (if any)
         is read by `aiter_raw`. While `backpressure()` gives a future (the reader of what
-        `on_data` writes is behind), the connection is not read until it is done."""
+        `on_data` writes is behind), the connection is not read until it is done.
+
+        With `framed` (`Framed`), a read of whole chunks as `framed.reads` says goes to
+        `framed.on_read` as it came, chunk framing and all; only when that declines it
+        (None) is it decoded for `on_data`."""
         conn = self._conn
         if conn is None or not self.chunked or self._chunks.done:
             return
+        forward_one = self._forward_one if framed is None else functools.partial(self._forward_framed, framed)
         try:
-            if not self._forward_one(on_data, await conn.reader.read(1 << 30)):  # all it holds
+            if not forward_one(on_data, await conn.reader.read(1 << 30)):  # all it holds
                 return
         except UpstreamError:
             await self.aclose()
@@ -156,7 +170,7 @@ class UpstreamResponse:
         transport = conn.writer.transport
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         reader = transport.get_protocol()
-        transport.set_protocol(_Forward(self, reader, on_data, backpressure, transport, done))
+        transport.set_protocol(_Forward(forward_one, reader, on_data, backpressure, transport, done))
         try:
             await done
         except UpstreamError:
@@ -175,6 +189,15 @@ class UpstreamResponse:
             return False
         return not chunks.done
 
+    def _forward_framed(self, framed: Framed, on_data: Callable[[bytes], bool], data: bytes) -> bool:
+        """`_forward_one`, but `data` goes to `framed.on_read` as it came where it is whole
+        chunks as `framed.reads` says (which leaves the decoder as it was: between chunks)."""
+        if not self._chunks.held() and framed.reads.fullmatch(data) is not None:
+            go_on = framed.on_read(data)
+            if go_on is not None:
+                return go_on
+        return self._forward_one(on_data, data)
+
     async def aclose(self) -> None:
         """Give up the rest of the body: the connection is closed (not pooled)."""
         if self._conn is not None:
@@ -188,14 +211,14 @@ class _Forward(asyncio.Protocol):
 
     def __init__(
         self,
-        response: UpstreamResponse,
+        forward_one: Callable[[Callable[[bytes], bool], bytes], bool],
         reader: Any,
         on_data: Callable[[bytes], bool],
         backpressure: Callable[[], asyncio.Future[None] | None],
         transport: Any,
         done: asyncio.Future[None],
     ) -> None:
-        self.response = response
+        self.forward_one = forward_one
         self.reader = reader
         self.on_data = on_data
         self.backpressure = backpressure
@@ -207,7 +230,7 @@ class _Forward(asyncio.Protocol):
             self.reader.data_received(data)
             return
         try:
-            go_on = self.response._forward_one(self.on_data, data)
+            go_on = self.forward_one(self.on_data, data)
         except (UpstreamError, ValueError) as exc:
             self.done.set_exception(UpstreamError(f"reading the engine's answer: {exc!r}"))
             return
@@ -249,6 +272,10 @@ class _Chunks:
         self._buf = b""
         self.done = False
 
+    def held(self) -> bool:
+        """Whether a chunk is under way: the start of one came and the rest did not yet."""
+        return bool(self._buf)
+
     def feed(self, data: bytes) -> bytes:
         """The payload of every chunk that `data` completes, joined (b"": none yet). A fast
         engine's read holds many chunks (a token each), so this loop is the sidecar's
@@ -276,6 +303,29 @@ class _Chunks:
             pos = end + 2
         self._buf = buf[pos:] if pos < length else b""
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def whole_chunks(ending: bytes) -> re.Pattern[bytes]:
+    """A pattern that a read matches (`fullmatch`) when it is whole chunks, each a size in
+    hex alone on its line and a payload that holds no CR and ends with `ending` (not
+    empty: the body's last chunk, size 0, is not one of them). Such a read, from the start
+    of a chunk, ends at the end of one: in a payload without CR the first CRLF after it is
+    the framing's. The sizes are not checked against the payloads (a check per chunk in
+    Python costs what decoding them does): a read that matches goes on as it came, framed
+    as the engine framed it, and the one read that could match while ending inside a chunk
+    is of an engine whose payload holds, after a line ended by LF, a CRLF and a line of
+    hex digits alone, which no server-sent event stream an engine writes does."""
+    return re.compile(rb"(?:[0-9a-fA-F]+\r\n[^\r]*" + re.escape(ending) + rb"\r\n)+")
+
+
+@dataclass(frozen=True)
+class Framed:
+    """How `UpstreamResponse.forward` may pass reads on as they came: `on_read` takes a
+    read that `reads` matches (`whole_chunks`) as it came, framing and all, and says
+    whether to go on, or None when it does not take it (it is then decoded for `on_data`)."""
+
+    reads: re.Pattern[bytes]
+    on_read: Callable[[bytes], bool | None]
 
 
 def _chunk_size(line: bytes) -> int:

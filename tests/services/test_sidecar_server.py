@@ -21,7 +21,7 @@ from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import WAIT_BUCKETS, SidecarMetrics
 from deltaboard.services.sidecar.proxy import InferenceRoutes, ProxySettings, create_proxy_app
 from deltaboard.services.sidecar.server import DISCONNECT, SidecarProtocol
-from deltaboard.services.sidecar.upstream import UpstreamPool
+from deltaboard.services.sidecar.upstream import UpstreamPool, _Chunks, whole_chunks
 from tests.services.fakes.echo import echo_engine
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
@@ -452,6 +452,115 @@ def test_a_chunked_body_reads_the_same_however_the_engine_splits_its_writes(writ
         return read
 
     assert asyncio.run(main()) == b"".join(payloads)
+
+
+def _chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+def test_reads_of_whole_event_chunks_are_told_from_the_rest() -> None:
+    """`whole_chunks`: a read from one chunk's start to another's matches when every
+    payload ends an event and holds no CR; a read that ends inside a chunk (a size line, a
+    payload, its CRLF), the body's last chunk, a size with an extension, a payload not
+    ending an event or with CRLF events do not. The decoder holds nothing after a read that
+    matches (what passing it on as it came relies on)."""
+    reads = whole_chunks(b"\n\n")
+    events = [b'data: {"i": %d}\n\n' % i * (i % 3 + 1) for i in range(6)]
+    body = b"".join(map(_chunk, events))
+    bounds = [0]
+    for event in events:
+        bounds.append(bounds[-1] + len(_chunk(event)))
+    for start in bounds[:-1]:
+        for stop in range(start + 1, len(body) + 1):
+            matched = reads.fullmatch(body[start:stop]) is not None
+            assert matched == (stop in bounds), (start, stop)
+            if matched:
+                chunks = _Chunks()
+                chunks.feed(body[start:stop])
+                assert not chunks.held() and not chunks.done
+    for other in (
+        b"0\r\n\r\n",
+        _chunk(events[0]) + b"0\r\n\r\n",
+        b"%x;x=1\r\n%s\r\n" % (len(events[0]), events[0]),
+        _chunk(b'data: {"i": 0}\n'),
+        _chunk(b'data: {"i": 0}\r\n\r\n'),
+        _chunk(b'data: {"i": 0}\r\n\n\n'),
+    ):
+        assert reads.fullmatch(other) is None, other
+
+
+CHUNKED = b"transfer-encoding: chunked\r\n\r\n"
+
+
+def test_a_stream_passes_reads_of_whole_events_as_they_came_and_the_rest_decoded() -> None:
+    """Through the real proxy, an engine's stream in bursts (each read by the sidecar before
+    the next is sent): reads of whole event chunks go to the client in one write as the
+    engine framed them; a read with an event cut across chunks, the read after it (whole
+    chunks, but the event's start is held), CRLF events and the end (whole chunks too) are
+    decoded, and the client reads every event once, in order, the engine's versions out of
+    its last event and the range before [DONE]."""
+    bursts = [
+        _chunk(b'data: {"i": 0}\n\n') + _chunk(b'data: {"i": 1}\n\n'),
+        _chunk(b'data: {"i": 2}\n\ndata: {"i": 3'),
+        _chunk(b"}\n\n") + _chunk(b'data: {"i": 4}\n\n'),
+        _chunk(b'data: {"i": 5}\r\n\r\n'),
+        _chunk(b'data: {"i": 6}\n\n'),
+        _chunk(b'data: {"i": 7, "weight_version": {"spans": [[0, 3]]}}\n\n') + _chunk(b"data: [DONE]\n\n"),
+        b"0\r\n\r\n",
+    ]
+    shown = [b'"i": 1}', b'"i": 2}', b'"i": 4}', b'"i": 5}', b'"i": 6}', b"[DONE]"]  # what each burst writes
+
+    async def main() -> list[bytes]:
+        sent = [asyncio.Event() for _ in bursts]
+
+        async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line[15:])
+                        for line in head.lower().split(b"\r\n")
+                        if line.startswith(b"content-length:")
+                    ),
+                    0,
+                )
+                await reader.readexactly(length)
+                if head.startswith(b"GET /health"):
+                    body = json.dumps({"weight_version": None, "loads": 1}).encode()
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                        % (len(body), body)
+                    )
+                    continue
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n" + CHUNKED)
+                for burst, event in zip(bursts, sent, strict=True):
+                    await event.wait()
+                    writer.write(burst)
+                    await writer.drain()
+
+        server = await asyncio.start_server(engine, "127.0.0.1", 0)
+        async with proxy_app(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}") as app:
+            protocol, transport, state = connect(app)
+            body = json.dumps({"stream": True, "weight_version": {"min": 3}}).encode()
+            protocol.data_received(post("/v1/completions", body, b"content-type: application/json"))
+            async with asyncio.timeout(TIMEOUT_S):
+                for event, marker in zip(sent, [*shown, None], strict=True):
+                    event.set()
+                    while marker is not None and b"".join(transport.writes).find(marker) < 0:
+                        await asyncio.sleep(0.001)
+            await answered(state, 1)
+        server.close()
+        return transport.writes
+
+    writes = asyncio.run(main())
+    assert writes[0].endswith(b"\r\n\r\n" + bursts[0])  # the head, and the first read as it came
+    assert bursts[4] in writes
+    assert not any(w.find(bursts[2]) >= 0 or w.find(bursts[3]) >= 0 for w in writes)
+    chunked = b"".join(writes).partition(b"\r\n\r\n")[2]
+    stamp = {"choices": [], "weight_version": {"start": 3, "end": 3, "spans": [[0, 3]]}}
+    expected = b"".join(b'data: {"i": %d}\n\n' % i for i in range(8))
+    expected += b"data: " + json.dumps(stamp).encode() + b"\n\ndata: [DONE]\n\n"
+    assert _unchunk(chunked) == expected
 
 
 def _unchunk(data: bytes) -> bytes:

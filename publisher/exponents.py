@@ -38,12 +38,21 @@ class ExponentCounts:
         self._tables = {w: np.full((len(names), columns[w]), -1, dtype=np.int64) for w, names in rows.items()}
         self._rows = {name: (w, row) for w, names in rows.items() for row, name in enumerate(names)}
 
-    def _where(self, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def _where(self, names: Sequence[str]) -> tuple[np.ndarray, slice | np.ndarray]:
+        """The table of `names` and their rows in it: a slice where they are consecutive (a
+        bundle's tensors in layout order, not interleaved with another width's), so that
+        they are read and written as one block, not gathered and scattered row by row
+        (2 KB a bf16 tensor: ~80 MB a version for 20,000 small tensors)."""
         width = self._rows[names[0]][0]
-        return self._tables[width], np.array([self._rows[name][1] for name in names], dtype=np.int64)
+        rows = np.fromiter((self._rows[name][1] for name in names), dtype=np.int64, count=len(names))
+        first = int(rows[0])
+        if np.array_equal(rows, np.arange(first, first + rows.size)):
+            return self._tables[width], slice(first, first + rows.size)
+        return self._tables[width], rows
 
     def take(self, names: Sequence[str]) -> np.ndarray:
-        """The rows of `names` (tensors of one element width, as a delta's bundle), a copy."""
+        """The rows of `names` (tensors of one element width, as a delta's bundle), to be
+        read only: a view of the table where they are consecutive, else a copy."""
         table, rows = self._where(names)
         taken: np.ndarray = table[rows]
         return taken

@@ -110,3 +110,20 @@ def test_no_counts_are_kept_without_the_context_encoding() -> None:
         packer = BlobPacker(blobs.__setitem__, uploads, blob_max_bytes=1 << 20, max_pending_bytes=1 << 24)
         encode_rank(buffer, base, first.digests, packer, encoders, window=4, context=False)
     assert base.exponent_counts is None and buffer.exponent_counts is None
+
+
+def test_rows_put_are_the_rows_taken_whether_or_not_they_are_consecutive() -> None:
+    """A bundle's rows are read and written as one block where they are consecutive in their
+    width's table, row by row where they are not: either way `put` replaces exactly the
+    rows of its names, and `take` gives them back."""
+    names = [f"t{i}" for i in range(12)]
+    counts = ExponentCounts([(n, "BF16") for n in names] + [("wide", "F32")])
+    rng = np.random.default_rng(3)
+    table = rng.integers(0, 1000, (12, 256))
+    counts.put(names, table)
+    for picked in ([2, 3, 4, 5], [0, 3, 7, 8, 11], [9], [5, 4]):
+        rows = rng.integers(0, 1000, (len(picked), 256))
+        counts.put([names[i] for i in picked], rows)
+        table[picked] = rows
+        assert np.array_equal(counts.take(names), table)
+        assert np.array_equal(counts.take([names[i] for i in picked]), rows)

@@ -36,7 +36,9 @@ is the object's last member (as the reference engine writes it), is read alone a
 out; only a body where it sits elsewhere is decoded whole. A stream's reads are scanned
 for event boundaries, `[DONE]` and the field's name, and passed on in one piece; under the
 sidecar's server, from the upstream connection's callback until the first read that names
-either (`restamped_stream`'s `sink`), and only that end through the coroutine.
+either (`restamped_stream`'s `sink`), and only that end through the coroutine; there, a
+read of whole chunks that each end an event goes on as the engine framed it, not decoded
+and framed again (`upstream.whole_chunks`).
 
 `Release` ends a request's admission exactly once (its result is the range's end); the
 proxy releases every admission once its upstream is closed, whatever happened.

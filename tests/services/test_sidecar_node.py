@@ -83,6 +83,11 @@ def sidecar_for(
     )
 
 
+def healthz(url: str) -> httpx.Response:
+    """The node's /healthz: 503 unless it serves a version and is healthy; its body is the status."""
+    return httpx.get(f"{url}/healthz")
+
+
 def loads(engine_url: str) -> int:
     count: int = httpx.get(f"{engine_url}/health").json()["loads"]
     return count
@@ -93,8 +98,12 @@ def test_sidecar_recovers_from_a_failed_reload_and_keeps_up(board, published, tm
         adapter = FlakyAdapter(engine.url)
         sidecar = sidecar_for(board, engine.url, tmp_path / "dir", adapter)
         with BackgroundServer(sidecar.app) as node:
-            wait_until(lambda: sidecar.sync.last_error is not None, "the injected fault never happened")
-            assert httpx.get(f"{node.url}/healthz").status_code == 503
+            # The node's own word, not the loop's `last_error`: that is set as the reload
+            # fails, a moment before the swap ends and the gate says unhealthy (until then a
+            # request is refused as during any swap, 409 WeightVersionNotReady).
+            wait_until(lambda: not healthz(node.url).json()["healthy"], "the injected fault never showed")
+            unhealthy = healthz(node.url)
+            assert unhealthy.status_code == 503 and "injected" in unhealthy.json()["problem"]
             refused = complete(node.url, wait=0)
             assert refused.status_code == 503 and refused.headers["retry-after"]
             assert refused.json()["error"]["code"] == "EngineUnavailable"
@@ -102,7 +111,7 @@ def test_sidecar_recovers_from_a_failed_reload_and_keeps_up(board, published, tm
             served = complete(node.url, exact=0, wait=60)
             assert served.status_code == 200
             assert served.json()["weight_version"] == {"start": 0, "end": 0, "spans": [[0, 0]]}
-            assert httpx.get(f"{node.url}/healthz").json()["healthy"] is True
+            assert healthz(node.url).json()["healthy"] is True
             metrics = httpx.get(f"{node.url}/metrics").text
             failures = next(
                 line
@@ -115,9 +124,13 @@ def test_sidecar_recovers_from_a_failed_reload_and_keeps_up(board, published, tm
 
             published()
             head = published()
+            # max_lag counts from the head the node has seen: its long-poll of the board may
+            # answer after the publisher's commit does, and a request before then is judged
+            # against the head before (and served the version before) by design
+            wait_until(lambda: healthz(node.url).json()["head"] == head, "the node never saw the head")
             latest = complete(node.url, max_lag=0, wait=60)
             assert latest.json()["weight_version"] == {"start": head, "end": head, "spans": [[0, head]]}
-            assert httpx.get(f"{node.url}/healthz").json()["lag"] == 0
+            assert healthz(node.url).json()["lag"] == 0
 
 
 def test_an_engine_that_restarted_empty_is_reloaded(board, published, tmp_path):
@@ -203,8 +216,9 @@ def test_a_refused_token_or_a_missing_run_stops_the_sidecar_with_its_reason(boar
 
         missing = sidecar_for(board, engine.url, tmp_path / "b", run="missing", run_wait_s=0)
         with BackgroundServer(missing.app) as node:
-            wait_until(lambda: missing.sync.fatal is not None, "the sidecar kept waiting for the run")
-            health = httpx.get(f"{node.url}/healthz")
+            # the node's word again: the loop's `fatal` is set a moment before the gate stops
+            wait_until(lambda: healthz(node.url).json()["problem"], "the sidecar kept waiting for the run")
+            health = healthz(node.url)
             assert health.status_code == 503 and "UnknownRun" in health.json()["problem"]
             answer = complete(node.url, wait=0)
             assert answer.status_code == 503 and "UnknownRun" in answer.json()["error"]["message"]

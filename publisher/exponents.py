@@ -21,6 +21,14 @@ import numpy as np
 from deltaboard.board import codec
 
 
+def block_or_rows(rows: np.ndarray) -> slice | np.ndarray:
+    """Table rows as a slice where they are consecutive and ascending (read and written in
+    place, as one block), else as they are (gathered and scattered)."""
+    first = int(rows[0]) if rows.size else 0
+    block = np.arange(first, first + rows.size)
+    return slice(first, first + rows.size) if np.array_equal(rows, block) else rows
+
+
 class ExponentCounts:
     """A row of counts per tensor in a table per element width (a bundle's tensors share
     one: `take` and `put` read and write them as the codec's `counts`); a row whose first
@@ -45,10 +53,7 @@ class ExponentCounts:
         (2 KB a bf16 tensor: ~80 MB a version for 20,000 small tensors)."""
         width = self._rows[names[0]][0]
         rows = np.fromiter((self._rows[name][1] for name in names), dtype=np.int64, count=len(names))
-        first = int(rows[0])
-        if np.array_equal(rows, np.arange(first, first + rows.size)):
-            return self._tables[width], slice(first, first + rows.size)
-        return self._tables[width], rows
+        return self._tables[width], block_or_rows(rows)
 
     def take(self, names: Sequence[str]) -> np.ndarray:
         """The rows of `names` (tensors of one element width, as a delta's bundle), to be

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from deltaboard.board import codec
+from deltaboard.publisher.exponents import block_or_rows
 
 if TYPE_CHECKING:
     from deltaboard.publisher.snapshot import SlotBatch, ViewLayout
@@ -45,9 +46,7 @@ class SampledCounts:
         indices. Found once per batch: every version diffs the same ones."""
         found = self._batch_rows.get(slots)
         if found is None:
-            rows = np.array([self._row[slot.name] for slot in slots], dtype=np.int64)
-            consecutive = rows.size > 0 and bool(np.all(np.diff(rows) == 1))
-            found = slice(int(rows[0]), int(rows[-1]) + 1) if consecutive else rows
+            found = block_or_rows(np.array([self._row[slot.name] for slot in slots], dtype=np.int64))
             self._batch_rows[slots] = found
         return found
 

@@ -28,7 +28,9 @@ time; this client does none of that:
 A response's connection goes back to the pool only once its body was read to the end;
 `aclose` before that closes the connection, which is how the engine learns that nobody
 reads the request any more (it stops generating). Failures to reach the engine or to get
-a whole answer raise `UpstreamError`. Reads have no timeout of their own: the caller
+a whole answer raise `UpstreamError`, and so does an answer not framed as HTTP/1.1 says (a
+chunk size that is not hex digits, a chunk without its CRLF, a content-length that is not
+digits): its connection is closed, not pooled. Reads have no timeout of their own: the caller
 bounds a request as a whole (the proxy's `Deadline`), and cancelling it closes its connection.
 """
 
@@ -45,6 +47,9 @@ from urllib.parse import urlsplit
 
 READ_SIZE = 2**16
 CONNECT_TIMEOUT_S = 5.0
+MAX_SIZE_LINE = 4096  # a chunk's size line and its extensions; longer is not an engine's
+_HEX = b"0123456789abcdefABCDEF"
+_CR, _LF = b"\r\n"
 
 
 class UpstreamError(OSError):
@@ -96,7 +101,11 @@ class UpstreamResponse:
         length = headers.get("content-length")
         self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         self._chunks = _Chunks()  # a chunked body's decoder, shared by `forward` and `aiter_raw`
-        self._length = int(length) if length is not None and not self.chunked else None
+        self._length = None
+        if length is not None and not self.chunked:
+            if not (length.isascii() and length.isdigit()):  # `int` takes signs and spaces
+                raise UpstreamError(f"the engine's content-length is not one: {length[:80]!r}")
+            self._length = int(length)
         if bodyless or status_code in (204, 304) or 100 <= status_code < 200:
             self._length = 0
 
@@ -279,8 +288,11 @@ class _Chunks:
     def feed(self, data: bytes) -> bytes:
         """The payload of every chunk that `data` completes, joined (b"": none yet). A fast
         engine's read holds many chunks (a token each), so this loop is the sidecar's
-        per-token work: a find and a slice per chunk, no more (and no find past a read that
-        ends with a chunk, as an engine's writes do)."""
+        per-token work: a find and a slice per chunk, and two checks of a few bytes (no
+        find past a read that ends with a chunk, as an engine's writes do). Framing that is
+        not chunked encoding raises `UpstreamError`: a size line that is not hex digits
+        (say a negative size, which sent this loop backwards for ever) or a payload not
+        followed by CRLF."""
         if not data:
             raise UpstreamError("the engine closed the connection inside a chunked body")
         buf = self._buf + data if self._buf else data
@@ -288,17 +300,22 @@ class _Chunks:
         pos = 0
         length = len(buf)
         stop = length - 2
-        while pos < length and (eol := buf.find(b"\r\n", pos)) >= 0:
-            try:
-                size = int(buf[pos:eol], 16)
-            except ValueError:  # `;` extensions after the size, or not a size
-                size = _chunk_size(buf[pos:eol])
+        while pos < length:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:  # a size line under way
+                if length - pos > MAX_SIZE_LINE:
+                    raise UpstreamError(f"the engine's chunk size line runs on: {buf[pos : pos + 80]!r}")
+                break
+            line = buf[pos:eol]
+            size = _chunk_size(line) if line.strip(_HEX) or not line else int(line, 16)
             if size == 0:
                 self.done = buf.find(b"\r\n\r\n", eol) >= 0  # the end, past any trailers
                 break
             end = eol + 2 + size
             if end > stop:
                 break
+            if buf[end] != _CR or buf[end + 1] != _LF:
+                raise UpstreamError(f"the engine's chunk of {size} bytes is not followed by CRLF")
             parts.append(buf[eol + 2 : end])
             pos = end + 2
         self._buf = buf[pos:] if pos < length else b""
@@ -329,11 +346,14 @@ class Framed:
 
 
 def _chunk_size(line: bytes) -> int:
-    """A chunk's size from its size line (hex, maybe followed by `;` extensions)."""
-    try:
-        return int(line, 16)
-    except ValueError:
-        return int(line.split(b";", 1)[0], 16)
+    """A chunk's size from a size line that is not hex digits alone: hex digits, then `;`
+    extensions (after optional white space, as RFC 9112 allows). Anything else (a sign, a
+    `0x`, an empty line) is not chunked framing: `UpstreamError`, as `int` would take some."""
+    size, extensions, _ = line.partition(b";")
+    size = size.rstrip(b" \t")
+    if not extensions or not size or size.strip(_HEX):
+        raise UpstreamError(f"the engine's chunk size line is not one: {line[:80]!r}")
+    return int(size, 16)
 
 
 class UpstreamPool:
@@ -420,7 +440,11 @@ class UpstreamPool:
             raw.append((name.strip().lower(), value.strip()))
         headers = ResponseHeaders(raw)
         keep = status_line[0] == b"HTTP/1.1" and headers.get("connection", "").lower() != "close"
-        return UpstreamResponse(self, conn, status, headers, keep, bodyless=method == "HEAD")
+        try:
+            return UpstreamResponse(self, conn, status, headers, keep, bodyless=method == "HEAD")
+        except UpstreamError:
+            conn.close()
+            raise
 
     async def get(self, target: str) -> tuple[int, bytes]:
         """A GET answered in whole: (status, body)."""

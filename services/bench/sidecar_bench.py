@@ -8,9 +8,10 @@ Three kinds of processes on loopback:
   the reference engine does (`X-Engine-Weight-Version`, `X-Engine-Load-Count`, `/health`,
   `/reload`), writes each token's version into its event (`"v"`), and reports the exact
   per-token `weight_version.spans` in its last event (or its one JSON body);
-* the **sidecar** (`--workers N` processes), in `in_place` mode (swaps under running
-  requests, as RL rollouts want), its owner swapping the engine's version every
-  `swap_every_s` seconds for the whole run;
+* the **sidecar** (`--workers` processes: by default `auto`, as deployed; the report's
+  `workers` says how many ran), in `in_place` mode (swaps under running requests, as RL
+  rollouts want), its owner swapping the engine's version every `swap_every_s` seconds
+  for the whole run;
 * the **load generator** (this process, on uvloop as the engine and the sidecar are: it
   shares their cores): the same load direct to the engine and through the sidecar:
   `streams` concurrent streams of `stream_tokens` tokens, the same streams paced, then
@@ -75,6 +76,15 @@ NAMES = ("direct", PASSTHROUGH, "sidecar")  # each phase's load goes to these, i
 TARGETS = {"sidecar_cpu_us_per_token": 15.0, "sidecar_cpu_ms_per_request": 0.5}  # issue 19
 
 
+def auto_workers() -> int:
+    """`deltaboard sidecar --workers auto`, its default (`workers.auto_workers`), so that the
+    bench measures what is deployed; imported here, not by the module, which the fake
+    engine's and the pass-through's processes import too."""
+    from deltaboard.services.sidecar import workers
+
+    return workers.auto_workers()
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     duration_s: float = 20.0  # per phase and target
@@ -82,14 +92,15 @@ class BenchConfig:
     stream_tokens: int = 128
     requests: int = 256
     request_tokens: int = 16
-    workers: int = 1
+    workers: int = field(default_factory=auto_workers)  # as `deltaboard sidecar` deploys by default
     swap_every_s: float = 3.0
     mode: str = "in_place"
     paced_step_ms: float = 10.0  # the engine's decode step in the paced phase
 
 
-def quick(workers: int = 1) -> BenchConfig:
-    return BenchConfig(duration_s=5.0, workers=workers, swap_every_s=1.0)
+def quick(workers: int | None = None) -> BenchConfig:
+    """5 s a phase and a swap a second; `workers` None: `auto_workers()`, as deployed."""
+    return BenchConfig(duration_s=5.0, workers=workers or auto_workers(), swap_every_s=1.0)
 
 
 # --- the fake engine -------------------------------------------------------------------
@@ -484,6 +495,7 @@ def _summary(phases: dict[str, Phase], config: BenchConfig) -> dict[str, Any]:
         },
         "latency_ms": _p50_p99(direct_r.latency_ms, sidecar_r.latency_ms),
         "first_error": next((p.first_error for p in phases.values() if p.first_error), None),
+        "workers": config.workers,  # the sidecar's worker processes that ran
         "cores": os.cpu_count(),
         "config": asdict(config),
     }

@@ -107,11 +107,8 @@ def sidecar(
     keeps the directory at the run's head and reloads the engine."""
     from deltaboard.services.commands.failures import UserError
     from deltaboard.services.sidecar.node import Sidecar, SidecarConfig, SidecarFailed
-    from deltaboard.services.sidecar.workers import AUTO, auto_workers
 
-    processes = auto_workers() if workers == AUTO else int(workers) if workers.isdigit() else 0
-    if processes < 1:
-        raise typer.BadParameter(f"--workers must be {AUTO} or a number of at least 1, not {workers!r}")
+    processes = _worker_count(workers)
     if engine_kind not in ("reference", "sglang", "vllm"):
         raise typer.BadParameter("--engine-kind must be reference, sglang or vllm")
     if mode not in ("quiesce", "in_place"):
@@ -138,6 +135,17 @@ def sidecar(
         raise UserError(str(exc)) from exc
 
 
+def _worker_count(workers: str) -> int:
+    """`--workers` of `deltaboard sidecar` and `bench sidecar`: auto (`workers.auto_workers`)
+    or a number of at least 1."""
+    from deltaboard.services.sidecar.workers import AUTO, auto_workers
+
+    processes = auto_workers() if workers == AUTO else int(workers) if workers.isdigit() else 0
+    if processes < 1:
+        raise typer.BadParameter(f"--workers must be {AUTO} or a number of at least 1, not {workers!r}")
+    return processes
+
+
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     """Add `engine`, `sidecar`, `demo` and `bench sidecar`."""
     from deltaboard.services.demo import demo
@@ -155,8 +163,10 @@ def bench_sidecar(
         help="Seconds per phase (streams, paced streams, then requests; each direct, through a "
         "pass-through proxy, then through the sidecar) (default: 20; quick 5).",
     ),
-    workers: int = typer.Option(
-        1, min=1, help="The sidecar's worker processes (deltaboard sidecar --workers)."
+    workers: str = typer.Option(
+        "auto",
+        help="The sidecar's worker processes, as deltaboard sidecar --workers takes them (auto, "
+        "its default: what is deployed by default; the JSON's workers says how many ran).",
     ),
     swap_every: float | None = typer.Option(
         None, help="Seconds between the swaps during the run (default: 3; quick 1)."
@@ -172,7 +182,8 @@ def bench_sidecar(
     from deltaboard.services.bench import sidecar_bench
     from deltaboard.services.commands.progress import measured, write_report
 
-    config = sidecar_bench.quick(workers) if quick else sidecar_bench.BenchConfig(workers=workers)
+    processes = _worker_count(workers)
+    config = sidecar_bench.quick(processes) if quick else sidecar_bench.BenchConfig(workers=processes)
     config = replace(
         config, duration_s=duration or config.duration_s, swap_every_s=swap_every or config.swap_every_s
     )

@@ -230,4 +230,7 @@ def test_bench_sidecar_command_writes_the_figures(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert set(report) >= REPORT_KEYS
+    assert (
+        report["workers"] == report["config"]["workers"] == workers.auto_workers()
+    )  # as deployed by default
     assert report["errors"] == 0 and report["missing_stamps"] == 0, report["first_error"]

@@ -106,16 +106,12 @@ def _deltas(
     bundle's names, whose rows the patches move in place."""
     buffer, starts = old if old is not None else (None, None)
     counts, names = kept if kept is not None else (None, [])
+    rows = None if counts is None else counts.take(names)
     patches = codec.encode_batch(
-        changes,
-        base_digests,
-        old=buffer,
-        old_starts=starts,
-        hints=hints,
-        counts=None if counts is None else counts.take(names),
+        changes, base_digests, old=buffer, old_starts=starts, hints=hints, counts=rows
     )
-    if counts is not None and patches.counts is not None:
-        counts.put(names, patches.counts)
+    if counts is not None and rows is not None:
+        counts.put(names, rows)
     if not any(wheres):
         return patches, None
     global_digests: list[str | None] = [None] * len(changes)

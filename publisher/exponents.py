@@ -56,16 +56,19 @@ class ExponentCounts:
         return self._tables[width], block_or_rows(rows)
 
     def take(self, names: Sequence[str]) -> np.ndarray:
-        """The rows of `names` (tensors of one element width, as a delta's bundle), to be
-        read only: a view of the table where they are consecutive, else a copy."""
+        """The rows of `names` (tensors of one element width, as a delta's bundle), for the
+        codec to move in place: a view of the table where they are consecutive, else a
+        copy, which `put` writes back."""
         table, rows = self._where(names)
         taken: np.ndarray = table[rows]
         return taken
 
     def put(self, names: Sequence[str], counts: np.ndarray) -> None:
-        """Replace the rows of `names` (as `take` gave them, moved by the codec)."""
+        """Replace the rows of `names` with `counts` (as `take` gave them, moved by the
+        codec); nothing to write where `take` gave a view of the table."""
         table, rows = self._where(names)
-        table[rows] = counts
+        if not np.may_share_memory(table, counts):
+            table[rows] = counts
 
     def count(self, names: Sequence[str], tensors: Sequence[tuple[np.ndarray, str]]) -> None:
         """Count the rows of `names` from their bytes and dtypes (a keyframe's tensors, of

@@ -15,8 +15,9 @@ the kernel takes the same decisions (the context encoding when its hint pays, el
 The context hint starts from the old tensor's exponent counts (`plan_thresholds`, step 2),
 which for a small tensor means counting every element, a pass over the tensor per
 version. A caller that encodes version after version keeps them instead (`counts`): a
-patch moves them by its changes alone, so the batch returns each tensor's counts after
-its patch, for the next version's batch to start from.
+patch moves them by its changes alone, in place, so that after the batch they are each
+tensor's counts after its patch, for the next version's batch to start from (in place:
+a copy in and out of a row per tensor is what a model of many small tensors would pay).
 """
 
 from __future__ import annotations
@@ -70,22 +71,25 @@ def _encode_all(
     ranks: np.ndarray,
     lanes: np.ndarray,
     counts: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(payloads end to end, each one's end, its encoding, status, counts after) for every
-    tensor; `lanes` (base digest lanes in, result lanes out) is updated in place.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(payloads end to end, each one's end, its encoding, status) for every tensor;
+    `lanes` (base digest lanes in, result lanes out) and `counts` are updated in place.
 
     Tensor i: changes `bounds[i]:bounds[i + 1]` of `positions`, `old_bits`, `new_bits`;
     its old bits `old[old_starts[i]:][:numels[i]]` (mode `_FROM_OLD`); `fields[i]` its
     exponent field (shift, mask, element mask); `thresholds[i]` and the ranks at its
     changes, a given hint (mode `_GIVEN`); `counts[i]` its old exponent counts where
-    `counts[i, 0] >= 0` (mode `_FROM_OLD`; a row of no columns: none kept), moved by its
-    changes into the counts after (first entry -1 where none were taken).
+    `counts[i, 0] >= 0` (mode `_FROM_OLD`; a row of no columns: none kept), moved in place
+    by its changes (first entry -1 where none were taken).
     """
     count = numels.size
     kept = counts.shape[1] > 0
-    after_counts = np.empty_like(counts)
-    if kept:
-        after_counts[:, 0] = -1
+    # the planner's counts, reused from tensor to tensor (a row each is what a model of
+    # many small tensors would allocate, fill and copy per tensor)
+    columns = int(fields[:, 1].max()) + 1 if count else 1
+    before_counts = np.empty(columns, dtype=np.int64)
+    changed = np.empty(columns, dtype=np.int64)
+    no_row = np.empty(0, dtype=np.int64)
     buf = np.zeros(max(256, 8 * positions.size), dtype=np.uint8)
     ends = np.zeros(count, dtype=np.int64)
     encodings = np.full(count, _SPARSE, dtype=np.int64)
@@ -100,6 +104,8 @@ def _encode_all(
         if status[i] == 0 and n * _DENSE_FROM > numel:
             encodings[i] = _GENERAL
         if status[i] or encodings[i] == _GENERAL:
+            if kept:
+                counts[i, 0] = -1
             ends[i] = at
             continue
         shift, mask, element = int(fields[i, 0]), int(fields[i, 1]), fields[i, 2]
@@ -109,18 +115,23 @@ def _encode_all(
         if modes[i] == _FROM_OLD and n and mask:
             tensor_old = old[old_starts[i] : old_starts[i] + numel]
             stride = sample_stride(numel)
-            if kept and counts[i, 0] >= 0:
-                sampled = counts[i, : mask + 1].copy()
+            row = counts[i, : mask + 1] if kept else no_row
+            if kept and row[0] >= 0:
+                sampled = before_counts[: mask + 1]
+                sampled[:] = row
             else:
                 sampled = count_exponents(tensor_old, shift, mask, stride)
-            changed, moved = _counts_of_changes(sampled, stride, pos, before, after, shift, mask)
-            t_low, t_top, tensor_ranks = host_hint(tensor_old, pos, shift, mask, sampled, changed)
+                if kept:
+                    row[:] = sampled
+            _count_changes(changed[: mask + 1], row, stride, pos, before, after, shift, mask)
+            t_low, t_top, tensor_ranks = host_hint(tensor_old, pos, shift, mask, sampled, changed[: mask + 1])
             hinted = t_low >= 0
+        else:
             if kept:
-                after_counts[i, : mask + 1] = moved
-        elif modes[i] == _GIVEN and n:
-            hinted = mask > 0 and 0 <= t_low <= t_top <= mask + 1
-            status[i] = 0 if hinted else 3
+                counts[i, 0] = -1
+            if modes[i] == _GIVEN and n:
+                hinted = mask > 0 and 0 <= t_low <= t_top <= mask + 1
+                status[i] = 0 if hinted else 3
         if hinted:
             limits = np.empty(3, dtype=old_bits.dtype)  # in the element's own type
             limits[0] = sign
@@ -140,11 +151,12 @@ def _encode_all(
             lanes[i, 0] += da
             lanes[i, 1] += db
         ends[i] = at
-    return buf, ends, encodings, status, after_counts
+    return buf, ends, encodings, status
 
 
 @kernel
-def _counts_of_changes(
+def _count_changes(
+    changed: np.ndarray,
     counts: np.ndarray,
     stride: int,
     positions: np.ndarray,
@@ -152,33 +164,31 @@ def _counts_of_changes(
     new_bits: np.ndarray,
     shift: int,
     mask: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(exponent counts of the changed elements' old bits, `counts` of the tensor's
-    elements at `stride` after its changes), in one pass over the changes: a sampled
-    change leaves its old exponent and joins its new one. One histogram (`count_exponents`
-    zeroes and sums eight, which costs more than a tensor's few hundred changes)."""
-    changed = np.zeros(mask + 1, dtype=np.int64)
-    moved = counts.copy()
+) -> None:
+    """`changed`: the exponent counts of the changed elements' old bits; and `counts` (the
+    tensor's elements at `stride`; none where it has no entries) moved by the changes in
+    place: a sampled change leaves its old exponent and joins its new one. One pass over
+    the changes into one histogram (`count_exponents` zeroes and sums eight, which costs
+    more than a tensor's few hundred changes)."""
+    changed[:] = 0
+    moves = counts.size > 0
     for j in range(positions.size):
         old = (int(old_bits[j]) >> shift) & mask
         changed[old] += 1
-        if positions[j] % stride == 0:
-            moved[old] -= 1
-            moved[(int(new_bits[j]) >> shift) & mask] += 1
-    return changed, moved
+        if moves and positions[j] % stride == 0:
+            counts[old] -= 1
+            counts[(int(new_bits[j]) >> shift) & mask] += 1
 
 
 @dataclass(frozen=True)
 class PatchBatch:
     """A batch's patches end to end in one buffer (`data`; patch i ends at `ends[i]`) and
     each one's result digest: what a packer appends to a blob in one piece, with no object
-    per patch. `counts`: each tensor's exponent counts after its patch, where the batch
-    was given counts to keep (`encode_batch`)."""
+    per patch."""
 
     data: bytes
     ends: list[int]
     digests: list[str]
-    counts: np.ndarray | None = None
 
     def __iter__(self) -> Iterator[tuple[bytes, str]]:
         """Each patch (a copy) and its digest, in order."""
@@ -207,12 +217,13 @@ def encode_batch(
     field among the tensors) keeps the exponent counts from one version to the next: row
     i, where its first entry is not -1, is `exponent_counts` of tensor i's old elements at
     `sample_stride(numel)`, taken as they are instead of counted from `old` (wrong counts
-    give valid patches, not `encode_changes`' bytes). The batch then returns in
-    `PatchBatch.counts` each tensor's counts after its patch, a first entry of -1 where it
-    took none (no context hint from `old`: not floating, or left to `encode_changes`).
+    give valid patches, not `encode_changes`' bytes). The batch moves them in place: after
+    it, row i is tensor i's counts after its patch, or has a first entry of -1 where the
+    batch took none (no context hint from `old`: not floating, or left to
+    `encode_changes`). A batch that raises `PatchError` leaves them part moved.
     """
     if not changes:
-        return PatchBatch(b"", [], [], counts)
+        return PatchBatch(b"", [], [])
     if len(old_digests) != len(changes) or (hints is not None and len(hints) != len(changes)):
         raise PatchError("encode_batch: one base digest (and hint) per tensor expected")
     bits_dtype = uint_dtype(changes[0].dtype)
@@ -261,7 +272,7 @@ def encode_batch(
         or (counts.ndim != 2 or counts.shape[1] < columns)
     ):
         raise PatchError(f"encode_batch: counts of {len(changes)} x {columns} int64 expected")
-    payloads, ends, encodings, status, after = _encode_all(
+    payloads, ends, encodings, status = _encode_all(
         old_bits,
         starts,
         numels,
@@ -276,7 +287,6 @@ def encode_batch(
         lanes,
         np.empty((len(changes), 0), np.int64) if counts is None else counts,
     )
-    kept = None if counts is None else after
     failed = np.flatnonzero(status)
     if failed.size:
         raise PatchError(_FAILURES[int(status[failed[0]])])
@@ -297,7 +307,7 @@ def encode_batch(
     digests = [hexed[at : at + 32] for at in range(0, len(hexed), 32)]
     general = np.flatnonzero(encodings == _GENERAL).tolist()
     if not general:
-        return PatchBatch(data, patch_ends.tolist(), digests, kept)
+        return PatchBatch(data, patch_ends.tolist(), digests)
     pieces, sizes, at = [], np.diff(patch_ends, prepend=0), 0
     for i in general:
         c = changes[i]
@@ -307,7 +317,7 @@ def encode_batch(
         pieces += [data[at : patch_ends[i] - sizes[i]], patch]
         at, sizes[i], digests[i] = patch_ends[i], len(patch), api.read_header(patch).result_digest
     pieces.append(data[at:])
-    return PatchBatch(b"".join(pieces), np.cumsum(sizes).tolist(), digests, kept)
+    return PatchBatch(b"".join(pieces), np.cumsum(sizes).tolist(), digests)
 
 
 def _hints(

@@ -69,82 +69,88 @@ def _context(x: np.generic, shift: int, mask: int, base: int) -> int:
 
 
 @kernel
-def _contexts(old: np.ndarray, shift: int, mask: int) -> np.ndarray:
-    """Context 0..CONTEXTS-1 per changed element (`_context`)."""
-    base = _context_base(old, shift, mask)
-    ctx = np.empty(old.size, dtype=np.int64)
-    for i in range(old.size):
-        ctx[i] = _context(old[i], shift, mask, base)
-    return ctx
-
-
-@kernel
 def _bit_length(v: np.uint64) -> int:
     return 0 if v == 0 else 64 - int(leading_zeros(v))
 
 
 @kernel
-def _steps(old: np.ndarray, new: np.ndarray, element: np.uint64) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sign bits packed MSB first, |d| - 1, its bit length) of the wrapping d = new - old."""
+def _steps(
+    old: np.ndarray, new: np.ndarray, shift: int, mask: int, element: np.uint64, work: np.ndarray
+) -> tuple[np.ndarray, int]:
+    """(sign bits packed MSB first, the step classes' count: classes 0 .. count - 1 occur)
+    of the wrapping d = new - old, in one pass that also writes, per changed element,
+    |d| - 1, its bit length (the step class) and its context (`_context`) into the rows
+    0, 1 and 2 of `work`."""
     n = old.size
     signs = np.zeros((n + 7) // 8, dtype=np.uint8)
-    v = np.empty(n, dtype=np.uint64)
-    c = np.empty(n, dtype=np.int64)
     top = (element >> np.uint64(1)) + np.uint64(1)  # the sign bit of the element width
+    base = _context_base(old, shift, mask)
+    classes = 1
     for i in range(n):
         d = (np.uint64(new[i]) - np.uint64(old[i])) & element
         if d & top:
             signs[i >> 3] |= np.uint8(0x80 >> (i & 7))
             d = (np.uint64(0) - d) & element
-        v[i] = d - np.uint64(1)
-        c[i] = _bit_length(v[i])
-    return signs, v, c
+        work[0, i] = d - np.uint64(1)
+        k = _bit_length(work[0, i])
+        work[1, i] = k
+        work[2, i] = _context(old[i], shift, mask, base)
+        classes = max(classes, k + 1)
+    return signs, classes
 
 
 @kernel
 def put_values(
     buf: np.ndarray, at: int, old: np.ndarray, new: np.ndarray, shift: int, mask: int, element: np.uint64
 ) -> tuple[np.ndarray, int]:
-    """The whole coding above in one compiled call, written from `at`: (buffer, end)."""
-    signs, v, c = _steps(old, new, element)
+    """The whole coding above in one compiled call, written from `at`: (buffer, end).
+
+    Its fixed cost is what a model of many small tensors pays per patch, so it allocates
+    few arrays (one block of rows for every per-element one) and its tables and loops
+    by step class cover the classes that occur, not all 65."""
+    n = old.size
+    # rows: |d| - 1, step class, context; then the misses' gaps and sizes (rows 3-4), and
+    # once those are written, the values grouped by class (row 3)
+    work = np.empty((5, n), dtype=np.uint64)
+    signs, classes = _steps(old, new, shift, mask, element, work)
+    v, c, ctx, grouped = work[0], work[1], work[2], work[3]
     buf, at = put_section(buf, at, signs)
-    ctx = _contexts(old, shift, mask)
-    table = np.zeros((CONTEXTS, _CLASSES), dtype=np.int64)
-    counts = np.zeros(_CLASSES, dtype=np.int64)
+    table = np.zeros((CONTEXTS, classes), dtype=np.int64)
+    starts = np.zeros(classes + 1, dtype=np.int64)  # elements per class, then where each starts
     # per context the most common class, the first of equals (np.argmax of its row),
     # followed as the rows fill instead of a scan of every row afterwards
     predicted = np.zeros(CONTEXTS, dtype=np.uint8)
     most = np.zeros(CONTEXTS, dtype=np.int64)
-    for i in range(c.size):
+    for i in range(n):
         x, k = ctx[i], c[i]
         table[x, k] += 1
-        counts[k] += 1
+        starts[k + 1] += 1
         if table[x, k] > most[x] or (table[x, k] == most[x] and k < predicted[x]):
             most[x] = table[x, k]
             predicted[x] = k
     buf, at = put_section(buf, at, predicted)
-    missed = np.empty(2 * c.size, dtype=np.uint64)  # gaps between misses, then |zigzag| - 1
+    missed = work[3:].reshape(2 * n)  # gaps between misses, then |zigzag| - 1
     m = 0
     last = -1
-    for i in range(c.size):
-        r = c[i] - np.int64(predicted[ctx[i]])
+    for i in range(n):
+        r = np.int64(c[i]) - np.int64(predicted[ctx[i]])
         if r:
             missed[m] = i - last - 1
-            missed[c.size + m] = np.uint64((r << 1) ^ (r >> 63)) - np.uint64(1)
+            missed[n + m] = np.uint64((r << 1) ^ (r >> 63)) - np.uint64(1)
             last = i
             m += 1
     buf, at = put_u64(buf, at, m)
-    missed[m : 2 * m] = missed[c.size : c.size + m]
+    missed[m : 2 * m] = missed[n : n + m]
     buf, at = put_rice(buf, at, missed[: 2 * m], np.array([0, m, 2 * m], dtype=np.int64))
-    starts = np.zeros(_CLASSES + 1, dtype=np.int64)  # the bits below the leading one, by class
-    starts[1:] = np.cumsum(counts)
-    grouped = np.empty(c.size, dtype=np.uint64)
-    filled = starts[:-1].copy()
-    for i in range(c.size):
-        grouped[filled[c[i]]] = v[i]
-        filled[c[i]] += 1
-    for cls in range(2, _CLASSES):
-        if counts[cls]:
+    for k in range(classes):
+        starts[k + 1] += starts[k]
+    filled = starts[:-1].copy()  # the bits below the leading one, by class
+    for i in range(n):
+        k = c[i]
+        grouped[filled[k]] = v[i]
+        filled[k] += 1
+    for cls in range(2, classes):
+        if starts[cls + 1] > starts[cls]:
             buf, at = put_fixed(buf, at, grouped[starts[cls] : starts[cls + 1]], cls - 1)
     return buf, at
 

@@ -306,7 +306,7 @@ class Proxy:
         self._asking = None
         path = self.adapter.stamp_path
         try:
-            async with asyncio.timeout(STAMP_TIMEOUT_S):
+            with Deadline(STAMP_TIMEOUT_S):  # one timer, where `asyncio.timeout` moves it twice
                 status, body = await self.pool.get(path)
         except (UpstreamError, TimeoutError) as exc:
             return f"GET {path}: {exc!r}"

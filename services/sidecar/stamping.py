@@ -320,16 +320,16 @@ async def _ending(
     begin = 0 if cut < 0 else cut + 2
     out = [complete[:begin]]
     for event in complete[begin:].split(b"\n\n")[:-1]:
-        if not release.done and _event_data(event) == b"[DONE]":
+        data = _event_data(event)  # once an event
+        if not release.done and data == b"[DONE]":
             out.append(await _final_event(start, release, verify, reported[0]))
-        out.append(_without_engine_versions(event, reported) + b"\n\n")
+        out.append(_without_engine_versions(event, data, reported) + b"\n\n")
     return b"".join(out)
 
 
-def _without_engine_versions(event: bytes, reported: list[Any]) -> bytes:
-    """`event` without the `weight_version` the engine wrote into its data, which goes into
-    `reported[0]` (the event as it came when its data names none)."""
-    data = _event_data(event)
+def _without_engine_versions(event: bytes, data: bytes | None, reported: list[Any]) -> bytes:
+    """`event` (its data: `data`) without the `weight_version` the engine wrote into its
+    data, which goes into `reported[0]` (the event as it came when its data names none)."""
     if data is None or data.find(_FIELD) < 0:
         return event
     split = without_field(data)

@@ -47,6 +47,7 @@ from urllib.parse import urlsplit
 
 READ_SIZE = 2**16
 CONNECT_TIMEOUT_S = 5.0
+MAX_STARTS = 1024  # request lines with their host header, made once and kept (`UpstreamPool.request`)
 MAX_SIZE_LINE = 4096  # a chunk's size line and its extensions; longer is not an engine's
 _HEX = b"0123456789abcdefABCDEF"
 _CR, _LF = b"\r\n"
@@ -57,14 +58,24 @@ class UpstreamError(OSError):
 
 
 class ResponseHeaders(dict[str, str]):
-    """A response's headers by lower-case name (`get` takes any case), in arrival order in `raw`."""
+    """A response's headers by lower-case name (`get` takes any case), in arrival order in
+    `raw` (bytes, names lower-cased; made when first read: an answer the sidecar reads
+    itself, such as the engine's stamp, passes none of its headers on)."""
 
-    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
-        super().__init__((name.decode("latin-1"), value.decode("latin-1")) for name, value in raw)
-        self.raw = raw
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        super().__init__(pairs)
+        self._pairs = pairs
+
+    @functools.cached_property
+    def raw(self) -> list[tuple[bytes, bytes]]:
+        return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self._pairs]
 
     def get(self, name: str, default: Any = None) -> Any:
         return super().get(name.lower(), default)
+
+
+# `ResponseHeaders.get` without its lower-casing, for the names this module reads (lower case)
+_get = dict.get
 
 
 class _Connection:
@@ -98,8 +109,8 @@ class UpstreamResponse:
         self.headers = headers
         self._keep = keep
         self.ended = False  # the last piece of the body was handed out
-        length = headers.get("content-length")
-        self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        length = _get(headers, "content-length")
+        self.chunked = "chunked" in _get(headers, "transfer-encoding", "").lower()
         self._chunks = _Chunks()  # a chunked body's decoder, shared by `forward` and `aiter_raw`
         self._length = None
         if length is not None and not self.chunked:
@@ -366,7 +377,9 @@ class UpstreamPool:
         self.host = parts.hostname
         self.port = parts.port or 80
         self.prefix = parts.path.rstrip("/")
-        self._host_header = f"{self.host}:{self.port}".encode()
+        # A request's line and host header, by (method, target): the few targets a
+        # sidecar passes are made once (a query string makes one of its own; bounded).
+        self._starts: dict[tuple[str, str], bytes] = {}
         self._idle: deque[_Connection] = deque()
         self._max_idle = max_idle
 
@@ -388,8 +401,13 @@ class UpstreamPool:
         self, method: str, target: str, headers: Sequence[tuple[bytes, bytes]] = (), body: bytes = b""
     ) -> UpstreamResponse:
         """Send a request (`target`: path and query) and read the response's head."""
-        line = f"{method} {self.prefix}{target} HTTP/1.1\r\n".encode()
-        head = [line, b"host: ", self._host_header, b"\r\n"]
+        start = self._starts.get((method, target))
+        if start is None:
+            if len(self._starts) >= MAX_STARTS:
+                self._starts.clear()
+            start = f"{method} {self.prefix}{target} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n".encode()
+            self._starts[(method, target)] = start
+        head = [start]
         for name, value in headers:
             head += (name, b": ", value, b"\r\n")
         if body or method not in ("GET", "HEAD"):
@@ -427,19 +445,19 @@ class UpstreamPool:
             if retry and isinstance(exc, ConnectionResetError):
                 return None
             raise UpstreamError(f"the engine did not answer: {exc!r}") from exc
-        lines = raw_head.split(b"\r\n")
-        status_line = lines[0].split(b" ", 2)
+        lines = raw_head.decode("latin-1").split("\r\n")  # one decode of the whole head
+        status_line = lines[0].split(" ", 2)
         try:
             status = int(status_line[1])
         except (IndexError, ValueError) as exc:
             conn.close()
             raise UpstreamError(f"the engine's answer is not HTTP: {lines[0][:80]!r}") from exc
-        raw: list[tuple[bytes, bytes]] = []
+        pairs: list[tuple[str, str]] = []
         for line in lines[1:-2]:
-            name, _, value = line.partition(b":")
-            raw.append((name.strip().lower(), value.strip()))
-        headers = ResponseHeaders(raw)
-        keep = status_line[0] == b"HTTP/1.1" and headers.get("connection", "").lower() != "close"
+            name, _, value = line.partition(":")
+            pairs.append((name.strip(" \t").lower(), value.strip(" \t")))  # OWS: SP, HTAB
+        headers = ResponseHeaders(pairs)
+        keep = status_line[0] == "HTTP/1.1" and _get(headers, "connection", "").lower() != "close"
         try:
             return UpstreamResponse(self, conn, status, headers, keep, bodyless=method == "HEAD")
         except UpstreamError:

@@ -65,10 +65,11 @@ class ExponentCounts:
 
     def put(self, names: Sequence[str], counts: np.ndarray) -> None:
         """Replace the rows of `names` with `counts` (as `take` gave them, moved by the
-        codec); nothing to write where `take` gave a view of the table."""
+        codec); nothing to write (or look up) where `take` gave a view of the table."""
+        if np.may_share_memory(self._tables[self._rows[names[0]][0]], counts):
+            return
         table, rows = self._where(names)
-        if not np.may_share_memory(table, counts):
-            table[rows] = counts
+        table[rows] = counts
 
     def count(self, names: Sequence[str], tensors: Sequence[tuple[np.ndarray, str]]) -> None:
         """Count the rows of `names` from their bytes and dtypes (a keyframe's tensors, of

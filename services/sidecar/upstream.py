@@ -62,13 +62,19 @@ class ResponseHeaders(dict[str, str]):
     `raw` (bytes, names lower-cased; made when first read: an answer the sidecar reads
     itself, such as the engine's stamp, passes none of its headers on)."""
 
+    __slots__ = ("_pairs", "_raw")
+
     def __init__(self, pairs: list[tuple[str, str]]) -> None:
         super().__init__(pairs)
         self._pairs = pairs
+        self._raw: list[tuple[bytes, bytes]] | None = None
 
-    @functools.cached_property
+    @property
     def raw(self) -> list[tuple[bytes, bytes]]:
-        return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self._pairs]
+        # not `functools.cached_property`: its lock costs more than the encoding
+        if self._raw is None:
+            self._raw = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in self._pairs]
+        return self._raw
 
     def get(self, name: str, default: Any = None) -> Any:
         return super().get(name.lower(), default)

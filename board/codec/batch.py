@@ -324,17 +324,25 @@ def _hints(
     changes: Sequence[Changes], has_old: bool, hints: Sequence[ContextHint | None] | None, bounds: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(mode, given thresholds, given ranks at the changes) per tensor, as `encode_changes`
-    decides: a given hint as given, else one from the old bits of a floating tensor."""
+    decides: a given hint as given, else one from the old bits of a floating tensor. The
+    hints' fields are gathered a column at a time (one comprehension each, the ranks in
+    one concatenation), not a few numpy assignments per tensor: the device's hints come
+    for every small tensor of a model, on a thread that holds the GIL while it runs."""
     count = len(changes)
     modes = np.full(count, _FROM_OLD if has_old else _NO_HINT, dtype=np.int64)
     thresholds = np.zeros((count, 2), dtype=np.int64)
-    ranks = np.zeros(int(bounds[-1]) if hints is not None else 0, dtype=np.int64)  # read where given
-    for i, hint in enumerate(hints or ()):
-        if hint is None:
-            continue
-        if hint.ranks.shape != changes[i].positions.shape:
-            raise PatchError("context hint: one rank per changed element expected")
-        modes[i] = _GIVEN
-        thresholds[i] = hint.t_low, hint.t_top
-        ranks[bounds[i] : bounds[i + 1]] = hint.ranks
+    if hints is None:
+        return modes, thresholds, np.zeros(0, dtype=np.int64)
+    given = [(i, hint) for i, hint in enumerate(hints) if hint is not None]
+    if any(hint.ranks.shape != changes[i].positions.shape for i, hint in given):
+        raise PatchError("context hint: one rank per changed element expected")
+    if given:
+        at = [i for i, _ in given]
+        modes[at] = _GIVEN
+        thresholds[at] = [(hint.t_low, hint.t_top) for _, hint in given]
+    blank = np.zeros(int(np.diff(bounds).max()), dtype=np.int64)  # read nowhere: no hint given
+    ranks = np.concatenate(
+        [blank[: c.positions.size] if h is None else h.ranks for h, c in zip(hints, changes, strict=True)],
+        dtype=np.int64,
+    )
     return modes, thresholds, ranks

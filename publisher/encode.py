@@ -138,6 +138,7 @@ def encode_rank(
     context: bool | None = None,
     slices: Mapping[str, LocalSlice] | None = None,
     base_slice_digests: Mapping[str, str] | None = None,
+    while_uploading: Callable[[RankVersion], None] | None = None,
 ) -> RankVersion:
     """Encode `buffer` as a keyframe (`base` None) or as a delta against `base`.
 
@@ -155,6 +156,9 @@ def encode_rank(
     With the context encoding, the host tensors' exponent counts move from `base` to
     `buffer` (`ViewBuffer.exponent_counts`): a keyframe counts them, a delta moves the
     base's by its changes (`exponents`).
+    `while_uploading` is called with the version once its last blob is sealed, while the
+    blobs still upload (the version is returned once they are all uploaded): the
+    publisher makes the manifest then, not after the upload of a delta's last blob.
     """
     layout = buffer.layout
     slices = slices or {}
@@ -187,11 +191,9 @@ def encode_rank(
             _delta_bundles(base, buffer, base_digests, context, slices, global_digests, counts, diffed)
         ) as deltas:
             _encode_in_order(deltas, encoders, window, packer, digests, global_digests)
-    parts = packer.finish()
-    buffer.exponent_counts = counts
-    return RankVersion(
+    version = RankVersion(
         tensors,
-        parts,
+        packer.seal(),
         digests,
         diffed.changed,
         total,
@@ -202,6 +204,11 @@ def encode_rank(
         slices=dict(slices),
         slice_digests=global_digests,
     )
+    if while_uploading is not None:
+        while_uploading(version)
+    packer.wait()
+    buffer.exponent_counts = counts
+    return version
 
 
 @dataclass

@@ -94,7 +94,8 @@ _PER_PART = ("names", "dtypes", "shapes", "digests", "changed", "offsets", "leng
 
 
 class BlobPacker:
-    """Accumulates patches into blobs; `finish()` returns the placed parts once all uploaded."""
+    """Accumulates patches into blobs; `finish()` returns the placed parts once all uploaded
+    (`seal()` then `wait()`)."""
 
     def __init__(
         self,
@@ -155,12 +156,23 @@ class BlobPacker:
 
     def finish(self) -> PackedParts:
         """Seal the open blob, wait for every upload, return the parts (first error raised)."""
+        parts = self.seal()
+        self.wait()
+        return parts
+
+    def seal(self) -> PackedParts:
+        """Seal the open blob and return the parts, every one placed, while the last blobs
+        may still be uploading (`wait`): what follows from the parts alone (a manifest)
+        can be made meanwhile."""
         if self._open:
             self._seal()
+        return self._parts
+
+    def wait(self) -> None:
+        """Wait for every upload (the first error raised)."""
         for fut in self._futures:
             fut.exception()
         self._raise_if_failed()
-        return self._parts
 
     def _raise_if_failed(self) -> None:
         with self._cond:

@@ -55,6 +55,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -177,6 +178,8 @@ class Publisher:
         # a lone publisher's first view may be the head's (`_resume`)
         self._may_resume = self._ranks.world_size == 1
         self._lease: LeaseKeeper | None = None  # the leader's only
+        # a lone rank's manifest made while its last blob uploads (`_prepare`), with its JSON
+        self._prepared: tuple[RankVersion, Manifest, str] | None = None
         self._fenced: FencedError | None = None  # a verdict said so
         try:
             self.next_version = self._ranks.open_run(
@@ -382,6 +385,7 @@ class Publisher:
                 context=self._context,
                 slices=self._slices,
                 base_slice_digests=self._slice_digests,
+                while_uploading=None if self._ranks.world_size > 1 else partial(self._prepare, proposal),
             )
         except Exception as exc:
             outcome = exc
@@ -485,12 +489,31 @@ class Publisher:
             self._resync()
             raise PublishError(f"version {proposal.version} was not committed: {exc}") from exc
 
+    def _prepare(self, proposal: Proposal, version: RankVersion) -> None:
+        """A lone rank's manifest of `version` and its JSON, made while its last blob
+        uploads (`encode_rank`'s `while_uploading`): for a model of many tensors the
+        manifest's build and dump are otherwise serial between the upload and the commit."""
+        assert self._lease is not None
+        manifest = build_manifest(self.run, proposal, self.spec, self._lease.epoch, [version])
+        self._prepared = (version, manifest, manifest.model_dump_json())
+
     def _send(self, proposal: Proposal, ranks: list[RankVersion]) -> int:
         """Commit the manifest under the current epoch, serialized once for the request and
-        its size, which it returns; `NotHead` is left to the caller."""
+        its size, which it returns (the one `_prepare` made, where it was made of these ranks'
+        parts for this version and epoch); `NotHead` is left to the caller."""
         assert self._lease is not None
-        manifest = build_manifest(self.run, proposal, self.spec, self._lease.epoch, ranks)
-        manifest_json = manifest.model_dump_json()
+        prepared, self._prepared = self._prepared, None
+        if (
+            prepared is not None
+            and len(ranks) == 1
+            and ranks[0] is prepared[0]
+            and prepared[1].version == proposal.version
+            and prepared[1].epoch == self._lease.epoch
+        ):
+            _, manifest, manifest_json = prepared
+        else:
+            manifest = build_manifest(self.run, proposal, self.spec, self._lease.epoch, ranks)
+            manifest_json = manifest.model_dump_json()
         try:
             self.client.commit(self.run, manifest, manifest_json)
         except StaleEpoch as exc:

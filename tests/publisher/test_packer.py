@@ -4,14 +4,16 @@ hands back its parts as columns."""
 from __future__ import annotations
 
 import itertools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltaboard.board.contract.schemas import ViewSpec
-from deltaboard.publisher.encode import encode_rank
+from deltaboard.publisher.encode import RankVersion, encode_rank
 from deltaboard.publisher.manifest import Proposal, build_manifest
 from deltaboard.publisher.packer import BlobPacker, PackedParts, TensorPart, Tensors
 from deltaboard.publisher.snapshot import ViewBuffer, ViewLayout
@@ -103,3 +105,38 @@ def test_blobs_of_the_same_bytes_are_one_blob_of_the_manifest():
     assert len(version.parts.blobs) == 2 and len(set(version.parts.blobs)) == 1
     manifest = build_manifest("run", Proposal(0, "full", None, {}), spec, 1, [version])
     assert [e.blob.sha256 for e in manifest.tensors] == version.parts.blobs
+
+
+def test_the_manifest_can_be_made_while_the_last_blob_uploads():
+    """`encode_rank` hands the version to `while_uploading` once its blobs are sealed, before
+    their uploads end, and returns it once they have: the upload here waits for the call
+    (a call after the uploads would find the upload given up), and a failed upload still
+    fails the version after the call."""
+    state = {"a": torch.randn(4096), "b": torch.randn(300)}
+    spec = ViewSpec()
+    buffer = ViewBuffer(ViewLayout.of(state, spec))
+    buffer.fill(state)
+    called = threading.Event()
+    seen: list[bool] = []
+
+    def upload(sha: str, data: bytes) -> None:
+        seen.append(called.wait(10))
+
+    def made(version: RankVersion) -> None:
+        assert not seen  # no upload has ended yet
+        build_manifest("run", Proposal(0, "full", None, {}), spec, 1, [version])
+        called.set()
+
+    with ThreadPoolExecutor(2) as uploads, ThreadPoolExecutor(2) as encoders:
+        packer = BlobPacker(upload, uploads, blob_max_bytes=1 << 20, max_pending_bytes=1 << 24)
+        version = encode_rank(buffer, None, {}, packer, encoders, window=4, while_uploading=made)
+        assert seen == [True] and len(version.parts.blobs) == 1
+
+        def failing(sha: str, data: bytes) -> None:
+            called.wait(10)
+            raise OSError("link down")
+
+        called.clear()
+        packer = BlobPacker(failing, uploads, blob_max_bytes=1 << 20, max_pending_bytes=1 << 24)
+        with pytest.raises(OSError, match="link down"):
+            encode_rank(buffer, None, {}, packer, encoders, window=4, while_uploading=lambda _: called.set())

@@ -33,7 +33,8 @@ the adapter's `stamp_path` asked right after the response, must be a load the si
 made since the request was admitted. A stream is checked at its start (headers) and
 again after its last event (the path). A response that is not vouched for is refused:
 503 `EngineChanged` with `Retry-After`, or, for a stream already under way, a last
-event `{"error": {"code": "EngineChanged", ...}}` in place of the range.
+event `{"error": {"code": "EngineChanged", ...}}` in place of the range; likewise a
+stream the engine breaks off ends with `{"error": {"code": "EngineUnavailable", ...}}`.
 
 A client that disconnects cancels the upstream request (the engine sees the
 disconnect and stops generating); an engine that cannot be reached gives 503 with
@@ -83,7 +84,14 @@ from deltaboard.services.sidecar.deadline import Deadline
 from deltaboard.services.sidecar.gate import Admitted, Refused, Stale, VersionGate, unless_stale
 from deltaboard.services.sidecar.metrics import SidecarMetrics
 from deltaboard.services.sidecar.server import DISCONNECT, SINK
-from deltaboard.services.sidecar.stamping import Release, cut_field, range_headers, restamped_stream, stamp
+from deltaboard.services.sidecar.stamping import (
+    Release,
+    cut_field,
+    error_event,
+    range_headers,
+    restamped_stream,
+    stamp,
+)
 from deltaboard.services.sidecar.upstream import (
     ResponseHeaders,
     UpstreamError,
@@ -496,11 +504,20 @@ class Proxy:
             sink,
         )
         last = False
-        async for part in events:
-            # the range given and the engine's answer read to its end: this part is the last,
-            # and the body's end goes out in the same write
-            last = release.done and upstream.ended
-            await send({"type": "http.response.body", "body": part, "more_body": not last})
+        try:
+            async for part in events:
+                # the range given and the engine's answer read to its end: this part is the
+                # last, and the body's end goes out in the same write
+                last = release.done and upstream.ended
+                await send({"type": "http.response.body", "body": part, "more_body": not last})
+        except UpstreamError as exc:
+            # the engine broke off (closed, or framed its answer wrongly) after the head went
+            # out, so no 503 can be sent: the stream ends with the error as its last event
+            # (whole events only went out before it), as a stale one does
+            self.count("engine_unavailable")
+            message = f"the engine's stream broke off: {exc}"
+            await send({"type": "http.response.body", "body": error_event(SidecarCode.ENGINE_UNAVAILABLE, message)})
+            return
         if not last:
             await send({"type": "http.response.body", "body": b""})
 

@@ -344,6 +344,12 @@ def _data_event(payload: Any) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
+def error_event(code: SidecarCode, message: str) -> bytes:
+    """The last event of a stream refused after its head went out, in place of its range:
+    the client reads why, in the sidecar's error shape, instead of a cut connection."""
+    return _data_event({"error": {"code": str(code), "message": message}})
+
+
 async def _final_event(
     start: int | None, release: Release, verify: Callable[[], Awaitable[str | None]], reported: Any
 ) -> bytes:
@@ -351,5 +357,5 @@ async def _final_event(
     refusal = await verify()
     end = await release()
     if refusal is not None:
-        return _data_event({"error": {"code": str(SidecarCode.ENGINE_CHANGED), "message": refusal}})
+        return error_event(SidecarCode.ENGINE_CHANGED, refusal)
     return _data_event({"choices": [], "weight_version": version_field(start, end, reported)})

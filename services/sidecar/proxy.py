@@ -515,8 +515,8 @@ class Proxy:
             # out, so no 503 can be sent: the stream ends with the error as its last event
             # (whole events only went out before it), as a stale one does
             self.count("engine_unavailable")
-            message = f"the engine's stream broke off: {exc}"
-            await send({"type": "http.response.body", "body": error_event(SidecarCode.ENGINE_UNAVAILABLE, message)})
+            ended = error_event(SidecarCode.ENGINE_UNAVAILABLE, f"the engine's stream broke off: {exc}")
+            await send({"type": "http.response.body", "body": ended})
             return
         if not last:
             await send({"type": "http.response.body", "body": b""})

@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import psutil
-import pytest
 
 from deltaboard.services.bench.sidecar_bench import BenchConfig, sidecar_process
 from tests.services.fakes.polling import wait_until

@@ -261,6 +261,8 @@ def start_diff(
     hints: bool | None = None,
     fused: bool | None = None,
     lane: int = 0,
+    begun: fused_diff.ChangedElements | None = None,
+    then: Callable[[], None] | None = None,
 ) -> Finish:
     """Start the changes of consecutive slots of one group (see `batches`): the kernels and
     the copy to the host are queued (on CUDA, on the pass stream), and the returned call
@@ -273,9 +275,10 @@ def start_diff(
     over the slots' offsets to cut the result per tensor); then one small transfer to the
     host (`HostCopy`). `hints` adds the changed tensors' context hints, whose rank pass runs
     while the changes are copied to the host (`device_hints` says when by default: on
-    CUDA; the CPU path hands the codec the old bytes instead). Only the torch pass without
-    hints leaves its copy running when it returns; the others need the host's answer in
-    the middle (the counts, the thresholds) and finish before.
+    CUDA; the CPU path hands the codec the old bytes instead). Without hints the copy is
+    left running when it returns; with hints the batch needs the host's answer in the
+    middle (the counts, the thresholds) and finishes before. `begun` and `then` chain the
+    fused passes of consecutive batches on one stream (`_find`).
     """
     group = slots[0].group
     # Measured on an H200 (design.md, "Publishing a version"): the torch pass is the faster
@@ -294,7 +297,7 @@ def start_diff(
             if buffer.ready is not None:
                 stream.wait_event(buffer.ready)
     with torch.cuda.stream(stream) if on_cuda else contextlib.nullcontext():
-        found = _find(old, new, slots, want_hints, use_fused)
+        found = _find(old, new, slots, want_hints, use_fused, begun, then)
     return functools.partial(_cut, slots, found)
 
 
@@ -345,17 +348,38 @@ def _slot_starts(slots: SlotBatch, device: torch.device) -> torch.Tensor:
     return torch.tensor([s.offset - first for s in slots], dtype=torch.int64, device=device)
 
 
-def _find(
-    old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot], want_hints: bool, use_fused: bool
-) -> Found:
-    """`start_diff` on the device (see `Found`)."""
+def _ranges(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The word-aligned range of a batch's group buffers, old and new."""
     group = slots[0].group
-    old_g, new_g = old.groups[group], new.groups[group]
-    start = slots[0].offset
-    stop = word_aligned(slots[-1].offset + slots[-1].numel, group[1])
+    start, stop = slots[0].offset, word_aligned(slots[-1].offset + slots[-1].numel, group[1])
+    return old.groups[group][start:stop], new.groups[group][start:stop]
+
+
+def _begin_fused(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> fused_diff.ChangedElements:
+    """The fused pass of a batch, its first half queued (on the current stream)."""
+    return fused_diff.ChangedElements(*_ranges(old, new, slots), key=as_batch(slots))
+
+
+def _find(
+    old: ViewBuffer,
+    new: ViewBuffer,
+    slots: Sequence[Slot],
+    want_hints: bool,
+    use_fused: bool,
+    begun: fused_diff.ChangedElements | None = None,
+    then: Callable[[], None] | None = None,
+) -> Found:
+    """`start_diff` on the device (see `Found`). With the fused pass, `begun` is this batch's
+    pass if it was started already, and `then` runs once it is queued, before its counts
+    are waited for (`iter_diffs` starts the next batch's pass there)."""
     batch = as_batch(slots)
-    find = functools.partial(fused_diff.changed_elements, key=batch) if use_fused else _changed
-    pos, old_changed, new_changed = find(old_g[start:stop], new_g[start:stop])
+    if use_fused:
+        fused = begun or _begin_fused(old, new, slots)
+        if then is not None:
+            then()
+        pos, old_changed, new_changed = fused.result()
+    else:
+        pos, old_changed, new_changed = _changed(*_ranges(old, new, slots))
     starts = _slot_starts(batch, pos.device)
     owner = torch.searchsorted(starts, pos, right=True) - 1
     device_local = pos - starts[owner]
@@ -638,19 +662,39 @@ def iter_diffs(
     stream: it waits only for each batch's changed count (`nonzero`), never for a copy to
     the host, so the copies of earlier batches cross the bus while the next batches'
     kernels run (H200, 8 GB of 64 MiB tensors: diff 457-468 GB/s of view this way, 358-383
-    with two batches in flight that each waited for its own copy). With hints a batch
-    waits for its counts on the host in the middle of its pass, so two batches are diffed
-    at once, each on a pass stream of its own (`CUDA_HINT_LANES`). On the CPU one helper
-    runs one batch ahead, which is what the encoding overlaps.
+    with two batches in flight that each waited for its own copy); the fused pass there
+    also queues the next batch's compare before it waits for a batch's counts
+    (`fused_diff.ChangedElements`), so that the pass stream does not wait for the host.
+    With hints a batch waits for its counts on the host in the middle of its pass, so two
+    batches are diffed at once, each on a pass stream of its own (`CUDA_HINT_LANES`). On
+    the CPU one helper runs one batch ahead, which is what the encoding overlaps.
     """
     todo = batches(new.layout, batch_bytes_for(new.layout))
     on_cuda = any(device.startswith("cuda") for device, _ in new.layout.group_numel)
     lanes = CUDA_HINT_LANES if on_cuda and device_hints(hints, "cuda") else 1
     ahead = CUDA_AHEAD if on_cuda else 1
+    begun: dict[int, fused_diff.ChangedElements] = {}  # fused passes started a batch early
+
+    def start(i: int) -> Finish:
+        def begin_next() -> None:
+            begun[i + 1] = _begin_fused(old, new, todo[i + 1])
+
+        device = todo[i][0].group[0]
+        chained = (
+            bool(fused)
+            and lanes == 1
+            and not device_hints(hints, device)
+            and i + 1 < len(todo)
+            and todo[i + 1][0].group[0] == device
+        )
+        return start_diff(
+            old, new, todo[i], hints, fused, i % lanes, begun.pop(i, None), begin_next if chained else None
+        )
+
     with ThreadPoolExecutor(lanes, thread_name_prefix="deltaboard-diff") as pool:
         pending: deque[Future[Finish]] = deque()
-        for i, batch in enumerate(todo):
-            pending.append(pool.submit(start_diff, old, new, batch, hints, fused, i % lanes))
+        for i in range(len(todo)):
+            pending.append(pool.submit(start, i))
             if len(pending) > ahead:
                 yield pending.popleft().result()()
         while pending:

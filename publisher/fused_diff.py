@@ -8,12 +8,12 @@ write only what changed, whatever the number of tensors:
    compares old and new, claims its range of the output with one atomic add on a cursor
    (tiles claim in whatever order they run), and stores its changed words there in
    ascending order (an exclusive prefix sum of the changed counts): index, old, new. The
-   output is sized before the count is known (`_compacted`); a pass that finds more runs
+   output is sized before the count is known (`_capacity`); a pass that finds more runs
    once more;
 2. a scan of the tile counts (torch `cumsum`) gives each tile's place in order, and
    `reorder` moves every tile's run there: only the changes are read and written again;
    `lane_counts` and `split_words` then split the changed words into their changed
-   elements (`changed_elements`).
+   elements (`ChangedElements`, in two halves around the read of the counts).
 
 The context hint's kernels work on element tiles that never straddle two slots (`tiles`),
 for either pass' changes (`device_diff` computes the hint's counts over the changes):
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -45,6 +45,7 @@ from deltaboard.publisher.snapshot import Slot, as_batch
 
 TILE = 4096  # elements per program; a multiple of 32 (one bitmask word per 32 lanes)
 WARPS = 8  # warps per program: 8 beat 4 on the H200 at TILE 4096 (design.md)
+WORD_WARPS = 4  # `compact_words`' (1,024 words a tile): 4 beat 8 there once it used popcounts
 REORDER_STEP = 128  # entries a `reorder` program moves per step (a tile holds ~TILE/100)
 
 
@@ -167,43 +168,48 @@ def hint_bins(slots: Sequence[Slot]) -> int:
 
 _expected: dict[object, int] = {}  # per range diffed: the changed count its last pass found
 
-Launch = Callable[[torch.Tensor, int, list[torch.Tensor]], None]
-"""A compacting pass: given a zeroed int64 cursor, the output's capacity and its arrays, it
-claims its ranges on the cursor and writes what fits."""
 
-
-Then = Callable[[torch.Tensor, int, list[torch.Tensor]], torch.Tensor]
-"""More of a pass, queued before its count is read: given the cursor, the capacity and the
-claimed arrays, it queues work that stays within the capacity and gives a device scalar
-that the host reads with the count."""
-
-
-def _compacted(
-    key: object,
-    first_guess: int,
-    dtypes: Sequence[torch.dtype],
-    device: torch.device,
-    launch: Launch,
-    then: Then | None = None,
-) -> tuple[int, list[torch.Tensor], int]:
-    """Run `launch` with an output sized before the count is known: a quarter more than the
-    last pass over `key` found (the changed fraction drifts slowly between versions), or
-    `first_guess` the first time; a pass that finds more runs once again, sized exactly.
-    Gives the count, the arrays in tile-claim order, and the scalar `then` gave (0
-    without), read in one synchronisation: a read waits in the copy engine behind the
-    copies of earlier batches, so each costs (design.md)."""
+def _capacity(key: object, first_guess: int) -> int:
+    """A pass' output size, chosen before its count is known: a quarter more than the last
+    pass over `key` found (the changed fraction drifts slowly between versions), or
+    `first_guess` the first time. A pass that finds more runs once again, sized exactly."""
     last = _expected.get(key)
-    capacity = max(1024, last + last // 4 if last is not None else first_guess)
-    while True:
-        cursor = torch.zeros(1, dtype=torch.int64, device=device)
-        out = [torch.empty(capacity, dtype=d, device=device) for d in dtypes]
-        launch(cursor, capacity, out)
-        read = cursor if then is None else torch.cat((cursor, then(cursor, capacity, out).view(1)))
-        total, *more = read.tolist()
-        _expected[key] = total
-        if total <= capacity:
-            return total, out, more[0] if more else 0
-        capacity = total
+    return max(1024, last + last // 4 if last is not None else first_guess)
+
+
+class _OnItsWay:
+    """Device scalars on their way to the host behind the kernels that write them. On CUDA
+    they go to pinned memory with an event, so that the pass stream can take the next
+    batch's kernels before the host reads them: a `.tolist()` queued on that stream would
+    wait for those kernels too. A read waits in the copy engine behind the copies already
+    queued (design.md), so a caller reads one of these once, for all its scalars."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self._ready: torch.cuda.Event | None = None
+        self._host = values
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._ready.record()
+
+    def read(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        values: list[int] = self._host.tolist()
+        return values
+
+
+@dataclass(frozen=True)
+class _Claimed:
+    """The first half of a word pass with room for `capacity` changed words: the changed
+    words (index, old, new) in tile order, the inclusive scan of their changed lanes, and
+    both counts (changed words, changed elements) on their way to the host."""
+
+    capacity: int
+    words: list[torch.Tensor]
+    ends: torch.Tensor
+    counts: _OnItsWay
 
 
 def _reordered(
@@ -222,63 +228,79 @@ WORD_TILE = 1024  # 64-bit words per `compact_words` program
 SPLIT_BLOCK = 1024  # changed words per `lane_counts` / `split_words` program
 
 
-def changed_elements(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple[torch.Tensor, ...]:
+class ChangedElements:
     """The pass without hints over one word-aligned range of a group's buffers: positions
     (from the range's start) of the elements whose bits differ, ascending, with their old
-    and new bits, as `device_diff._changed` gives them; `key` names the range for
-    `_compacted`'s sizing.
+    and new bits, as `device_diff._changed` gives them; `key` names the range for the
+    output's sizing (`_capacity`).
 
     Tiles compare whole 64-bit words and write the changed words (index, old, new) at the
     range they claim (`compact_words`, one read of both buffers), `reorder` puts them in
     order, then the changed words alone are split into their changed elements: a count
     per word, its scan, and a write at each word's place (`lane_counts`, `split_words`).
     An H200 measured the word pass at 0.77 ms per GB where per-element work in every
-    tile had cost 1.4-2.8 (design.md). The word count and the element count are read in
-    one synchronisation: the reorder and the lane counts run on the claimed capacity.
+    tile had cost 1.4-2.8 (design.md).
+
+    In two halves: making one queues everything up to the counts (the reorder and the lane
+    counts run on the claimed capacity) and starts the counts to the host; `result()` reads
+    them (one synchronisation) and queues the split. A caller diffing batch after batch
+    makes the next batch's pass before it asks for this one's result
+    (`device_diff.iter_diffs`), so the GPU compares the next batch while the host waits
+    for these counts and queues this split: an H200 trace of one batch at a time showed
+    the pass stream idle ~0.6 ms of every 1.65 ms batch, waiting for the host.
     """
-    k = _kernels()
-    words_old, words_new = old.view(torch.int64), new.view(torch.int64)
-    n = -(-words_old.numel() // WORD_TILE)
-    counts = torch.zeros(n, dtype=torch.int32, device=old.device)
-    bases = torch.empty(n, dtype=torch.int64, device=old.device)
-    bits = 8 * old.element_size()
-    per = 64 // bits
-    ordered: list[torch.Tensor] = []
-    ends = torch.zeros(0, dtype=torch.int64, device=old.device)
 
-    def launch(cursor: torch.Tensor, capacity: int, out: list[torch.Tensor]) -> None:
-        if n:
-            k.compact_words[(n,)](
-                words_old, words_new, words_old.numel(), counts, bases, cursor, capacity, *out,
-                TILE=WORD_TILE, num_warps=WARPS,
+    def __init__(self, old: torch.Tensor, new: torch.Tensor, key: object) -> None:
+        self._old, self._new = old.view(torch.int64), new.view(torch.int64)
+        self._dtype = old.dtype
+        self._bits = 8 * old.element_size()
+        self._key = ("words", key)
+        self._tiles = -(-self._old.numel() // WORD_TILE)
+        self._tile_counts = torch.zeros(self._tiles, dtype=torch.int32, device=old.device)
+        self._bases = torch.empty(self._tiles, dtype=torch.int64, device=old.device)
+        self._claimed = self._claim(_capacity(self._key, old.numel() // 64))
+
+    def _claim(self, capacity: int) -> _Claimed:
+        k = _kernels()
+        device = self._old.device
+        cursor = torch.zeros(1, dtype=torch.int64, device=device)
+        claimed = [torch.empty(capacity, dtype=torch.int64, device=device) for _ in range(3)]
+        if self._tiles:
+            k.compact_words[(self._tiles,)](
+                self._old, self._new, self._old.numel(), self._tile_counts, self._bases, cursor, capacity,
+                *claimed, TILE=WORD_TILE, num_warps=WORD_WARPS,
             )  # fmt: skip
-
-    def split_counts(cursor: torch.Tensor, capacity: int, claimed: list[torch.Tensor]) -> torch.Tensor:
-        nonlocal ordered, ends
-        ordered = _reordered(capacity, counts, torch.cumsum(counts, 0) - counts, bases, claimed)
-        lanes = torch.empty(capacity, dtype=torch.int64, device=old.device)
+        offsets = torch.cumsum(self._tile_counts, 0) - self._tile_counts
+        words = _reordered(capacity, self._tile_counts, offsets, self._bases, claimed)
+        lanes = torch.empty(capacity, dtype=torch.int64, device=device)
         k.lane_counts[(-(-capacity // SPLIT_BLOCK),)](
-            ordered[1],
-            ordered[2],
-            cursor,
-            capacity,
-            lanes,
-            PER=per,
-            BITS=bits,
-            BLOCK=SPLIT_BLOCK,
-            num_warps=4,
-        )
+            words[1], words[2], cursor, capacity, lanes,
+            PER=64 // self._bits, BITS=self._bits, BLOCK=SPLIT_BLOCK, num_warps=4,
+        )  # fmt: skip
         ends = torch.cumsum(lanes, 0)
-        return ends[-1]
+        return _Claimed(capacity, words, ends, _OnItsWay(torch.cat((cursor, ends[-1:]))))
 
-    dtypes = (torch.int64,) * 3
-    total, _, found = _compacted(("words", key), old.numel() // 64, dtypes, old.device, launch, split_counts)
-    out = [torch.empty(found, dtype=d, device=old.device) for d in (torch.int64, old.dtype, old.dtype)]
-    if total:
-        k.split_words[(-(-total // SPLIT_BLOCK),)](
-            *ordered, ends, total, *out, PER=per, BITS=bits, BLOCK=SPLIT_BLOCK, num_warps=4
-        )
-    return tuple(out)
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        claimed = self._claimed
+        while True:
+            total, found = claimed.counts.read()
+            _expected[self._key] = total
+            if total <= claimed.capacity:
+                break
+            claimed = self._claim(total)
+        device = self._old.device
+        out = [torch.empty(found, dtype=d, device=device) for d in (torch.int64, self._dtype, self._dtype)]
+        if total:
+            _kernels().split_words[(-(-total // SPLIT_BLOCK),)](
+                *claimed.words, claimed.ends, total, *out,
+                PER=64 // self._bits, BITS=self._bits, BLOCK=SPLIT_BLOCK, num_warps=4,
+            )  # fmt: skip
+        return out[0], out[1], out[2]
+
+
+def changed_elements(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple[torch.Tensor, ...]:
+    """`ChangedElements`' result, both halves at once."""
+    return ChangedElements(old, new, key).result()
 
 
 def _tiles_of(table: Tiles, picked: np.ndarray) -> np.ndarray:

@@ -8,8 +8,32 @@ import triton.language as tl
 
 
 @triton.jit
-def bitwise_or(a, b):
-    return a | b
+def popcount(x):
+    """Set bits of each uint32 (a SWAR count: the same code under the CPU interpreter)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return (x * 0x01010101) >> 24
+
+
+@triton.jit
+def flag_words(flags):
+    """A [rows, 32] block of flags as a uint32 word per row (lane j: bit j)."""
+    lane = tl.arange(0, 32).to(tl.uint32)[None, :]
+    return tl.sum(flags.to(tl.uint32) << lane, axis=1)  # distinct bits: the sum is the OR
+
+
+@triton.jit
+def set_before(words):
+    """For [rows] words of flag bits, how many flags are set before each lane in row-major
+    order ([rows, 32], int32): a scan of the words' popcounts plus the popcount of the
+    word's bits below the lane. A scan over every lane instead (`tl.cumsum` of a tile) cost
+    the rank kernel most of its 7-10 ms per GB on an H200, and the word pass ~0.08 ms per
+    GB at 4 warps (design.md)."""
+    lane = tl.arange(0, 32).to(tl.uint32)[None, :]
+    below = (tl.full((1, 32), 1, tl.uint32) << lane) - 1  # the lanes before each lane
+    n = popcount(words).to(tl.int32)
+    return (tl.cumsum(n, 0) - n)[:, None] + popcount(words[:, None] & below).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["capacity"])  # sized from the last pass: varies
@@ -17,22 +41,24 @@ def compact_words(
     old, new, n_words, counts, bases, cursor, capacity, word_out, old_out, new_out, TILE: tl.constexpr
 ):  # fmt: skip
     """The changed 64-bit words of a tile: their indices and both values, at the range the
-    tile claims. Per word only a compare and a scan: the per-element work (which lanes
-    changed) is left to `lane_counts` and `split_words`, over the ~4% of words that changed
-    (at 1% of bf16 elements), which keeps this pass at the memory's bandwidth."""
+    tile claims. Per word only a compare and a place among the tile's changed words
+    (`set_before`): the per-element work (which lanes changed) is left to `lane_counts`
+    and `split_words`, over the ~4% of words that changed (at 1% of bf16 elements), which
+    keeps this pass near the memory's bandwidth."""
     t = tl.program_id(0)
-    w = t.to(tl.int64) * TILE + tl.arange(0, TILE)
+    w = t.to(tl.int64) * TILE + (tl.arange(0, TILE // 32)[:, None] * 32 + tl.arange(0, 32)[None, :])
     inside = w < n_words
     a = tl.load(old + w, mask=inside, other=0)
     b = tl.load(new + w, mask=inside, other=0)
-    hit = (a != b).to(tl.int32)
-    n = tl.sum(hit, axis=0)
+    hit = a != b
+    words = flag_words(hit)
+    n = tl.sum(popcount(words).to(tl.int32), axis=0)
     tl.store(counts + t, n)
     base = tl.atomic_add(cursor, n.to(tl.int64), sem="relaxed")  # tiles claim their range in any order
     tl.store(bases + t, base)
     if n > 0:
-        at = base + tl.cumsum(hit, 0) - hit
-        ok = (hit != 0) & (at < capacity)  # past the capacity: counted, not written
+        at = base + set_before(words)
+        ok = hit & (at < capacity)  # past the capacity: counted, not written
         tl.store(word_out + at, w, mask=ok)
         tl.store(old_out + at, a, mask=ok)
         tl.store(new_out + at, b, mask=ok)
@@ -122,24 +148,13 @@ def class_counts(old, tiles, t_start, t_stop, t_slot, limits, out, TOP: tl.const
 
 
 @triton.jit
-def popcount(x):
-    """Set bits of each uint32 (a SWAR count: the same code under the CPU interpreter)."""
-    x = x - ((x >> 1) & 0x55555555)
-    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-    x = (x + (x >> 4)) & 0x0F0F0F0F
-    return (x * 0x01010101) >> 24
-
-
-@triton.jit
 def class_ranks(
     old, tiles, t_start, t_stop, t_slot, counts, offsets, masks, s_offset, limits, before, ranks,
     TOP: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     """The ranks of a tile's changed lanes as the host codec finds them (`codec.classes`):
-    per 32-lane word, each class's members as a bit mask; a lane's members before it are
-    the words' counts before its word (a scan of TILE / 32 words) plus the popcount of its
-    word's mask below it. A scan over every lane (three of them, or one of packed fields)
-    kept this kernel at 7-10 ms per GB on an H200."""
+    per 32-lane word, each class's members as a bit mask, and a lane's members before it
+    counted from those (`set_before`), as its place among the tile's changes is."""
     i = tl.program_id(0)
     t = tl.load(tiles + i)
     if tl.load(counts + t) > 0:
@@ -147,21 +162,13 @@ def class_ranks(
         idx = tl.load(t_start + t) + tl.arange(0, TILE)
         slot = tl.load(t_slot + t)
         magnitude = tl.load(old + idx, mask=idx < tl.load(t_stop + t), other=0) & TOP
-        lane = tl.arange(0, 32).to(tl.uint32)[None, :]
-        below = (tl.full((1, 32), 1, tl.uint32) << lane) - 1  # the lanes before each lane
         low = tl.reshape(magnitude <= tl.load(limits + 2 * slot), (WORDS, 32))
         small = tl.reshape(magnitude <= tl.load(limits + 2 * slot + 1), (WORDS, 32))
-        low_word = tl.sum(low.to(tl.uint32) << lane, axis=1)  # distinct bits: the sum is the OR
-        small_word = tl.sum(small.to(tl.uint32) << lane, axis=1)
+        low_before = tl.load(before + 2 * i) + set_before(flag_words(low)).to(tl.int64)
+        small_before = tl.load(before + 2 * i + 1) + set_before(flag_words(small)).to(tl.int64)
         changed_word = tl.load(masks + t * WORDS + tl.arange(0, WORDS)).to(tl.uint32)
-        low_n, small_n, changed_n = popcount(low_word), popcount(small_word), popcount(changed_word)
-        low_before = tl.load(before + 2 * i) + (tl.cumsum(low_n, 0) - low_n).to(tl.int64)[:, None]
-        low_before += popcount(low_word[:, None] & below).to(tl.int64)
-        small_before = tl.load(before + 2 * i + 1) + (tl.cumsum(small_n, 0) - small_n).to(tl.int64)[:, None]
-        small_before += popcount(small_word[:, None] & below).to(tl.int64)
-        dst = tl.load(offsets + t) + (tl.cumsum(changed_n, 0) - changed_n).to(tl.int64)[:, None]
-        dst += popcount(changed_word[:, None] & below).to(tl.int64)
-        hit = ((changed_word[:, None] >> lane) & 1) != 0
+        dst = tl.load(offsets + t) + set_before(changed_word).to(tl.int64)
+        hit = ((changed_word[:, None] >> tl.arange(0, 32).to(tl.uint32)[None, :]) & 1) != 0
         local = tl.reshape(idx - tl.load(s_offset + slot), (WORDS, 32))
         rank = tl.where(low, low_before, tl.where(small, small_before - low_before, local - small_before))
         tl.store(ranks + dst, rank, mask=hit)

@@ -8,6 +8,7 @@ need Triton (skipped where it is not installed).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 
@@ -102,7 +103,7 @@ def test_many_tensors_in_one_launch_match(tile):
 
 
 def test_a_pass_that_finds_more_than_it_made_room_for_runs_again(tile, monkeypatch):
-    """The output is sized before the count is known (`fused_diff._compacted`): every element
+    """The output is sized before the count is known (`fused_diff._capacity`): every element
     of a tensor changed overflows the first guess of the word pass (with hints and without:
     the hint works on its changes), which must run again, sized exactly, rather than lose
     changes; a later diff with fewer changes fits the guess its predecessor left."""
@@ -118,6 +119,65 @@ def test_a_pass_that_finds_more_than_it_made_room_for_runs_again(tile, monkeypat
     some.view(torch.int16)[::7] += 1
     for hints in (False, True):
         both(everything, {"w": some}, ViewSpec(), hints=hints)
+
+
+def test_batches_whose_passes_start_a_batch_early_match_the_host_diff(tile, monkeypatch):
+    """`iter_diffs` queues each batch's fused pass (its first half) before it waits for the
+    counts of the batch before (`ChangedElements`): many batches of bf16 and fp32 tensors,
+    one of which overflows its first guess after the next batch's pass was queued, give the
+    codec's host diff, and every batch but the first of each group was started early."""
+    monkeypatch.setattr(device_diff, "BATCH_SLOTS", 2)
+    monkeypatch.setattr(fused_diff, "_expected", {})
+    events: list[tuple[str, str]] = []
+    begin, result = device_diff._begin_fused, fused_diff.ChangedElements.result
+
+    first_names: dict[int, str] = {}
+
+    def begun(old: ViewBuffer, new: ViewBuffer, slots: SlotBatch) -> fused_diff.ChangedElements:
+        events.append(("begin", slots[0].name))
+        elements = begin(old, new, slots)
+        first_names[id(elements)] = slots[0].name
+        return elements
+
+    def waited(self: fused_diff.ChangedElements) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        events.append(("result", first_names[id(self)]))
+        return result(self)
+
+    monkeypatch.setattr(device_diff, "_begin_fused", begun)
+    monkeypatch.setattr(fused_diff.ChangedElements, "result", waited)
+    g = torch.Generator().manual_seed(11)
+    sizes = [300, 7, 520, 0, 64, 1000, 33, 410, 5]
+    old = {f"t{i}": torch.randn(n, generator=g) * 1e-2 for i, n in enumerate(sizes)}
+    old.update(
+        {f"b{i}": (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16) for i, n in enumerate(sizes)}
+    )
+    versions = [old]
+    for everything in (None, "b5"):  # then every element of one tensor in a middle batch
+        new = {}
+        for name, t in versions[-1].items():
+            bits = t.clone().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+            bits[torch.rand(t.numel(), generator=g) < (1.0 if name == everything else 0.05)] += 1
+            new[name] = bits.view(t.dtype)
+        versions.append(new)
+    fp32 = ViewSpec(rules=(ViewRule(pattern="t*", dtype="fp32"),))
+    layout = ViewLayout.of({k: v.to(DEVICE) for k, v in old.items()}, fp32)
+    batches = device_diff.batches(layout, device_diff.batch_bytes_for(layout))
+    for before, after in itertools.pairwise(versions):
+        a, b = ViewBuffer(layout), ViewBuffer(layout)
+        a.fill({k: v.to(DEVICE) for k, v in before.items()})
+        b.fill({k: v.to(DEVICE) for k, v in after.items()})
+        events.clear()
+        got = device_diff.diff_views(a, b, hints=False, fused=True)
+        assert got.changes.keys() == {n for n in before if not torch.equal(before[n], after[n])}
+        for name, changes in got.changes.items():
+            raw = [v[name].view(torch.uint8).numpy() for v in (before, after)]
+            want = codec.diff(raw[0], raw[1], changes.dtype)
+            for field in ("positions", "old_bits", "new_bits"):
+                assert np.array_equal(getattr(changes, field), getattr(want, field)), (name, field)
+        # within a group, each batch's pass was queued before the host waited for the last's
+        for first, second in itertools.pairwise(batches):
+            if first[0].group == second[0].group:
+                assert events.index(("begin", second[0].name)) < events.index(("result", first[0].name))
 
 
 def test_the_compaction_kernels_compile_once_whatever_the_capacity() -> None:

@@ -10,7 +10,8 @@ The classes, by what the caller does about them:
     BoardError                  the board refused a request: .code, .message, .extra
     ├── InvalidRequest          the request is malformed: fix the caller, do not retry
     │   │                       (also MalformedJSON, ValidationError, BadRunName,
-    │   │                       BadAssetName, BadDigest, BadRange, IncompleteBody, ...)
+    │   │                       BadAssetName, BadDigest, BadRange, IncompleteBody,
+    │   │                       UnsupportedEncoding, ...)
     │   ├── BodyTooLarge        the body exceeds the board's limit
     │   ├── DigestMismatch      an uploaded body does not hash to its key: upload again
     │   ├── BadManifest         the manifest breaks a version rule
@@ -64,6 +65,7 @@ class ErrorCode(StrEnum):
     LENGTH_REQUIRED = "LengthRequired"
     RANGE_NOT_SATISFIABLE = "RangeNotSatisfiable"
     BODY_TOO_LARGE = "BodyTooLarge"
+    UNSUPPORTED_ENCODING = "UnsupportedEncoding"
     DIGEST_MISMATCH = "DigestMismatch"
     BAD_MANIFEST = "BadManifest"
     MISSING_BLOBS = "MissingBlobs"
@@ -350,6 +352,7 @@ _GROUPED: dict[ErrorCode, type[BoardError]] = {
     ErrorCode.METHOD_NOT_ALLOWED: InvalidRequest,
     ErrorCode.LENGTH_REQUIRED: InvalidRequest,
     ErrorCode.RANGE_NOT_SATISFIABLE: InvalidRequest,
+    ErrorCode.UNSUPPORTED_ENCODING: InvalidRequest,
     ErrorCode.HTTP_ERROR: BoardError,  # deliberately plain: nothing to act on
 }
 

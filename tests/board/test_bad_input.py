@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import zlib
 from collections.abc import Iterator
 
 import httpx
 import pytest
+import zstandard
 
 from deltaboard.board.contract.errors import BoardError
 from tests.support.manifests import manifest
@@ -226,3 +228,42 @@ def test_bad_commits(small_board):
     after = store_files(small_board)
     assert after - before == {f"r/blobs/{hashlib.sha256(short).hexdigest()}"}
     assert c.head("r").version == 0
+
+
+def test_a_zstd_body_is_decoded_within_the_limit_and_other_encodings_are_refused(small_board, http):
+    """A commit whose JSON comes as zstd lands as the same manifest; a body in another
+    encoding, not one whole frame, or decoding past the limit (declared or not) is a 4xx
+    that leaves the store as it was. (`BoardClient` sends large bodies so: see its test.)"""
+    c = small_board.client()
+    c.create_run("z")
+    epoch = c.acquire_lease("z", "t").epoch
+    data = b"z0" * 100
+    c.upload_blob("z", data)
+    first = manifest("z", 0, epoch, {f"w{i:04d}": data for i in range(900)})
+    text = f'{{"manifest":{first.model_dump_json()}}}'.encode()
+    assert len(text) > 64 * 1024
+    packed = zstandard.ZstdCompressor(level=1).compress(text)
+    zstd = {"content-type": "application/json", "content-encoding": "zstd"}
+    assert http.post("/v1/runs/z/commit", content=packed, headers=zstd).status_code == 201
+    assert c.manifest("z", 0) == first
+    second = f'{{"manifest":{manifest("z", 1, epoch, {"w0000": data}).model_dump_json()}}}'.encode()
+    before = store_files(small_board)
+    too_big = b" " * (MAX_BODY + 1) + second  # white space before the JSON: parses if decoded
+    unsized = zstandard.ZstdCompressor(write_content_size=False)
+    for body, headers, status, code in [
+        (zlib.compress(second), {**zstd, "content-encoding": "gzip"}, 415, "UnsupportedEncoding"),
+        (b"not zstd" + second, zstd, 400, "BadRequest"),
+        (zstandard.ZstdCompressor().compress(second)[:-4], zstd, 400, "BadRequest"),  # cut short
+        (zstandard.ZstdCompressor().compress(too_big), zstd, 413, "BodyTooLarge"),
+        (unsized.compress(too_big), zstd, 400, "BadRequest"),
+    ]:
+        expect(http.post("/v1/runs/z/commit", content=body, headers=headers), status, code)
+    assert store_files(small_board) == before
+    assert c.head("z").version == 0
+    # the same body, as sent, lands
+    assert (
+        http.post(
+            "/v1/runs/z/commit", content=zstandard.ZstdCompressor().compress(second), headers=zstd
+        ).status_code
+        == 201
+    )

@@ -135,3 +135,37 @@ def test_commit_whose_answer_was_lost_is_recognised(board):
     with pytest.raises(NotHead) as e:
         c.commit("r", other)
     assert (e.value.code, e.value.http_status, e.value.extra["head"]) == ("NotHead", 409, 1)
+
+
+class Recording(httpx.HTTPTransport):
+    """The real transport, noting each request's Content-Encoding and body size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[tuple[str, str | None, int]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append((request.url.path, request.headers.get("content-encoding"), len(request.read())))
+        return super().handle_request(request)
+
+
+def test_a_large_commit_goes_as_zstd_and_lands_as_sent(board):
+    """A manifest of many tensors is committed as a zstd body (a fraction of its JSON),
+    a small one as plain JSON; both read back as committed."""
+    c = board.client()
+    c.create_run("r")
+    epoch = c.acquire_lease("r", "t").epoch
+    c.upload_blob("r", b"w0")
+    many = manifest("r", 0, epoch, {f"w{i:05d}": b"w0" for i in range(2000)})
+    c.upload_blob("r", b"w1")
+    one = manifest("r", 1, epoch, {"w00000": b"w1"})
+    recording = Recording()
+    with BoardClient(board.url, board.admin_token, transport=recording) as rc:
+        rc.commit("r", many)
+        rc.commit("r", one)
+    assert (c.manifest("r", 0), c.manifest("r", 1)) == (many, one)
+    (_, big_encoding, big_sent), (_, small_encoding, _) = [
+        s for s in recording.sent if s[0].endswith("/commit")
+    ]
+    assert (big_encoding, small_encoding) == ("zstd", None)
+    assert big_sent < len(many.model_dump_json()) / 5

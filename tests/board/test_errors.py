@@ -34,7 +34,7 @@ from deltaboard.clients.follower.fetch import BlobCache, Fetcher
 from tests.support.manifests import manifest, publish
 
 FAMILY_STATUSES: dict[type[BoardError], set[int]] = {
-    InvalidRequest: {400, 405, 411, 413, 416, 422},
+    InvalidRequest: {400, 405, 411, 413, 415, 416, 422},
     AuthError: {401, 403},
     NotFound: {404},
     Conflict: {409},

@@ -45,7 +45,6 @@ from deltaboard.publisher.snapshot import Slot, as_batch
 
 TILE = 4096  # elements per program; a multiple of 32 (one bitmask word per 32 lanes)
 WARPS = 8  # warps per program: 8 beat 4 on the H200 at TILE 4096 (design.md)
-WORD_WARPS = 4  # `compact_words`' (1,024 words a tile): 4 beat 8 there once it used popcounts
 REORDER_STEP = 128  # entries a `reorder` program moves per step (a tile holds ~TILE/100)
 
 
@@ -268,7 +267,7 @@ class ChangedElements:
         if self._tiles:
             k.compact_words[(self._tiles,)](
                 self._old, self._new, self._old.numel(), self._tile_counts, self._bases, cursor, capacity,
-                *claimed, TILE=WORD_TILE, num_warps=WORD_WARPS,
+                *claimed, TILE=WORD_TILE, num_warps=WARPS,
             )  # fmt: skip
         offsets = torch.cumsum(self._tile_counts, 0) - self._tile_counts
         words = _reordered(capacity, self._tile_counts, offsets, self._bases, claimed)

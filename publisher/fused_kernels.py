@@ -28,8 +28,7 @@ def set_before(words):
     """For [rows] words of flag bits, how many flags are set before each lane in row-major
     order ([rows, 32], int32): a scan of the words' popcounts plus the popcount of the
     word's bits below the lane. A scan over every lane instead (`tl.cumsum` of a tile) cost
-    the rank kernel most of its 7-10 ms per GB on an H200, and the word pass ~0.08 ms per
-    GB at 4 warps (design.md)."""
+    the rank kernel most of its 7-10 ms per GB on an H200 (design.md)."""
     lane = tl.arange(0, 32).to(tl.uint32)[None, :]
     below = (tl.full((1, 32), 1, tl.uint32) << lane) - 1  # the lanes before each lane
     n = popcount(words).to(tl.int32)

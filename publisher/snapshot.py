@@ -25,6 +25,7 @@ import torch
 from deltaboard.board import codec
 from deltaboard.board.contract.schemas import ViewSpec
 from deltaboard.board.contract.view_spec import served_dtype
+from deltaboard.publisher import device_gather
 from deltaboard.publisher.exponents import ExponentCounts
 from deltaboard.publisher.memcopy import gather_copy, stream_copy
 from deltaboard.publisher.sampled_counts import SampledCounts
@@ -174,6 +175,11 @@ _MEMCPY_BYTES = 1 << 24  # device tensors this large, already in the served dtyp
 _helper = ThreadPoolExecutor(1, thread_name_prefix="deltaboard-snapshot")
 
 
+def _gathers_on(device: str) -> bool:
+    """Whether small tensors on `device` are copied by `device_gather`: CUDA, with Triton."""
+    return device.startswith("cuda") and device_gather.kernels() is not None
+
+
 def _pieces(nbytes: int) -> list[tuple[int, int]]:
     return [(a, min(a + _PIECE_BYTES, nbytes)) for a in range(0, nbytes, _PIECE_BYTES)]
 
@@ -259,9 +265,14 @@ class ViewBuffer:
         # per tensor copied alone or by the multi-tensor call: its name, typed target, the
         # target's bits and its host bytes (None on a device)
         self._others: list[tuple[str, torch.Tensor, torch.Tensor, np.ndarray | None]] = []
+        # small CUDA tensors, copied by one kernel per group where Triton is (`device_gather`)
+        gathered: dict[tuple[str, int], list[Slot]] = {}
         small_bytes = _PIECE_BYTES
         for slot in layout.slots:
             host = self._host_raw.get(slot.name)
+            if host is None and slot.nbytes < _MEMCPY_BYTES and _gathers_on(slot.device):
+                gathered.setdefault(slot.group, []).append(slot)
+                continue
             if host is None or host.size >= _PIECE_BYTES:
                 self._others.append((slot.name, self.tensor(slot), self.bits(slot).view(slot.shape), host))
                 continue
@@ -273,6 +284,17 @@ class ViewBuffer:
         self._small = [
             _SmallBatch(slots, [self.tensor(s) for s in slots], self._host_groups[slots[0].group])
             for slots in planned
+        ]
+        self._gathers = [
+            device_gather.DeviceGather(
+                self.groups[group],
+                [
+                    (s.name, SAFETENSORS_TO_TORCH[s.dtype], self.tensor(s), self.bits(s).view(s.shape))
+                    for s in slots
+                ],
+                [s.offset for s in slots],
+            )
+            for group, slots in gathered.items()
         ]
         self.ready: torch.cuda.Event | None = None
         # the host tensors' exponent counts where a version's encoding left them (`encode`):
@@ -303,7 +325,9 @@ class ViewBuffer:
         bytes, shared like the pieces. On CUDA a tensor already in its served dtype goes
         to that call as its integer bits: the multi-tensor kernel passes floats through a
         conversion that turns every bf16 NaN into 0x7FFF (an H200 run of the hint test
-        found a NaN payload changed), and the view must be bit-exact.
+        found a NaN payload changed), and the view must be bit-exact. Where Triton is, the
+        small CUDA tensors (contiguous, in their served dtype) are copied by address in one
+        kernel per group instead (`device_gather`: no view or list entry per tensor).
         """
         self.exponent_counts = None  # of the bytes this copy replaces
         if self.sampled_counts is not None:
@@ -313,6 +337,10 @@ class ViewBuffer:
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         batch_bytes = 0
         on_device: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for gather in self._gathers:
+            left = gather.copy_from(state)
+            on_device[0].extend(left[0])
+            on_device[1].extend(left[1])
         for name, target, target_bits, host in self._others:
             src = state[name]
             same = src.dtype == target.dtype

@@ -10,7 +10,10 @@ planned once per layout; a publish reads each source's address (`data_ptr`) into
 array and one Triton kernel copies every tensor's bits by address (`gather_kernels`).
 
 A source the kernel cannot read by address (not contiguous, or not of the served dtype:
-a cast) gets address 0 and goes back to the caller, which copies it as before. The kernel
+a cast) gets address 0 and goes back to the caller, which copies it as before; so does
+every source until the kernel is compiled, which a helper thread does when the plan is
+made (Triton compiles at a kernel's first launch: on the trainer's thread that would
+stall the first publish). The kernel
 runs on the current stream, as the copies it replaces did, so the trainer's next update
 of a source is ordered after it, and a source freed before it ran is not reused by the
 allocator before it either (the same stream).
@@ -18,8 +21,11 @@ allocator before it either (the same stream).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import logging
+import threading
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 
@@ -27,6 +33,7 @@ import numpy as np
 import torch
 
 BLOCK = 4096  # elements a program copies
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -68,15 +75,40 @@ class DeviceGather:
         pin = device.type == "cuda"
         self._addresses = torch.zeros(len(numel), dtype=torch.int64, pin_memory=pin)
         self._sent: torch.cuda.Event | None = None  # the last copy of `_addresses` to the device
+        self.compiled = threading.Event()  # until set, every tensor goes back to the caller
+        threading.Thread(target=self._compile, name="deltaboard-gather-compile", daemon=True).start()
+
+    def _compile(self) -> None:
+        """Launch the kernel once with nothing to copy (every address 0), so that Triton
+        compiles it here; a failure leaves every copy to the caller, as without Triton."""
+        try:
+            self._launch(torch.zeros(len(self.targets), dtype=torch.int64, device=self.out.device))
+        except Exception:  # any failure: the caller's copy is the fallback
+            log.exception("the snapshot's gather kernel did not compile; small tensors are copied by torch")
+            return
+        self.compiled.set()
+
+    def _launch(self, addresses: torch.Tensor) -> None:
+        """The kernel over every block, on `out`'s device (Triton launches on the thread's
+        current device, which a helper thread has not set; a rank's trainer has)."""
+        module = kernels()
+        assert module is not None  # planned only where it is
+        if not self._block_slot.numel():
+            return
+        on_device = torch.cuda.device(self.out.device) if self.out.is_cuda else contextlib.nullcontext()
+        with on_device:
+            tables = (self._numel, self._offsets, self._block_slot, self._block_start)
+            module.gather_bits[(self._block_slot.numel(),)](addresses, *tables, self.out, BLOCK=BLOCK)
 
     def copy_from(self, state: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Launch the copy of these tensors from `state`; the (targets, sources) it left to
         the caller's copy."""
         left: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         addresses: list[int] = []
+        compiled = self.compiled.is_set()
         for name, dtype, typed, bits in self.targets:
             source = state[name]
-            if source.dtype == dtype and source.is_contiguous():
+            if compiled and source.dtype == dtype and source.is_contiguous():
                 addresses.append(source.data_ptr())
                 continue
             addresses.append(0)
@@ -86,6 +118,8 @@ class DeviceGather:
             else:
                 left[0].append(typed)
                 left[1].append(source)
+        if not compiled:
+            return left
         if self._sent is not None:
             self._sent.synchronize()  # the pinned array is free again (long since, as a rule)
         self._addresses.numpy()[:] = addresses
@@ -93,16 +127,5 @@ class DeviceGather:
         if self.out.device.type == "cuda":
             self._sent = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._sent.record()
-        module = kernels()
-        assert module is not None  # planned only where it is
-        if self._block_slot.numel():
-            module.gather_bits[(self._block_slot.numel(),)](
-                on_device,
-                self._numel,
-                self._offsets,
-                self._block_slot,
-                self._block_start,
-                self.out,
-                BLOCK=BLOCK,
-            )
+        self._launch(on_device)
         return left

@@ -64,6 +64,7 @@ def test_the_gather_copies_bits_and_hands_back_what_it_cannot_read(sizes, kinds,
         view = out[at : at + n]
         targets.append((name, torch.bfloat16, view.view(torch.bfloat16), view))
     gather = device_gather.DeviceGather(out, targets, offsets[:-1].tolist())
+    assert gather.compiled.wait(60), "the kernel did not compile"
     left = gather.copy_from(state)
     # handed back: exactly the sources not readable by address (a cast, or not contiguous)
     handed = {id(t) for t in left[0]}
@@ -76,3 +77,26 @@ def test_the_gather_copies_bits_and_hands_back_what_it_cannot_read(sizes, kinds,
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out.cpu(), want.cpu())
+
+
+def test_until_the_kernel_is_compiled_every_tensor_goes_back_to_the_caller():
+    """The helper thread compiles the kernel; a snapshot before that copies everything the
+    old way (each tensor handed back, as its bits where it is of the served dtype)."""
+    out = torch.zeros(16, dtype=torch.int16, device=DEVICE)
+    sources = {
+        "a": torch.arange(5, dtype=torch.int16, device=DEVICE).view(torch.bfloat16),
+        "b": torch.ones(3, device=DEVICE),
+    }
+    targets = [
+        ("a", torch.bfloat16, out[0:5].view(torch.bfloat16), out[0:5]),
+        ("b", torch.bfloat16, out[8:11].view(torch.bfloat16), out[8:11]),
+    ]
+    gather = device_gather.DeviceGather(out, targets, [0, 8])
+    assert gather.compiled.wait(60)
+    gather.compiled.clear()  # as before the helper is done
+    left = gather.copy_from(sources)
+    assert [id(t) for t in left[0]] == [id(out_view) for out_view in (targets[0][3], targets[1][2])]
+    assert not out.any()  # nothing copied by the kernel
+    torch._foreach_copy_(left[0], left[1])
+    assert torch.equal(out[0:5].cpu(), torch.arange(5, dtype=torch.int16))
+    assert torch.equal(out[8:11].view(torch.bfloat16).float().cpu(), torch.ones(3))

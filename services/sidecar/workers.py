@@ -29,17 +29,21 @@ so a scrape does not wait behind a swap's drain. Each worker answers `/healthz` 
 knows (the loop's last error and its recent swaps) rides along with each command
 (`FleetGate.info`). A worker that dies
 ends the sidecar (the owner stops the others and returns), as does the loop stopping for
-good; a worker whose owner is gone exits.
+good; a worker whose owner is gone exits, and on Linux the kernel kills it when the owner
+dies (`PR_SET_PDEATHSIG`), so that even a worker whose loop is stuck does not outlive a
+killed owner, holding the port.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -212,7 +216,22 @@ def _totals(
         pass
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _die_with(owner: int) -> None:
+    """Linux: SIGKILL for this process when its owner ends (its exit is otherwise seen by
+    the worker's own loop, which a stuck loop never sees); at once if the owner ended
+    before the request took effect."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != owner:
+        os._exit(1)
+
+
 def _work(
+    owner: int,
     sock: socket.socket,
     build: BuildApp,
     conns: tuple[Connection, Connection, Connection],
@@ -223,6 +242,7 @@ def _work(
     info: dict[str, Any],
     metrics: SidecarMetrics,
 ) -> None:
+    _die_with(owner)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the owner's: uvicorn sets its own
     for inherited in owners:  # the owner's ends: only the owner may hold them, so that
         inherited.close()  # its exit reaches this worker as the end of its pipe
@@ -289,7 +309,18 @@ def serve(
             theirs = tuple(end for _, end in pipes)
             shared = info if info is not None else {}
             owned = [*conns, *asks, *shares]
-            args = (sock, build, theirs, owned, mode, drain_timeout_s, abort_stale, shared, metrics)
+            args = (
+                os.getpid(),
+                sock,
+                build,
+                theirs,
+                owned,
+                mode,
+                drain_timeout_s,
+                abort_stale,
+                shared,
+                metrics,
+            )
             process = context.Process(target=_work, args=args, name=f"sidecar-worker-{i}", daemon=True)
             process.start()
             for end in theirs:

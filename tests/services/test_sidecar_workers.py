@@ -5,10 +5,13 @@ error and no missing stamp, across worker processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
+import pytest
 from typer.testing import CliRunner
 
 from deltaboard.clients.engines import make_adapter
@@ -29,6 +34,7 @@ from deltaboard.services.sidecar.gate import VersionGate
 from deltaboard.services.sidecar.metrics import SidecarMetrics
 from deltaboard.services.sidecar.proxy import ProxySettings, create_proxy_app
 from tests.services.fakes.fast_engine import fast_engine
+from tests.services.fakes.polling import wait_until
 
 WORKERS = 2
 BODY = {"prompt": [1], "max_tokens": 2}
@@ -234,3 +240,41 @@ def test_bench_sidecar_command_writes_the_figures(tmp_path: Path) -> None:
         report["workers"] == report["config"]["workers"] == workers.auto_workers()
     )  # as deployed by default
     assert report["errors"] == 0 and report["missing_stamps"] == 0, report["first_error"]
+
+
+def _gone(pid: int) -> bool:
+    """Ended: no such process, or one not reaped yet."""
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_workers_die_with_a_killed_owner_even_one_whose_loop_is_stuck() -> None:
+    """SIGKILL to the owner: a worker that runs sees its owner's pipe end and exits; one
+    that cannot run its loop (stopped here, as a worker stuck in a loop would be) is killed
+    by the kernel (Linux), instead of living on with the listening port."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux's")
+    sock = listen("127.0.0.1", 0)
+    with fast_engine() as engine_url:
+        commands, theirs = multiprocessing.Pipe()
+        owner = multiprocessing.get_context("fork").Process(target=_owner, args=(engine_url, sock, theirs))
+        owner.start()
+        sock.close()
+        assert owner.pid is not None
+        pids: list[int] = []
+        try:
+            assert len(commands.recv()) == WORKERS  # every worker is up
+            pids = [p.pid for p in psutil.Process(owner.pid).children()]
+            assert len(pids) == WORKERS
+            os.kill(pids[0], signal.SIGSTOP)  # its loop runs no more
+            os.kill(owner.pid, signal.SIGKILL)
+            owner.join(10)
+            wait_until(lambda: all(_gone(pid) for pid in pids), "every worker ended with its owner", 30)
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if owner.is_alive():
+                owner.kill()

@@ -45,22 +45,39 @@ def kernels() -> ModuleType | None:
         return None
 
 
+Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]
+"""(targets, sources) for one multi-tensor copy (`torch._foreach_copy_`)."""
+
+
+def queue_copy(pairs: Pairs, typed: torch.Tensor, bits: torch.Tensor, source: torch.Tensor) -> None:
+    """Add a device tensor's copy to `pairs`: as its integer bits (`bits`) where it is
+    already in its served dtype, since the multi-tensor kernel's float path makes every
+    NaN canonical (0x7FFF for bf16), and the view must be bit-exact; else cast by value
+    into `typed`."""
+    if source.dtype == typed.dtype:
+        pairs[0].append(bits)
+        pairs[1].append(source.view(bits.dtype))
+    else:
+        pairs[0].append(typed)
+        pairs[1].append(source)
+
+
 class DeviceGather:
     """Small tensors of one group buffer (`out`, on one device), copied by one launch.
 
-    `targets`: per tensor its name, served dtype, typed view of `out` and bits view of
-    `out` (what the caller copies it into where the kernel cannot), at `offsets` (elements
-    of `out`)."""
+    `targets`: per tensor its name, typed view of `out` (in the served dtype) and bits
+    view of `out` (what the caller copies it into where the kernel cannot), at `offsets`
+    (elements of `out`)."""
 
     def __init__(
         self,
         out: torch.Tensor,
-        targets: Sequence[tuple[str, torch.dtype, torch.Tensor, torch.Tensor]],
+        targets: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
         offsets: Sequence[int],
     ) -> None:
         self.out = out
         self.targets = list(targets)
-        numel = np.array([t[3].numel() for t in self.targets], dtype=np.int64)
+        numel = np.array([bits.numel() for _, _, bits in self.targets], dtype=np.int64)
         blocks = -(-numel // BLOCK)
         block_slot = np.repeat(np.arange(len(numel), dtype=np.int64), blocks)
         first = np.concatenate(([0], np.cumsum(blocks)[:-1]))
@@ -72,8 +89,7 @@ class DeviceGather:
 
         self._numel, self._offsets = on(numel), on(np.asarray(offsets, dtype=np.int64))
         self._block_slot, self._block_start = on(block_slot), on(block_start)
-        pin = device.type == "cuda"
-        self._addresses = torch.zeros(len(numel), dtype=torch.int64, pin_memory=pin)
+        self._addresses = torch.zeros(len(numel), dtype=torch.int64, pin_memory=out.is_cuda)
         self._sent: torch.cuda.Event | None = None  # the last copy of `_addresses` to the device
         self.compiled = threading.Event()  # until set, every tensor goes back to the caller
         threading.Thread(target=self._compile, name="deltaboard-gather-compile", daemon=True).start()
@@ -100,31 +116,26 @@ class DeviceGather:
             tables = (self._numel, self._offsets, self._block_slot, self._block_start)
             module.gather_bits[(self._block_slot.numel(),)](addresses, *tables, self.out, BLOCK=BLOCK)
 
-    def copy_from(self, state: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def copy_from(self, state: Mapping[str, torch.Tensor]) -> Pairs:
         """Launch the copy of these tensors from `state`; the (targets, sources) it left to
-        the caller's copy."""
-        left: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        the caller's multi-tensor copy (`queue_copy`)."""
+        left: Pairs = ([], [])
         addresses: list[int] = []
         compiled = self.compiled.is_set()
-        for name, dtype, typed, bits in self.targets:
+        for name, typed, bits in self.targets:
             source = state[name]
-            if compiled and source.dtype == dtype and source.is_contiguous():
+            if compiled and source.dtype == typed.dtype and source.is_contiguous():
                 addresses.append(source.data_ptr())
                 continue
             addresses.append(0)
-            if source.dtype == dtype:
-                left[0].append(bits)
-                left[1].append(source.view(bits.dtype))
-            else:
-                left[0].append(typed)
-                left[1].append(source)
+            queue_copy(left, typed, bits, source)
         if not compiled:
             return left
         if self._sent is not None:
             self._sent.synchronize()  # the pinned array is free again (long since, as a rule)
         self._addresses.numpy()[:] = addresses
         on_device = self._addresses.to(self.out.device, non_blocking=True)
-        if self.out.device.type == "cuda":
+        if self.out.is_cuda:
             self._sent = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._sent.record()
         self._launch(on_device)

@@ -297,11 +297,6 @@ class ChangedElements:
         return out[0], out[1], out[2]
 
 
-def changed_elements(old: torch.Tensor, new: torch.Tensor, key: object) -> tuple[torch.Tensor, ...]:
-    """`ChangedElements`' result, both halves at once."""
-    return ChangedElements(old, new, key).result()
-
-
 def _tiles_of(table: Tiles, picked: np.ndarray) -> np.ndarray:
     """The tiles of the slots `picked` (indices in the batch, ascending), in order: each
     slot's run of tiles, laid end to end without a call per slot."""

@@ -288,10 +288,7 @@ class ViewBuffer:
         self._gathers = [
             device_gather.DeviceGather(
                 self.groups[group],
-                [
-                    (s.name, SAFETENSORS_TO_TORCH[s.dtype], self.tensor(s), self.bits(s).view(s.shape))
-                    for s in slots
-                ],
+                [(s.name, self.tensor(s), self.bits(s).view(s.shape)) for s in slots],
                 [s.offset for s in slots],
             )
             for group, slots in gathered.items()
@@ -336,7 +333,7 @@ class ViewBuffer:
         pieces: list[Callable[[], None]] = [batch.copy_from(state) for batch in self._small]
         batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         batch_bytes = 0
-        on_device: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        on_device: device_gather.Pairs = ([], [])
         for gather in self._gathers:
             left = gather.copy_from(state)
             on_device[0].extend(left[0])
@@ -347,12 +344,8 @@ class ViewBuffer:
             if host is None:
                 if same and src.nbytes >= _MEMCPY_BYTES and src.is_contiguous():
                     target.copy_(src)  # a plain device memcpy: the multi-tensor kernel is slower (design.md)
-                elif same:  # as bits: CUDA's float copy makes every NaN canonical
-                    on_device[0].append(target_bits)
-                    on_device[1].append(src.view(target_bits.dtype))
                 else:
-                    on_device[0].append(target)
-                    on_device[1].append(src)
+                    device_gather.queue_copy(on_device, target, target_bits, src)
             elif host.size >= _PIECE_BYTES and same and src.is_contiguous():
                 source = src.detach().reshape(-1).view(torch.uint8).numpy()
                 pieces.extend(partial(stream_copy, host[a:b], source[a:b]) for a, b in _pieces(host.size))

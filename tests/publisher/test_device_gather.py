@@ -62,13 +62,13 @@ def test_the_gather_copies_bits_and_hands_back_what_it_cannot_read(sizes, kinds,
             want[at : at + n] = torch.from_numpy(bits).to(DEVICE)
         state[name] = source
         view = out[at : at + n]
-        targets.append((name, torch.bfloat16, view.view(torch.bfloat16), view))
+        targets.append((name, view.view(torch.bfloat16), view))
     gather = device_gather.DeviceGather(out, targets, offsets[:-1].tolist())
     assert gather.compiled.wait(60), "the kernel did not compile"
     left = gather.copy_from(state)
     # handed back: exactly the sources not readable by address (a cast, or not contiguous)
     handed = {id(t) for t in left[0]}
-    for name, _, typed, bits in targets:
+    for name, typed, bits in targets:
         source = state[name]
         readable = source.dtype == torch.bfloat16 and source.is_contiguous()
         assert (id(typed) in handed or id(bits) in handed) != readable, name
@@ -88,14 +88,14 @@ def test_until_the_kernel_is_compiled_every_tensor_goes_back_to_the_caller():
         "b": torch.ones(3, device=DEVICE),
     }
     targets = [
-        ("a", torch.bfloat16, out[0:5].view(torch.bfloat16), out[0:5]),
-        ("b", torch.bfloat16, out[8:11].view(torch.bfloat16), out[8:11]),
+        ("a", out[0:5].view(torch.bfloat16), out[0:5]),
+        ("b", out[8:11].view(torch.bfloat16), out[8:11]),
     ]
     gather = device_gather.DeviceGather(out, targets, [0, 8])
     assert gather.compiled.wait(60)
     gather.compiled.clear()  # as before the helper is done
     left = gather.copy_from(sources)
-    assert [id(t) for t in left[0]] == [id(out_view) for out_view in (targets[0][3], targets[1][2])]
+    assert [id(t) for t in left[0]] == [id(out_view) for out_view in (targets[0][2], targets[1][1])]
     assert not out.any()  # nothing copied by the kernel
     torch._foreach_copy_(left[0], left[1])
     assert torch.equal(out[0:5].cpu(), torch.arange(5, dtype=torch.int16))

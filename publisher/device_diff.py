@@ -52,6 +52,33 @@ CUDA_AHEAD = 4  # batches whose kernels and copies run ahead of the one the call
 CUDA_HINT_LANES = 2  # with hints, batches diffed at once, each on a pass stream of its own
 
 
+@dataclass(frozen=True)
+class BatchDiff:
+    """A diff batch's changes as the encoder takes them: the changed slots' names (in layout
+    order) and their changes and context hints as columns, no object per tensor (a model
+    of thousands of small tensors paid one per tensor, under the GIL that the next
+    batches' kernel launches wait for); and how many bytes crossed to the host."""
+
+    names: Sequence[str]
+    columns: codec.ChangeColumns
+    hint_columns: codec.HintColumns | None = None
+    host_bytes: int = 0
+    hint_bytes: int = 0  # the part of host_bytes that carried context hints
+
+    @property
+    def changes(self) -> dict[str, codec.Changes]:
+        """Per changed tensor, its `Changes` (views)."""
+        return {name: self.columns.tensor(i) for i, name in enumerate(self.names)}
+
+    @property
+    def hints(self) -> dict[str, codec.ContextHint]:
+        """Per hinted tensor, its `ContextHint`."""
+        if self.hint_columns is None:
+            return {}
+        found = ((name, self.hint_columns.hint(i, self.columns.bounds)) for i, name in enumerate(self.names))
+        return {name: hint for name, hint in found if hint is not None}
+
+
 @dataclass
 class ViewDiff:
     """Per changed tensor, its `Changes`; and how many bytes crossed to the host."""
@@ -249,7 +276,7 @@ def device_hints(hints: bool | None, device: str) -> bool:
     return hints if hints is not None else torch.device(device).type == "cuda"
 
 
-Finish = Callable[[], ViewDiff]
+Finish = Callable[[], BatchDiff]
 """What `start_diff` returns: the call that waits for a batch's copies and cuts its result."""
 
 
@@ -307,7 +334,7 @@ def diff_slots(
     slots: Sequence[Slot],
     hints: bool | None = None,
     fused: bool | None = None,
-) -> ViewDiff:
+) -> BatchDiff:
     """Changes of consecutive slots of one group (`start_diff`, waited for)."""
     return start_diff(old, new, slots, hints, fused)()
 
@@ -317,27 +344,44 @@ Found = Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, "Hint
 new bits, the hints' parts) on the host, waiting for the copy that brings them."""
 
 
-def _cut(slots: Sequence[Slot], found: Found) -> ViewDiff:
-    """A batch's result per slot, once its arrays are on the host."""
+def _cut(slots: Sequence[Slot], found: Found) -> BatchDiff:
+    """A batch's result as columns, once its arrays are on the host: the changed slots'
+    changes are the found arrays themselves (in slot order), no step per slot."""
     local, counts, old_h, new_h, ranks = found()
-    result = ViewDiff(host_bytes=local.nbytes + old_h.nbytes + new_h.nbytes + 8 * len(slots))
-    bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
-    # the bits of the batch's one width viewed once: each slot's changes are three slices
-    unsigned = codec.uint_dtype(slots[0].dtype)
-    old_u, new_u = old_h.view(unsigned), new_h.view(unsigned)
-    for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):
-        if hi > lo:
-            result.changes[slot.name] = codec.Changes(
-                slot.dtype, slot.numel, local[lo:hi], old_u[lo:hi], new_u[lo:hi]
-            )
-    if ranks is not None:
-        plans, host_ranks, result.hint_bytes = ranks
-        for i, (t_low, t_top) in zip(plans.picked.tolist(), plans.thresholds.tolist(), strict=True):
-            result.hints[slots[i].name] = codec.ContextHint(
-                t_low, t_top, host_ranks[bounds[i] : bounds[i + 1]]
-            )
-        result.host_bytes += result.hint_bytes
-    return result
+    unsigned = codec.uint_dtype(slots[0].dtype)  # the batch's one width
+    changed = np.flatnonzero(counts)
+    names, columns = _changed_columns(
+        as_batch(slots), changed, counts, local, old_h.view(unsigned), new_h.view(unsigned)
+    )
+    host_bytes = local.nbytes + old_h.nbytes + new_h.nbytes + 8 * len(slots)
+    if ranks is None:
+        return BatchDiff(names, columns, None, host_bytes)
+    plans, host_ranks, hint_bytes = ranks
+    hint_columns = None
+    if plans.picked.size:
+        thresholds = np.full((len(slots), 2), -1, dtype=np.int64)
+        thresholds[plans.picked] = plans.thresholds
+        hint_columns = codec.HintColumns(thresholds[changed], host_ranks)
+    return BatchDiff(names, columns, hint_columns, host_bytes + hint_bytes, hint_bytes)
+
+
+def _changed_columns(
+    slots: SlotBatch,
+    changed: np.ndarray,
+    counts: np.ndarray,
+    local: np.ndarray,
+    old_bits: np.ndarray,
+    new_bits: np.ndarray,
+) -> tuple[Sequence[str], codec.ChangeColumns]:
+    """The changed slots (indices `changed` in the batch, `counts` changes each) and their
+    changes as columns: slot-local positions and bits, in slot order."""
+    info = _info(slots)
+    every = changed.size == len(slots)
+    names = info.names if every else [info.names[i] for i in changed.tolist()]
+    dtypes = info.dtypes if every else [info.dtypes[i] for i in changed.tolist()]
+    bounds = np.zeros(changed.size + 1, dtype=np.int64)
+    np.cumsum(counts[changed], out=bounds[1:])
+    return names, codec.ChangeColumns(dtypes, info.numel[changed], bounds, local, old_bits, new_bits)
 
 
 @functools.lru_cache(maxsize=256)
@@ -425,6 +469,8 @@ class _BatchInfo:
     """What the hints read of a batch's slots, made once per batch (`_info`): a model of many
     tensors would otherwise walk its slots in Python at every version."""
 
+    names: list[str]  # per slot
+    dtypes: list[str]  # per slot
     numel: np.ndarray  # per slot
     floating: np.ndarray  # per slot: whether its dtype has an exponent (a hint)
     by_dtype: dict[str, np.ndarray]  # per floating dtype, its slots (indices, ascending)
@@ -441,6 +487,8 @@ def _info(slots: SlotBatch) -> _BatchInfo:
     for rows in by_dtype.values():
         floating[rows] = True
     return _BatchInfo(
+        [s.name for s in slots],
+        [s.dtype for s in slots],
         np.array([s.numel for s in slots], dtype=np.int64),
         floating,
         {dtype: np.array(rows, dtype=np.int64) for dtype, rows in by_dtype.items()},
@@ -621,28 +669,23 @@ def _count_sampled(
     return out, crossed
 
 
-def _diff_on_host(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> ViewDiff:
+def _diff_on_host(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> BatchDiff:
     """The CPU path: the codec's compiled diff over the batch's range of the buffers, in
     place (one call for all its slots: the padding between them is zero in every buffer),
-    cut per slot."""
+    its positions made local to their slots in one pass."""
     group = slots[0].group
     width = group[1]
     start, stop = slots[0].offset * width, word_aligned(slots[-1].offset + slots[-1].numel, width) * width
     found = codec.diff(old.host_group(group)[start:stop], new.host_group(group)[start:stop], slots[0].dtype)
     offsets = np.array([s.offset for s in slots], dtype=np.int64) - slots[0].offset
-    bounds = [*np.searchsorted(found.positions, offsets).tolist(), found.count]
-    result = ViewDiff(host_bytes=found.positions.nbytes + found.old_bits.nbytes + found.new_bits.nbytes)
-    # each position made local to its slot in one pass, and the bits of one width (the
-    # group's) viewed once: each slot's changes are then three views, no arithmetic per slot
-    local = found.positions - np.repeat(offsets, np.diff(bounds))
-    unsigned = codec.uint_dtype(slots[0].dtype)
-    old_bits, new_bits = found.old_bits.view(unsigned), found.new_bits.view(unsigned)
-    for slot, lo, hi in zip(slots, bounds[:-1], bounds[1:], strict=True):
-        if hi > lo:
-            result.changes[slot.name] = codec.Changes(
-                slot.dtype, slot.numel, local[lo:hi], old_bits[lo:hi], new_bits[lo:hi]
-            )
-    return result
+    counts = np.diff(np.searchsorted(found.positions, offsets), append=found.count)
+    local = found.positions - np.repeat(offsets, counts)
+    names, columns = _changed_columns(
+        as_batch(slots), np.flatnonzero(counts), counts, local, found.old_bits, found.new_bits
+    )
+    return BatchDiff(
+        names, columns, None, found.positions.nbytes + found.old_bits.nbytes + found.new_bits.nbytes
+    )
 
 
 def batch_bytes_for(layout: ViewLayout) -> int:
@@ -654,7 +697,7 @@ def batch_bytes_for(layout: ViewLayout) -> int:
 
 def iter_diffs(
     old: ViewBuffer, new: ViewBuffer, hints: bool | None = None, fused: bool | None = None
-) -> Generator[ViewDiff, None, None]:
+) -> Generator[BatchDiff, None, None]:
     """The diff batch by batch (`start_diff`), the next batches started in helper threads
     while the caller encodes the current one (torch releases the GIL in its kernels).
 

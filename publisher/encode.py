@@ -93,12 +93,12 @@ Where = tuple[LocalSlice, tuple[int, ...], str]  # a slice's place, local shape,
 
 
 def _deltas(
-    changes: list[codec.Changes],
+    changes: codec.ChangeColumns,
     base_digests: list[str],
     wheres: list[Where | None],
     old: tuple[np.ndarray, list[int]] | None,
-    hints: list[codec.ContextHint | None] | None,
-    kept: tuple[ExponentCounts, list[str]] | None,
+    hints: codec.HintColumns | None,
+    kept: tuple[ExponentCounts, Sequence[str]] | None,
 ) -> Encoded:
     """A bundle of tensors' patches in one codec call (`codec.encode_batch`): against the old
     bytes in place (`old`: a buffer and each tensor's first element) or with the device's
@@ -115,8 +115,9 @@ def _deltas(
     if not any(wheres):
         return patches, None
     global_digests: list[str | None] = [None] * len(changes)
-    for i, (c, where) in enumerate(zip(changes, wheres, strict=True)):
+    for i, where in enumerate(wheres):
         if where is not None:  # the slice's digest moves by its changes at their global positions
+            c = changes.tensor(i)
             at, shape, base_global = where
             positions = codec.slice_positions(c.positions, at.offset, shape, at.tensor_shape)
             moved = codec.Changes(c.dtype, math.prod(at.tensor_shape), positions, c.old_bits, c.new_bits)
@@ -244,9 +245,9 @@ def _delta_bundles(
     # hands the codec the old bytes: `context=True` means the encoding, not a device pass
     for part in iter_diffs(base, buffer, hints=False if context is False else None):
         diffed.waited_s += time.perf_counter() - started  # not hidden by encoding
-        names, changes = list(part.changes), list(part.changes.values())
-        counted = [c.positions.size for c in changes]
-        diffed.changed += sum(counted)
+        names, changes = part.names, part.columns
+        counted = changes.counts.tolist()
+        diffed.changed += int(changes.bounds[-1])
         diffed.host_bytes += part.host_bytes - part.hint_bytes
         diffed.hint_bytes += part.hint_bytes
         for a, b in _bundles(counted):
@@ -255,10 +256,12 @@ def _delta_bundles(
             wheres: list[Where | None] = [None] * len(group_names)
             if slices:
                 wheres = [_where(slices, global_digests, s) for s in in_group]
-            old, hints = _context(base, in_group, part.hints, context)
+            old = _old_bytes(base, in_group, context)
+            # the device's hints, where it computed them (CUDA, context not off)
+            hints = None if part.hint_columns is None else part.hint_columns.take(a, b, changes.bounds)
             encode = partial(
                 _deltas,
-                changes[a:b],
+                changes.take(a, b),
                 [base_digests[name] for name in group_names],
                 wheres,
                 old,
@@ -287,17 +290,15 @@ def _where(slices: Mapping[str, LocalSlice], global_digests: Mapping[str, str], 
     return None if at is None else (at, slot.shape, global_digests[slot.name])
 
 
-def _context(
-    base: ViewBuffer, slots: list[Slot], hints: Mapping[str, codec.ContextHint], context: bool | None
-) -> tuple[tuple[np.ndarray, list[int]] | None, list[codec.ContextHint | None] | None]:
-    """What the codec's context encoding reads for a bundle (of one group): the old bytes
-    in place on the host, else the device's hints where computed (neither: the codec falls
-    back to its context-free encodings)."""
-    if context is False:
-        return None, None
-    if slots[0].device == "cpu":
-        return (base.host_group(slots[0].group), [s.offset for s in slots]), None
-    return None, [hints.get(s.name) for s in slots]
+def _old_bytes(
+    base: ViewBuffer, slots: list[Slot], context: bool | None
+) -> tuple[np.ndarray, list[int]] | None:
+    """What the codec's context encoding reads for a bundle (of one group) on the host: the
+    old bytes in place (CUDA bundles take the device's hints instead; with neither, the
+    codec falls back to its context-free encodings)."""
+    if context is False or slots[0].device != "cpu":
+        return None
+    return base.host_group(slots[0].group), [s.offset for s in slots]
 
 
 BUNDLE_ELEMENTS = 1 << 16

@@ -23,6 +23,7 @@ from deltaboard.board.codec.api import (
 )
 from deltaboard.board.codec.batch import PatchBatch, encode_batch
 from deltaboard.board.codec.changes import Changes, diff, empty_changes
+from deltaboard.board.codec.columns import ChangeColumns, HintColumns
 from deltaboard.board.codec.context import (
     EXPONENT_FIELDS,
     class_limits,
@@ -51,8 +52,10 @@ __all__ = [
     "ENCODINGS",
     "EXPONENT_FIELDS",
     "WIDTHS",
+    "ChangeColumns",
     "Changes",
     "ContextHint",
+    "HintColumns",
     "PatchBatch",
     "PatchError",
     "PatchHeader",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,9 +32,10 @@ from deltaboard.board.codec import api
 from deltaboard.board.codec.bitio import put_index_sets
 from deltaboard.board.codec.changes import Changes, check_positions
 from deltaboard.board.codec.classes import split_by_class
+from deltaboard.board.codec.columns import ChangeColumns, HintColumns, one_width
 from deltaboard.board.codec.context import EXPONENT_FIELDS, count_exponents, sample_stride
 from deltaboard.board.codec.digest import change_sums, raw_digests
-from deltaboard.board.codec.dtypes import as_bits, dtype_code, uint_dtype
+from deltaboard.board.codec.dtypes import as_bits, dtype_code
 from deltaboard.board.codec.errors import PatchError
 from deltaboard.board.codec.header import ENCODINGS, pack_many
 from deltaboard.board.codec.jit import kernel
@@ -197,17 +198,19 @@ class PatchBatch:
 
 
 def encode_batch(
-    changes: Sequence[Changes],
+    changes: Sequence[Changes] | ChangeColumns,
     old_digests: Sequence[str],
     *,
     old: np.ndarray | None = None,
-    old_starts: Sequence[int] | None = None,
-    hints: Sequence[ContextHint | None] | None = None,
+    old_starts: Sequence[int] | np.ndarray | None = None,
+    hints: Sequence[ContextHint | None] | HintColumns | None = None,
     counts: np.ndarray | None = None,
 ) -> PatchBatch:
     """Each tensor's patch and its result digest: byte for byte what
     `encode_changes(changes[i], old_i, dtype, old_digest=old_digests[i], hint=hints[i])` gives.
 
+    `changes` and `hints` come as separate objects or as columns (`ChangeColumns`,
+    `HintColumns`: how the publisher's diff hands them over, with no object per tensor).
     `old` (raw bytes, as everywhere) holds every tensor's old elements, tensor i's from
     element `old_starts[i]` on (several tensors of a view buffer, in place); without it
     there is no `replace` and, without `hints` too, no context encoding. Every tensor's
@@ -222,70 +225,59 @@ def encode_batch(
     batch took none (no context hint from `old`: not floating, or left to
     `encode_changes`). A batch that raises `PatchError` leaves them part moved.
     """
-    if not changes:
+    if not len(changes):
         return PatchBatch(b"", [], [])
     if len(old_digests) != len(changes) or (hints is not None and len(hints) != len(changes)):
         raise PatchError("encode_batch: one base digest (and hint) per tensor expected")
-    bits_dtype = uint_dtype(changes[0].dtype)
-    kinds = {c.dtype for c in changes}
-    if any(uint_dtype(dtype) != bits_dtype for dtype in kinds):
-        raise PatchError("encode_batch: tensors of one element width expected")
-    # a comprehension per column, no Python statement per tensor (a model of many small
-    # tensors pays this per tensor)
-    positions = [c.positions for c in changes]
-    shapes = [p.shape for p in positions]
-    if (
-        any(len(shape) != 1 for shape in shapes)
-        or [c.old_bits.shape for c in changes] != shapes
-        or [c.new_bits.shape for c in changes] != shapes
-    ):
-        raise PatchError("changes: positions, old_bits and new_bits differ in length")
-    numels = np.array([c.numel for c in changes], dtype=np.int64)
-    old_bits = np.empty(0, dtype=bits_dtype) if old is None else as_bits(old, changes[0].dtype, "old")
+    columns = _checked(changes if isinstance(changes, ChangeColumns) else ChangeColumns.of(changes))
+    if hints is not None and not isinstance(hints, HintColumns):
+        hints = HintColumns.of(hints, columns.bounds)
+    bits_dtype = columns.old_bits.dtype
+    kinds = set(columns.dtypes)
+    numels, bounds = columns.numels, columns.bounds
+    old_bits = np.empty(0, dtype=bits_dtype) if old is None else as_bits(old, columns.dtypes[0], "old")
     starts = (
-        np.zeros(len(changes), dtype=np.int64) if old_starts is None else np.asarray(old_starts, np.int64)
+        np.zeros(len(columns), dtype=np.int64) if old_starts is None else np.asarray(old_starts, np.int64)
     )
     if old is not None and (
         starts.shape != numels.shape or (starts < 0).any() or (starts + numels > old_bits.size).any()
     ):
         raise PatchError(f"old has {old_bits.size} elements, fewer than the tensors' at their starts")
-    bounds = np.zeros(len(changes) + 1, dtype=np.int64)
-    np.cumsum([shape[0] for shape in shapes], out=bounds[1:])
     bases = raw_digests(old_digests)
     lanes = np.frombuffer(bases, dtype=">u8").astype(np.uint64).reshape(-1, 2)
-    modes, thresholds, ranks = _hints(changes, old is not None, hints, bounds)
+    modes, thresholds, ranks = _hints(len(columns), old is not None, hints, bounds)
     dtypes = {
         dtype: (*EXPONENT_FIELDS.get(dtype, (0, 0)), layout(dtype)[2], dtype_code(dtype)) for dtype in kinds
     }
     # one row per tensor: exponent shift, exponent mask, element mask, dtype code
     rows = np.array(list(dtypes.values()), np.uint64)
     if len(dtypes) == 1:
-        per_tensor = np.broadcast_to(rows, (len(changes), rows.shape[1]))
+        per_tensor = np.broadcast_to(rows, (len(columns), rows.shape[1]))
     else:
         which = {dtype: i for i, dtype in enumerate(dtypes)}
-        per_tensor = rows[[which[c.dtype] for c in changes]]
+        per_tensor = rows[[which[dtype] for dtype in columns.dtypes]]
     fields = np.ascontiguousarray(per_tensor[:, :3])
-    columns = max(int(f[1]) + 1 for f in dtypes.values())
+    width = max(int(f[1]) + 1 for f in dtypes.values())
     if counts is not None and (
         counts.dtype != np.int64
         or counts.shape[:1] != numels.shape
-        or (counts.ndim != 2 or counts.shape[1] < columns)
+        or (counts.ndim != 2 or counts.shape[1] < width)
     ):
-        raise PatchError(f"encode_batch: counts of {len(changes)} x {columns} int64 expected")
+        raise PatchError(f"encode_batch: counts of {len(columns)} x {width} int64 expected")
     payloads, ends, encodings, status = _encode_all(
         old_bits,
         starts,
         numels,
         bounds,
-        np.concatenate(positions, dtype=np.int64),
-        np.concatenate([c.old_bits for c in changes], dtype=bits_dtype),
-        np.concatenate([c.new_bits for c in changes], dtype=bits_dtype),
+        columns.positions.astype(np.int64, copy=False),
+        columns.old_bits,
+        columns.new_bits,
         modes,
         fields,
         thresholds,
         ranks,
         lanes,
-        np.empty((len(changes), 0), np.int64) if counts is None else counts,
+        np.empty((len(columns), 0), np.int64) if counts is None else counts,
     )
     failed = np.flatnonzero(status)
     if failed.size:
@@ -310,9 +302,9 @@ def encode_batch(
         return PatchBatch(data, patch_ends.tolist(), digests)
     pieces, sizes, at = [], np.diff(patch_ends, prepend=0), 0
     for i in general:
-        c = changes[i]
+        c = columns.tensor(i)
         tensor_old = None if old is None else old_bits[starts[i] : starts[i] + c.numel].view(np.uint8)
-        hint = None if hints is None else hints[i]
+        hint = None if hints is None else hints.hint(i, bounds)
         patch = api.encode_changes(c, tensor_old, c.dtype, old_digest=old_digests[i], hint=hint)
         pieces += [data[at : patch_ends[i] - sizes[i]], patch]
         at, sizes[i], digests[i] = patch_ends[i], len(patch), api.read_header(patch).result_digest
@@ -320,29 +312,37 @@ def encode_batch(
     return PatchBatch(b"".join(pieces), np.cumsum(sizes).tolist(), digests)
 
 
+def _checked(columns: ChangeColumns) -> ChangeColumns:
+    """`columns` as the kernel reads them (bit patterns of the tensors' one width), or
+    PatchError where their arrays disagree."""
+    bits = one_width(columns.dtypes)
+    changed = columns.positions.shape
+    if (
+        columns.bounds.shape != (len(columns) + 1,)
+        or columns.numels.shape != (len(columns),)
+        or len(changed) != 1
+        or columns.old_bits.shape != changed
+        or columns.new_bits.shape != changed
+        or columns.bounds[0] != 0
+        or columns.bounds[-1] != changed[0]
+        or (np.diff(columns.bounds) < 0).any()
+    ):
+        raise PatchError("changes: positions, old_bits and new_bits differ in length")
+    if columns.old_bits.dtype.itemsize != bits.itemsize or columns.new_bits.dtype.itemsize != bits.itemsize:
+        raise PatchError("encode_batch: tensors of one element width expected")
+    return replace(columns, old_bits=columns.old_bits.view(bits), new_bits=columns.new_bits.view(bits))
+
+
 def _hints(
-    changes: Sequence[Changes], has_old: bool, hints: Sequence[ContextHint | None] | None, bounds: np.ndarray
+    count: int, has_old: bool, hints: HintColumns | None, bounds: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(mode, given thresholds, given ranks at the changes) per tensor, as `encode_changes`
-    decides: a given hint as given, else one from the old bits of a floating tensor. The
-    hints' fields are gathered a column at a time (one comprehension each, the ranks in
-    one concatenation), not a few numpy assignments per tensor: the device's hints come
-    for every small tensor of a model, on a thread that holds the GIL while it runs."""
-    count = len(changes)
+    decides: a given hint as given, else one from the old bits of a floating tensor."""
     modes = np.full(count, _FROM_OLD if has_old else _NO_HINT, dtype=np.int64)
-    thresholds = np.zeros((count, 2), dtype=np.int64)
     if hints is None:
-        return modes, thresholds, np.zeros(0, dtype=np.int64)
-    given = [(i, hint) for i, hint in enumerate(hints) if hint is not None]
-    if any(hint.ranks.shape != changes[i].positions.shape for i, hint in given):
+        return modes, np.zeros((count, 2), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if hints.thresholds.shape != (count, 2) or hints.ranks.shape != (int(bounds[-1]),):
         raise PatchError("context hint: one rank per changed element expected")
-    if given:
-        at = [i for i, _ in given]
-        modes[at] = _GIVEN
-        thresholds[at] = [(hint.t_low, hint.t_top) for _, hint in given]
-    blank = np.zeros(int(np.diff(bounds).max()), dtype=np.int64)  # read nowhere: no hint given
-    ranks = np.concatenate(
-        [blank[: c.positions.size] if h is None else h.ranks for h, c in zip(hints, changes, strict=True)],
-        dtype=np.int64,
-    )
-    return modes, thresholds, ranks
+    given = hints.thresholds[:, 0] >= 0
+    modes[given] = _GIVEN
+    return modes, np.where(given[:, None], hints.thresholds, 0), hints.ranks.astype(np.int64, copy=False)

@@ -67,6 +67,59 @@ def test_a_batch_is_each_tensors_own_patch(
         assert codec.apply(old, patch).tobytes() == new.tobytes()
 
 
+@SETTINGS
+@given(batches(), st.integers(1, 3), st.booleans())
+def test_columns_taken_from_a_larger_batch_are_each_tensors_own_patch(
+    tensors: list[tuple[str, np.ndarray, np.ndarray]], before: int, hinted: bool
+) -> None:
+    """Columns as the publisher's diff hands them over: a bundle taken out of a batch's
+    columns (its changes not at the columns' start, int32 positions), with the device's
+    hints as columns (some tensors without one), give `encode_changes`' patches."""
+    changes = [codec.diff(old, new, dtype) for dtype, old, new in tensors]
+    hints = [
+        codec.context_hint(c, old.view(codec.uint_dtype(dtype)))
+        if hinted and dtype in codec.EXPONENT_FIELDS and c.count
+        else None
+        for (dtype, old, _), c in zip(tensors, changes, strict=True)
+    ]
+    # tensors ahead of the bundle in the batch: copies of its first tensor
+    batch = [changes[0]] * before + changes
+    joined = codec.ChangeColumns.of(batch)
+    whole = codec.ChangeColumns(
+        joined.dtypes, joined.numels, joined.bounds, joined.positions.astype(np.int32),
+        joined.old_bits, joined.new_bits,
+    )  # fmt: skip
+    bundle = whole.take(before, len(batch))
+    hint_columns = codec.HintColumns.of([hints[0]] * before + hints, whole.bounds).take(
+        before, len(batch), whole.bounds
+    )
+    digests = [codec.digest(old, dtype) for dtype, old, _ in tensors]
+    got = codec.encode_batch(bundle, digests, hints=hint_columns)
+    for i, (c, d, h, (patch, _)) in enumerate(zip(changes, digests, hints, got, strict=True)):
+        assert patch == codec.encode_changes(c, None, c.dtype, old_digest=d, hint=h)
+        assert np.array_equal(bundle.tensor(i).positions, c.positions)
+        assert codec.apply(tensors[i][1], patch).tobytes() == tensors[i][2].tobytes()
+
+
+def test_columns_that_disagree_are_refused() -> None:
+    case = make_case("BF16", 500, "ulp", 1)
+    good = codec.ChangeColumns.of([codec.diff(case.old, case.new, "BF16")])
+    digest = codec.digest(case.old, "BF16")
+    short = codec.ChangeColumns(
+        good.dtypes, good.numels, good.bounds - 1, good.positions, good.old_bits, good.new_bits
+    )
+    with pytest.raises(codec.PatchError, match="differ in length"):
+        codec.encode_batch(short, [digest])
+    wide = codec.ChangeColumns(
+        good.dtypes, good.numels, good.bounds, good.positions, good.old_bits.astype(np.uint32), good.new_bits
+    )
+    with pytest.raises(codec.PatchError, match="one element width"):
+        codec.encode_batch(wide, [digest])
+    few_ranks = codec.HintColumns(np.array([[0, 3]]), np.zeros(good.positions.size - 1, dtype=np.int64))
+    with pytest.raises(codec.PatchError, match="one rank per changed element"):
+        codec.encode_batch(good, [digest], hints=few_ranks)
+
+
 def sampled_counts(bits: np.ndarray, dtype: str, columns: int) -> np.ndarray:
     """`exponent_counts` of a tensor's elements at its sample stride, in a row of `columns`
     (what a caller keeps between versions)."""

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from deltaboard.board import codec
 from deltaboard.board.contract.schemas import ViewRule, ViewSpec
 from deltaboard.publisher import device_diff, fused_diff
-from deltaboard.publisher.device_diff import ViewDiff
+from deltaboard.publisher.device_diff import BatchDiff, ViewDiff
 from deltaboard.publisher.snapshot import SlotBatch, ViewBuffer, ViewLayout
 from tests.publisher.test_device_diff import SPEC, float_pairs, state_pairs
 
@@ -43,7 +43,7 @@ def tile(request: pytest.FixtureRequest) -> Iterator[int]:
     fused_diff.TILE = saved
 
 
-def assert_same(reference: ViewDiff, fused: ViewDiff) -> None:
+def assert_same(reference: ViewDiff | BatchDiff, fused: ViewDiff | BatchDiff) -> None:
     """Same changed tensors with the same positions, bits and context hints."""
     assert reference.changes.keys() == fused.changes.keys()
     for name, want in reference.changes.items():

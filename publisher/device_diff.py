@@ -466,11 +466,13 @@ ranges); the bytes that crossed to the host for them."""
 
 @dataclass(frozen=True)
 class _BatchInfo:
-    """What the hints read of a batch's slots, made once per batch (`_info`): a model of many
-    tensors would otherwise walk its slots in Python at every version."""
+    """What the diff's result and hints read of a batch's slots, made once per batch
+    (`_info`): a model of many tensors would otherwise walk its slots in Python at every
+    version."""
 
     names: list[str]  # per slot
     dtypes: list[str]  # per slot
+    offsets: np.ndarray  # per slot: its first element, relative to the batch's
     numel: np.ndarray  # per slot
     floating: np.ndarray  # per slot: whether its dtype has an exponent (a hint)
     by_dtype: dict[str, np.ndarray]  # per floating dtype, its slots (indices, ascending)
@@ -489,6 +491,7 @@ def _info(slots: SlotBatch) -> _BatchInfo:
     return _BatchInfo(
         [s.name for s in slots],
         [s.dtype for s in slots],
+        np.array([s.offset - slots[0].offset for s in slots], dtype=np.int64),
         np.array([s.numel for s in slots], dtype=np.int64),
         floating,
         {dtype: np.array(rows, dtype=np.int64) for dtype, rows in by_dtype.items()},
@@ -677,11 +680,12 @@ def _diff_on_host(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> Ba
     width = group[1]
     start, stop = slots[0].offset * width, word_aligned(slots[-1].offset + slots[-1].numel, width) * width
     found = codec.diff(old.host_group(group)[start:stop], new.host_group(group)[start:stop], slots[0].dtype)
-    offsets = np.array([s.offset for s in slots], dtype=np.int64) - slots[0].offset
+    batch = as_batch(slots)
+    offsets = _info(batch).offsets
     counts = np.diff(np.searchsorted(found.positions, offsets), append=found.count)
     local = found.positions - np.repeat(offsets, counts)
     names, columns = _changed_columns(
-        as_batch(slots), np.flatnonzero(counts), counts, local, found.old_bits, found.new_bits
+        batch, np.flatnonzero(counts), counts, local, found.old_bits, found.new_bits
     )
     return BatchDiff(
         names, columns, None, found.positions.nbytes + found.old_bits.nbytes + found.new_bits.nbytes

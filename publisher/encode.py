@@ -236,9 +236,9 @@ def _delta_bundles(
 ) -> Generator[Bundle, None, None]:
     """A delta's bundles, diff batch after diff batch, made as the encoders take them: the
     next batch is finished (its changes gathered) and cut into bundles while the encoders
-    still run the last batch's, not after all of them came back (for a model of many
-    small tensors that work is a Python step per tensor, which the encoders would wait
-    for at every batch)."""
+    still run the last batch's, not after all of them came back. A bundle's changes and
+    hints are slices of the batch's columns; what is still a step per tensor is the
+    bundle's lists of names, digests, dtypes and shapes (for the packer and the counts)."""
     slots = buffer.layout.by_name
     started = time.perf_counter()
     # device hints where they are the context's source (CUDA), never on the CPU, which

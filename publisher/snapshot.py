@@ -14,7 +14,7 @@ and the trainer's next in-place update is ordered after the copy by the stream i
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, partial
@@ -131,16 +131,27 @@ class ViewLayout:
         return frozenset(s.name for s in self.slots)
 
     @cached_property
-    def _kept(self) -> list[tuple[str, tuple[int, ...], torch.device]]:
-        """Each slot's name, shape and device as a tensor's own compare to them (`change`
-        runs on the trainer thread at every publish: no string or tuple made per tensor)."""
-        return [(s.name, s.shape, torch.device(s.device)) for s in self.slots]
+    def _order(self) -> list[str]:
+        return [s.name for s in self.slots]
+
+    @cached_property
+    def _kept(self) -> list[tuple[tuple[int, ...], torch.device]]:
+        """Each slot's shape and device as a tensor's own compare to them (`change` runs on
+        the trainer thread at every publish: no string or tuple made per tensor)."""
+        return [(s.shape, torch.device(s.device)) for s in self.slots]
 
     def change(self, state: Mapping[str, torch.Tensor], spec: ViewSpec) -> LayoutChange | None:
         """None when `state` holds this layout's tensors (in any order) with their shapes and
         devices; else what differs, which a new layout (and a keyframe) must follow."""
-        if state.keys() == self.names and all(
-            state[name].shape == shape and state[name].device == device for name, shape, device in self._kept
+        # the same state dict as before, in layout order, is walked without a lookup per name
+        tensors: Iterable[torch.Tensor] | None = None
+        if list(state) == self._order:
+            tensors = state.values()
+        elif state.keys() == self.names:
+            tensors = (state[name] for name in self._order)
+        if tensors is not None and all(
+            t.shape == shape and t.device == device
+            for t, (shape, device) in zip(tensors, self._kept, strict=True)
         ):
             return None
         old = {s.name: (s.shape, s.device) for s in self.slots}

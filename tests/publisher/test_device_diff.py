@@ -282,8 +282,10 @@ def test_device_context_hint_matches_codec(device, pair, rank_chunk):
 def test_layout_change_names_what_changed_and_ignores_order():
     layout = ViewLayout.of({"w": torch.zeros(4), "u": torch.zeros(2)}, ViewSpec())
     assert layout.change({"u": torch.ones(2), "w": torch.ones(4)}, ViewSpec()) is None
+    assert layout.change({"w": torch.ones(4), "u": torch.ones(2)}, ViewSpec()) is None
     cases = {
         "reshaped w": {"w": torch.zeros(5), "u": torch.zeros(2)},
+        "reshaped u": {"u": torch.zeros(3), "w": torch.zeros(4)},
         "added v; dropped u": {"w": torch.zeros(4), "v": torch.zeros(4)},
         "added v": {"w": torch.zeros(4), "u": torch.zeros(2), "v": torch.zeros(1)},
     }

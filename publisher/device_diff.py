@@ -379,9 +379,9 @@ def _changed_columns(
     every = changed.size == len(slots)
     names = info.names if every else [info.names[i] for i in changed.tolist()]
     dtypes = info.dtypes if every else [info.dtypes[i] for i in changed.tolist()]
-    bounds = np.zeros(changed.size + 1, dtype=np.int64)
-    np.cumsum(counts[changed], out=bounds[1:])
-    return names, codec.ChangeColumns(dtypes, info.numel[changed], bounds, local, old_bits, new_bits)
+    return names, codec.ChangeColumns.joined(
+        dtypes, info.numel[changed], counts[changed], local, old_bits, new_bits
+    )
 
 
 @functools.lru_cache(maxsize=256)

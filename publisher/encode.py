@@ -238,7 +238,7 @@ def _delta_bundles(
     next batch is finished (its changes gathered) and cut into bundles while the encoders
     still run the last batch's, not after all of them came back. A bundle's changes and
     hints are slices of the batch's columns; what is still a step per tensor is the
-    bundle's lists of names, digests, dtypes and shapes (for the packer and the counts)."""
+    bundle's lists of slots, digests and shapes (for the packer and the counts)."""
     slots = buffer.layout.by_name
     started = time.perf_counter()
     # device hints where they are the context's source (CUDA), never on the CPU, which
@@ -268,9 +268,7 @@ def _delta_bundles(
                 hints,
                 None if old is None or counts is None else (counts, group_names),
             )
-            columns = Tensors(
-                group_names, [s.dtype for s in in_group], [s.shape for s in in_group], counted[a:b]
-            )
+            columns = Tensors(group_names, changes.dtypes[a:b], [s.shape for s in in_group], counted[a:b])
             yield columns, encode
         started = time.perf_counter()
 

@@ -30,12 +30,6 @@ def one_width(dtypes: Sequence[str]) -> np.dtype[np.unsignedinteger]:
     return bits
 
 
-def _bounds(sizes: Sequence[int] | np.ndarray) -> np.ndarray:
-    bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=bounds[1:])
-    return bounds
-
-
 @dataclass(frozen=True)
 class ChangeColumns:
     """The `Changes` of consecutive tensors of one element width, end to end: tensor i has
@@ -63,14 +57,29 @@ class ChangeColumns:
             raise PatchError("changes: positions, old_bits and new_bits differ in length")
         dtypes = [c.dtype for c in changes]
         bits = one_width(dtypes)
-        return cls(
+        return cls.joined(
             dtypes,
             np.array([c.numel for c in changes], dtype=np.int64),
-            _bounds([shape[0] for shape in shapes]),
+            [shape[0] for shape in shapes],
             np.concatenate([c.positions for c in changes], dtype=np.int64),
             np.concatenate([c.old_bits for c in changes], dtype=bits),
             np.concatenate([c.new_bits for c in changes], dtype=bits),
         )
+
+    @classmethod
+    def joined(
+        cls,
+        dtypes: Sequence[str],
+        numels: np.ndarray,
+        counts: Sequence[int] | np.ndarray,
+        positions: np.ndarray,
+        old_bits: np.ndarray,
+        new_bits: np.ndarray,
+    ) -> ChangeColumns:
+        """Tensors whose changes lie end to end in the arrays, `counts[i]` of tensor i."""
+        bounds = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=bounds[1:])
+        return cls(dtypes, numels, bounds, positions, old_bits, new_bits)
 
     def __len__(self) -> int:
         return len(self.dtypes)

@@ -44,6 +44,8 @@ from deltaboard.services.bench.link import LinkProcess, free_port
 from deltaboard.services.trajectory import DEFAULT_CACHE, Trajectory, load_trajectory
 
 if TYPE_CHECKING:
+    import torch
+
     from deltaboard.publisher.publisher import PublishResult
 
 
@@ -273,7 +275,13 @@ def run_shapes(config: BenchConfig, progress: Callable[[str], None]) -> dict[str
     see the same machine load), across the first link. Per shape (medians over the deltas):
     `blocked_ms`, `e2e_s` (call to commit) and its parts `diff_s` (waiting for the diff),
     `encode_s` (diff, encode and upload), `commit_s`; `delta_bytes`, `manifest_bytes`.
-    `many_over_few`: the e2e ratio of the two shapes (the issue's target: within 1.5x)."""
+    `many_over_few`: the e2e ratio of the two shapes (the issue's target: within 1.5x).
+
+    Beside each publish, what the snapshot copy alone costs, in the same run (`SnapshotCopy`):
+    `torch_copy_ms`, the trainer thread's time in torch's multi-tensor copy of the same
+    tensors into one buffer (`torch._foreach_copy_`), and `copy_floor_ms`, one copy of the
+    view's bytes as a single tensor, waited for: the blocked time's targets ("no more than
+    the snapshot copy") against the copy of these tensors and against the copy of their bytes."""
     import torch
 
     from deltaboard.publisher.publisher import Publisher
@@ -284,6 +292,8 @@ def run_shapes(config: BenchConfig, progress: Callable[[str], None]) -> dict[str
     shapes = (config.tensors, FEW_TENSORS)
     views = {n: TiledView(traj, config.view_gb, config.deltas, config.device, tensors=n) for n in shapes}
     series: dict[int, list[tuple[PublishResult, float]]] = {n: [] for n in shapes}
+    copies = {n: SnapshotCopy(views[n].state) for n in shapes}
+    copy_times: dict[int, list[tuple[float, float]]] = {n: [] for n in shapes}
     gbit = config.links_gbit[0]
     with (
         tempfile.TemporaryDirectory(prefix="deltaboard-bench-") as tmp,
@@ -313,6 +323,8 @@ def run_shapes(config: BenchConfig, progress: Callable[[str], None]) -> dict[str
                     fut = pubs[n].publish(views[n].state, step=v)
                     blocked = time.perf_counter() - t0
                     series[n].append((fut.result(), blocked))
+                    if v:
+                        copy_times[n].append(copies[n].timed())
     rows = []
     for n in shapes:
         deltas = [(r, b) for r, b in series[n] if r.kind == "delta"]
@@ -320,6 +332,8 @@ def run_shapes(config: BenchConfig, progress: Callable[[str], None]) -> dict[str
             {
                 "tensors": n,
                 "blocked_ms": statistics.median(b for _, b in deltas) * 1e3,
+                "torch_copy_ms": statistics.median(t for t, _ in copy_times[n]) * 1e3,
+                "copy_floor_ms": statistics.median(f for _, f in copy_times[n]) * 1e3,
                 **{
                     key: statistics.median(getattr(r, key) for r, _ in deltas)
                     for key in ("e2e_s", "diff_s", "encode_s", "commit_s")
@@ -342,6 +356,45 @@ def run_shapes(config: BenchConfig, progress: Callable[[str], None]) -> dict[str
     }
 
 
+class SnapshotCopy:
+    """What the snapshot copy alone costs for a state dict (`run_shapes`), into buffers made
+    once: torch's multi-tensor copy of its tensors into views of one buffer, and one copy of
+    the same bytes as a single tensor (the bytes' floor). Torch's copy passes floats through
+    a conversion that a snapshot cannot use (`snapshot.ViewBuffer.fill`): a time reference,
+    not an alternative."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        import torch
+
+        self.sources = list(state.values())
+        first = self.sources[0]
+        sizes = [t.numel() for t in self.sources]
+        self.target = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
+        starts = itertools.accumulate(sizes[:-1], initial=0)
+        self.targets = [
+            self.target[a : a + t.numel()].view(t.shape) for a, t in zip(starts, self.sources, strict=True)
+        ]
+        self.whole = torch.empty_like(self.target)
+        self.timed()  # untimed: the buffers' first touch (page faults) and torch's set-up
+
+    def timed(self) -> tuple[float, float]:
+        """(seconds in `torch._foreach_copy_` of the tensors: the caller's thread, which on
+        CUDA only queues the copies; seconds for one copy of their bytes, finished)."""
+        import torch
+
+        on_cuda = self.target.is_cuda
+        t0 = time.perf_counter()
+        torch._foreach_copy_(self.targets, self.sources)
+        multi = time.perf_counter() - t0
+        if on_cuda:
+            torch.cuda.synchronize(self.target.device)
+        t0 = time.perf_counter()
+        self.whole.copy_(self.target)
+        if on_cuda:
+            torch.cuda.synchronize(self.target.device)
+        return multi, time.perf_counter() - t0
+
+
 def render_shapes(report: dict[str, Any], console: Console) -> None:
     table = Table(
         title=f"publish: {report['view_gb']:.2f} GB bf16 view at {report['link_gbit']:g} Gbit/s, "
@@ -351,6 +404,8 @@ def render_shapes(report: dict[str, Any], console: Console) -> None:
         "tensors",
         "changed",
         "blocked ms",
+        "torch copy ms",
+        "copy floor ms",
         "e2e s",
         "diff s",
         "encode s",
@@ -364,6 +419,8 @@ def render_shapes(report: dict[str, Any], console: Console) -> None:
             f"{r['tensors']:,}",
             f"{r['changed_fraction']:.2%}",
             f"{r['blocked_ms']:.1f}",
+            f"{r['torch_copy_ms']:.1f}",
+            f"{r['copy_floor_ms']:.1f}",
             f"{r['e2e_s']:.3f}",
             f"{r['diff_s']:.3f}",
             f"{r['encode_s']:.3f}",

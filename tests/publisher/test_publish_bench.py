@@ -30,6 +30,20 @@ def test_shapes_publish_the_same_bits_as_many_small_and_few_large_tensors(
     assert many["changed_fraction"] == few["changed_fraction"] > 0  # the same bits, cut otherwise
     assert many["manifest_bytes"] > few["manifest_bytes"]
     assert report["many_over_few"] == many["e2e_s"] / few["e2e_s"]
+    for shape in (many, few):  # the snapshot copy alone, timed beside the publishes
+        assert shape["torch_copy_ms"] > 0 and shape["copy_floor_ms"] > 0
+
+
+def test_the_snapshot_copy_reference_copies_every_tensor_into_its_own_place() -> None:
+    import torch
+
+    state = {"a": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.tensor([7.0, 8.0])}
+    copy = publish_bench.SnapshotCopy(state)
+    multi, floor = copy.timed()
+    assert multi > 0 and floor > 0
+    assert [t.shape for t in copy.targets] == [(2, 3), (2,)]
+    assert copy.target.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 7.0, 8.0]
+    assert torch.equal(copy.whole, copy.target)
 
 
 def test_the_warm_up_view_is_cut_into_tensors_of_the_timed_views_size(

@@ -281,7 +281,8 @@ def run_shapes(config: BenchConfig, progress: Callable[[str], None]) -> dict[str
     `torch_copy_ms`, the trainer thread's time in torch's multi-tensor copy of the same
     tensors into one buffer (`torch._foreach_copy_`), and `copy_floor_ms`, one copy of the
     view's bytes as a single tensor, waited for: the blocked time's targets ("no more than
-    the snapshot copy") against the copy of these tensors and against the copy of their bytes."""
+    the snapshot copy") against the copy of these tensors and against the copy of their bytes.
+    (Two more buffers of the view's size per shape, on the view's device.)"""
     import torch
 
     from deltaboard.publisher.publisher import Publisher

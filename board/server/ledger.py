@@ -30,7 +30,14 @@ from deltaboard.board.contract.spans import KeyframeManifest, SpanManifest
 from deltaboard.board.server import rules
 from deltaboard.board.server.clock import Clock, SystemClock
 from deltaboard.board.server.metrics import BoardMetrics
-from deltaboard.board.server.records import HeadRecord, LeaseRecord, RunRecord, VersionRecord
+from deltaboard.board.server.records import (
+    HeadRecord,
+    LeaseRecord,
+    RunRecord,
+    VersionRecord,
+    manifest_json,
+    packed_manifest,
+)
 from deltaboard.board.server.retention import VersionSelection, apply_retention
 from deltaboard.board.server.storage import (
     ObjectNotFound,
@@ -111,8 +118,9 @@ class Ledger:
         return self._read(lease_key(run), LeaseRecord)
 
     def manifest_bytes(self, run: str, version: int) -> bytes | None:
+        """A committed manifest's JSON (`manifest_json`), None where none is stored."""
         found = self.store.read_record(manifest_key(run, version))
-        return None if found is None else found[0]
+        return None if found is None else manifest_json(found[0])
 
     def blob_size(self, run: str, sha256: str) -> int | None:
         info = self.store.stat(blob_key(run, sha256))
@@ -236,7 +244,8 @@ class Ledger:
         sizes = {sha: self.blob_size(run, sha) for sha in manifest.blob_shas()}
         rules.check_blob_ranges(manifest, sizes)
         new_head = HeadRecord(version=manifest.version, kind=manifest.kind, epoch=manifest.epoch)
-        data = encode(manifest)
+        as_json = encode(manifest)
+        data = packed_manifest(as_json)
         key = manifest_key(run, manifest.version)
         head_write = (head_key(run), encode(new_head), head_tag)
         # The manifest create-if-absent, then the head CAS, durable together.
@@ -244,7 +253,7 @@ class Ledger:
         if written == 0:
             # Rewritten even when the slot holds our own bytes: a crashed attempt may have
             # set them without making them durable.
-            slot = self._take_manifest_slot(run, manifest, data, head)
+            slot = self._take_manifest_slot(run, manifest, as_json, head)
             written = self.store.write_records([(key, data, slot), head_write])
         if written < 2:
             now, _ = self.head(run)
@@ -252,18 +261,19 @@ class Ledger:
                 raise StaleEpoch(f"epoch {manifest.epoch} was fenced off", current_epoch=now.epoch)
             raise NotHead(f"version {manifest.version} was committed concurrently", head=now.version)
         stored = {k: v for k, v in sizes.items() if v is not None}
-        return new_head, VersionRecord.of(manifest, stored, len(data))
+        return new_head, VersionRecord.of(manifest, stored, len(as_json))
 
-    def _take_manifest_slot(self, run: str, manifest: Manifest, data: bytes, head: HeadRecord) -> str:
+    def _take_manifest_slot(self, run: str, manifest: Manifest, as_json: bytes, head: HeadRecord) -> str:
         """The manifest's create-if-absent lost. What is there above head is either our own
-        retry (same bytes), a fenced writer's leftover (lower epoch), both to be replaced
-        by compare-and-set on the tag returned, or a concurrent commit of the same epoch
-        (refused)."""
+        retry (the same JSON, packed or as an older board stored it), a fenced writer's
+        leftover (lower epoch), both to be replaced by compare-and-set on the tag returned,
+        or a concurrent commit of the same epoch (refused)."""
         found = self.store.read_record(manifest_key(run, manifest.version))
         if found is None:
             raise NotHead("manifest slot changed concurrently; retry")
-        existing, tag = found
-        if existing == data:
+        stored, tag = found
+        existing = manifest_json(stored)  # our own attempt's, packed or (an older board's) not
+        if existing == as_json:
             return tag
         try:
             other = Manifest.model_validate_json(existing)

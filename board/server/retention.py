@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from deltaboard.board.contract.schemas import Manifest, RetentionReport
 from deltaboard.board.server.plan import cheapest
-from deltaboard.board.server.records import VersionRecord
+from deltaboard.board.server.records import VersionRecord, manifest_json
 from deltaboard.board.server.spans import SpanEnds, SpanRecord
 from deltaboard.board.server.storage import (
     ObjectNotFound,
@@ -111,7 +111,7 @@ def apply_retention(
         if version is not None and (head is None or version > head):
             # Possibly a commit in flight: its blobs stay.
             with contextlib.suppress(ObjectNotFound, ValidationError):
-                referenced |= Manifest.model_validate_json(store.get(info.key)).blob_shas()
+                referenced |= Manifest.model_validate_json(manifest_json(store.get(info.key))).blob_shas()
     for version in selection.delete:
         store.delete_record(manifest_key(run, version))
     for span in selection.delete_spans:

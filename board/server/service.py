@@ -364,7 +364,7 @@ class BoardService:
             self.metrics.waits -= 1
 
     async def manifest(self, run: str, version: int) -> bytes:
-        """A committed manifest's stored bytes (cached: they never change)."""
+        """A committed manifest's JSON as stored (unpacked; cached: it never changes)."""
         await self.require_run(run)
         current = await self.head(run)
         if current.version is None or version > current.version:

@@ -10,10 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import zstandard
 
 from deltaboard.board.contract.errors import BoardError
-from deltaboard.board.contract.schemas import LeaseRequest, RunCreate
+from deltaboard.board.contract.schemas import LeaseRequest, Manifest, RunCreate
 from deltaboard.board.server.ledger import Ledger, encode
+from deltaboard.board.server.records import packed_manifest
 from deltaboard.board.server.retention import select_versions
 from deltaboard.board.server.storage import head_key, manifest_key
 from deltaboard.board.server.storage.local import LocalStore
@@ -48,13 +50,39 @@ def test_retry_after_a_crash_before_the_head_cas(ledger):
     m = manifest("r", 1, epoch, {"w": b"one"})
     put_blobs(ledger, {"w": b"one"})
     # The manifest landed, the head did not (and the manifest may not be durable: the
-    # local store syncs it only with the head's bytes).
+    # local store syncs it only with the head's bytes). Stored as plain JSON, as a board
+    # before packed manifests wrote it: the retry still knows it for its own.
     crashed = ledger.store.write_record(manifest_key("r", 1), encode(m), None)
     assert ledger.head("r")[0].version == 0
     head, record = ledger.commit("r", m)
     assert head.version == 1 and record.kind == "delta"
     # The retry rewrote its manifest with the head, so this attempt made it durable.
-    assert ledger.store.read_record(manifest_key("r", 1)) == (encode(m), str(int(crashed) + 1))
+    stored, tag = ledger.store.read_record(manifest_key("r", 1))
+    assert (stored, tag) == (packed_manifest(encode(m)), str(int(crashed) + 1))
+    assert ledger.manifest_bytes("r", 1) == encode(m)
+
+
+def test_manifests_are_stored_packed_and_read_as_json_either_way(ledger):
+    """A commit stores its manifest as one zstd frame (a model of many tensors' manifest is
+    megabytes of repeating columns, written and synced before the commit answers); reads
+    give its JSON, and a plain JSON record (an older board's) as it is."""
+    epoch = lease(ledger, "a")
+    commit(ledger, 0, epoch, b"zero")
+    m = manifest("r", 1, epoch, {"w": b"one"})
+    put_blobs(ledger, {"w": b"one"})
+    _, record = ledger.commit("r", m)
+    stored, _ = ledger.store.read_record(manifest_key("r", 1))
+    assert stored.startswith(b"\x28\xb5\x2f\xfd") and zstandard.decompress(stored) == encode(m)
+    assert ledger.manifest_bytes("r", 1) == encode(m)
+    assert record.manifest_bytes == len(encode(m))  # what a follower reads: the JSON
+    plain, tag = ledger.store.read_record(manifest_key("r", 0))
+    ledger.store.write_record(manifest_key("r", 0), zstandard.decompress(plain), tag)
+    assert Manifest.model_validate_json(ledger.manifest_bytes("r", 0)).version == 0
+    assert [r.version for r in ledger.committed_versions("r", 1)] == [0, 1]
+    damaged, tag = ledger.store.read_record(manifest_key("r", 1))
+    ledger.store.write_record(manifest_key("r", 1), damaged[:-8], tag)
+    assert ledger.manifest_bytes("r", 1) == damaged[:-8]  # refused where it is parsed
+    assert [r.version for r in ledger.committed_versions("r", 1)] == [0]
 
 
 class Crashed(BaseException):

@@ -19,6 +19,7 @@ from deltaboard.board.server.api.app import create_app
 from deltaboard.board.server.api.longpoll import poll_of
 from deltaboard.board.server.api.state import check_asset_name, check_sha
 from deltaboard.board.server.clock import ManualClock
+from deltaboard.board.server.records import manifest_json
 from deltaboard.board.server.settings import Settings
 from tests.support.manifests import manifest
 
@@ -312,7 +313,8 @@ def test_manifests_travel_gzipped_and_plans_count_them(http, tmp_path):
     names = {f"layer.{i}.weight": PAYLOAD for i in range(40)}  # a manifest of some kilobytes
     m = manifest("r", 0, epoch, names)
     assert commit(http, m)[0] == 201
-    stored = (tmp_path / "board" / "store" / "runs" / "r" / "manifests" / f"{0:012d}.json").read_bytes()
+    path = tmp_path / "board" / "store" / "runs" / "r" / "manifests" / f"{0:012d}.json"
+    stored = manifest_json(path.read_bytes())  # the JSON, stored as one zstd frame
     raw = http.get("/v1/runs/r/manifests/0", headers={"Accept-Encoding": "identity"})
     assert "content-encoding" not in raw.headers and raw.content == stored
     packed = http.get("/v1/runs/r/manifests/0", headers={"Accept-Encoding": "gzip"})

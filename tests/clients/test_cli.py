@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 from typer.main import get_command
 
+from deltaboard.board.server.records import manifest_json
 from deltaboard.clients.follower.verify import served
 from deltaboard.services.bench.link import LinkProcess
 from deltaboard.services.cli import build_app
@@ -148,7 +149,7 @@ def test_a_manifest_no_follower_can_use_is_one_red_line(board, tmp_path):
     board.stop()
     for run, field, value in (("neg", "shape", [-128, -64]), ("dtype", "dtype", "Q7")):
         path = board.data_dir / "store" / "runs" / run / "manifests" / f"{0:012d}.json"
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(manifest_json(path.read_bytes()))
         manifest["tensors"][field][0] = value  # format 2: one column per field
         path.write_text(json.dumps(manifest))
     board.start()

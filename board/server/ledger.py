@@ -119,8 +119,14 @@ class Ledger:
 
     def manifest_bytes(self, run: str, version: int) -> bytes | None:
         """A committed manifest's JSON (`manifest_json`), None where none is stored."""
+        found = self.stored_manifest(run, version)
+        return None if found is None else manifest_json(found)
+
+    def stored_manifest(self, run: str, version: int) -> bytes | None:
+        """A committed manifest's record as stored (`records.packed_manifest`, or an older
+        board's plain JSON), None where none is stored."""
         found = self.store.read_record(manifest_key(run, version))
-        return None if found is None else manifest_json(found[0])
+        return None if found is None else found[0]
 
     def blob_size(self, run: str, sha256: str) -> int | None:
         info = self.store.stat(blob_key(run, sha256))

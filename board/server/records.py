@@ -26,6 +26,15 @@ def packed_manifest(as_json: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=1).compress(as_json)
 
 
+def served_manifest(stored: bytes) -> tuple[bytes, bytes]:
+    """A stored manifest record as the board serves it: (its JSON, one zstd frame of that
+    JSON). The frame is the record itself where it is one that decodes; an older board's
+    plain JSON, or a damaged frame, is packed from the JSON as `manifest_json` reads it,
+    so that a client which accepts zstd decodes what another client gets as JSON."""
+    as_json = manifest_json(stored)
+    return as_json, stored if as_json is not stored else packed_manifest(as_json)
+
+
 def manifest_json(stored: bytes) -> bytes:
     """A stored manifest's JSON: unpacked (`packed_manifest`), or as it is where an older
     board stored plain JSON. A frame that does not decode is returned as it is, to be

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zstandard
 from pydantic import ValidationError
 from starlette.testclient import TestClient
 
@@ -18,6 +19,7 @@ from deltaboard.board.contract.schemas import ASSET_NAME_RE, RUN_NAME_RE, SHA256
 from deltaboard.board.server.api.app import create_app
 from deltaboard.board.server.api.longpoll import poll_of
 from deltaboard.board.server.api.state import check_asset_name, check_sha
+from deltaboard.board.server.api.versions import accepts_zstd
 from deltaboard.board.server.clock import ManualClock
 from deltaboard.board.server.records import manifest_json
 from deltaboard.board.server.settings import Settings
@@ -324,6 +326,47 @@ def test_manifests_travel_gzipped_and_plans_count_them(http, tmp_path):
     plan = http.get("/v1/runs/r/plan").json()
     assert plan["manifest_bytes"] == plan["steps"][0]["manifest_bytes"] == len(stored)
     assert plan["total_bytes"] == len(PAYLOAD)
+
+
+def test_manifests_travel_as_stored_to_clients_that_accept_zstd(http, tmp_path):
+    """The stored zstd frame itself, no compression per request; the JSON once decoded.
+    A client that does not accept zstd (or refuses it, q=0) gets gzip or plain JSON."""
+    epoch = lease(http)
+    names = {f"layer.{i}.weight": PAYLOAD for i in range(40)}
+    m = manifest("r", 0, epoch, names)
+    assert commit(http, m)[0] == 201
+    path = tmp_path / "board" / "store" / "runs" / "r" / "manifests" / f"{0:012d}.json"
+    stored = path.read_bytes()
+    for accept in ("zstd", "gzip, deflate, zstd", "br;q=0.5, ZSTD;q=0.8"):
+        raw = http.get("/v1/runs/r/manifests/0", headers={"Accept-Encoding": accept})
+        assert raw.headers["content-encoding"] == "zstd" and "Accept-Encoding" in raw.headers["vary"]
+        # the test client does not decode zstd (`BoardClient`'s httpx does: every follower test)
+        assert raw.content == stored  # the record itself, no compression per request
+        assert Manifest.model_validate_json(zstandard.decompress(raw.content)) == m
+    for accept, encoding in (("zstd;q=0, gzip", "gzip"), ("zstd;q=0", None), ("identity", None)):
+        answer = http.get("/v1/runs/r/manifests/0", headers={"Accept-Encoding": accept})
+        assert answer.headers.get("content-encoding") == encoding, accept
+        assert answer.content == manifest_json(stored)
+
+
+def test_a_plain_json_record_is_served_packed_to_zstd_clients(http, tmp_path):
+    """An older board's plain JSON record: zstd clients get a frame of it, others the JSON."""
+    epoch = lease(http)
+    m = manifest("r", 0, epoch, {f"layer.{i}.weight": PAYLOAD for i in range(40)})
+    assert commit(http, m)[0] == 201
+    path = tmp_path / "board" / "store" / "runs" / "r" / "manifests" / f"{0:012d}.json"
+    path.write_bytes(manifest_json(path.read_bytes()))  # before anything read it (no cache yet)
+    raw = http.get("/v1/runs/r/manifests/0", headers={"Accept-Encoding": "zstd"})
+    assert raw.headers["content-encoding"] == "zstd"
+    assert zstandard.decompress(raw.content) == path.read_bytes()
+    plain = http.get("/v1/runs/r/manifests/0", headers={"Accept-Encoding": "identity"})
+    assert plain.content == path.read_bytes()
+
+
+def test_accept_encoding_lists_zstd_only_with_a_weight_above_zero():
+    assert accepts_zstd("zstd") and accepts_zstd("gzip, zstd;q=0.1") and accepts_zstd(" Zstd ; q=1")
+    assert not accepts_zstd("") and not accepts_zstd("gzip, br") and not accepts_zstd("zstd;q=0")
+    assert not accepts_zstd("zstd;q=0.000") and not accepts_zstd("zstd;q=bad") and not accepts_zstd("xzstd")
 
 
 def test_blobs_are_never_gzipped(http):

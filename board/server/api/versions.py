@@ -7,7 +7,7 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from deltaboard.board.contract.schemas import MAX_VERSION, CommitRequest, Head, Manifest, Plan, VersionSummary
@@ -100,12 +100,32 @@ async def versions(
     responses={200: {"model": Manifest, "description": "the manifest, as stored"}, **READ_ERRORS},
 )
 async def manifest(
-    run: RunPath, version: int = Path(ge=0, le=MAX_VERSION), state: BoardState = Reader
+    request: Request, run: RunPath, version: int = Path(ge=0, le=MAX_VERSION), state: BoardState = Reader
 ) -> Response:
-    data = await state.service.manifest(run, version)
-    return Response(
-        data, media_type="application/json", headers={"Cache-Control": "public, max-age=31536000, immutable"}
-    )
+    """The manifest's JSON; to a client that accepts zstd, as the board stores it (one zstd
+    frame), else gzipped or not by the app's gzip layer."""
+    packed = accepts_zstd(request.headers.get("accept-encoding", ""))
+    data = await state.service.manifest(run, version, packed=packed)
+    headers = {"Cache-Control": "public, max-age=31536000, immutable", "Vary": "Accept-Encoding"}
+    if packed:
+        headers["Content-Encoding"] = "zstd"
+    return Response(data, media_type="application/json", headers=headers)
+
+
+def accepts_zstd(accept_encoding: str) -> bool:
+    """Whether an `Accept-Encoding` header lists zstd with a weight above 0 (RFC 9110)."""
+    for item in accept_encoding.split(","):
+        coding, _, params = item.strip().partition(";")
+        if coding.strip().lower() != "zstd":
+            continue
+        name, _, weight = params.strip().partition("=")
+        if name.strip().lower() != "q":
+            return True
+        try:
+            return float(weight) > 0
+        except ValueError:
+            return False
+    return False
 
 
 @router.get("/plan", response_model=Plan, responses=READ_ERRORS)

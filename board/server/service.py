@@ -367,7 +367,7 @@ class BoardService:
     async def manifest(self, run: str, version: int, packed: bool = False) -> bytes:
         """A committed manifest's JSON, or with `packed` one zstd frame of it (what the board
         stores: a client that accepts zstd gets it without a compression per request, where
-        gzip took 37 ms of the event loop for a 20,000-entry manifest). Cached: it never
+        a gzipped fetch of a 20,000-entry manifest took 17 ms against 1.1). Cached: it never
         changes."""
         await self.require_run(run)
         current = await self.head(run)

@@ -29,22 +29,28 @@ def packed_manifest(as_json: bytes) -> bytes:
 def served_manifest(stored: bytes) -> tuple[bytes, bytes]:
     """A stored manifest record as the board serves it: (its JSON, one zstd frame of that
     JSON). The frame is the record itself where it is one that decodes; an older board's
-    plain JSON, or a damaged frame, is packed from the JSON as `manifest_json` reads it,
+    plain JSON, or a damaged frame, is packed from the record as `manifest_json` reads it,
     so that a client which accepts zstd decodes what another client gets as JSON."""
-    as_json = manifest_json(stored)
-    return as_json, stored if as_json is not stored else packed_manifest(as_json)
+    unpacked = _unpacked(stored)
+    return (stored, packed_manifest(stored)) if unpacked is None else (unpacked, stored)
 
 
 def manifest_json(stored: bytes) -> bytes:
     """A stored manifest's JSON: unpacked (`packed_manifest`), or as it is where an older
     board stored plain JSON. A frame that does not decode is returned as it is, to be
     refused as unreadable JSON by whoever parses it, as a damaged JSON record is."""
+    unpacked = _unpacked(stored)
+    return stored if unpacked is None else unpacked
+
+
+def _unpacked(stored: bytes) -> bytes | None:
+    """The JSON in a record that is a zstd frame which decodes; None for any other record."""
     if not stored.startswith(_ZSTD_FRAME):
-        return stored
+        return None
     try:
         return zstandard.ZstdDecompressor().decompress(stored)
     except zstandard.ZstdError:
-        return stored
+        return None
 
 
 class Record(BaseModel):

@@ -165,7 +165,18 @@ def hint_bins(slots: Sequence[Slot]) -> int:
     )
 
 
-_expected: dict[object, int] = {}  # per range diffed: the changed count its last pass found
+# per range diffed: the changed count its last pass found. Keys are batches, equal only to
+# themselves (`SlotBatch`): those of a layout no longer diffed go, oldest first, past
+# `_EXPECTED_KEYS`, rather than stay for the process' life.
+_expected: dict[object, int] = {}
+_EXPECTED_KEYS = 4096
+
+
+def _remember(key: object, total: int) -> None:
+    _expected.pop(key, None)
+    _expected[key] = total
+    if len(_expected) > _EXPECTED_KEYS:
+        del _expected[next(iter(_expected))]
 
 
 def _capacity(key: object, first_guess: int) -> int:
@@ -283,7 +294,7 @@ class ChangedElements:
         claimed = self._claimed
         while True:
             total, found = claimed.counts.read()
-            _expected[self._key] = total
+            _remember(self._key, total)
             if total <= claimed.capacity:
                 break
             claimed = self._claim(total)

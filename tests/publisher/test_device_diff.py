@@ -17,7 +17,7 @@ from deltaboard.board import codec
 from deltaboard.board.contract.schemas import ViewRule, ViewSpec
 from deltaboard.publisher import device_diff
 from deltaboard.publisher.device_diff import diff_views
-from deltaboard.publisher.snapshot import ViewBuffer, ViewLayout
+from deltaboard.publisher.snapshot import Slot, ViewBuffer, ViewLayout
 from deltaboard.publisher.view import rollout_view, safetensors_dtype, tensor_bytes
 
 DTYPES = [
@@ -317,6 +317,33 @@ def test_a_caller_that_stops_early_stops_the_diff_helper(monkeypatch):
     closed.join(timeout=120)
     assert not closed.is_alive()
     assert not [t for t in threading.enumerate() if t.name.startswith("deltaboard-diff")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_second_layout_of_the_same_slots_never_compares_them(device, monkeypatch):
+    """The tables cached per batch are found by the batch itself: a publisher made again for
+    the same model (a second layout of equal slots) diffs without comparing slots, where
+    content-keyed caches compared the two layouts' batches slot by slot at every lookup."""
+    g = torch.Generator().manual_seed(5)
+    old = {f"t{i:02d}": torch.randn(64, generator=g).to(torch.bfloat16).to(device) for i in range(12)}
+    new = {k: (v.view(torch.int16) + 1).view(torch.bfloat16) for k, v in old.items()}
+    results = []
+    for _ in range(2):
+        layout = ViewLayout.of(old, ViewSpec())
+        a, b = ViewBuffer(layout), ViewBuffer(layout)
+        a.fill(old)
+        b.fill(new)
+        results.append(diff_views(a, b, hints=True))
+
+        def compared(self: object, other: object) -> bool:
+            raise AssertionError("a cache lookup compared slots")
+
+        monkeypatch.setattr(Slot, "__eq__", compared)
+    first, second = results
+    assert sorted(first.changes) == sorted(second.changes) == sorted(old)
+    for name, changes in first.changes.items():
+        assert np.array_equal(changes.positions, second.changes[name].positions)
+        assert np.array_equal(changes.new_bits, second.changes[name].new_bits)
 
 
 def _hint_versions(device: str, seed: int) -> list[dict[str, torch.Tensor]]:

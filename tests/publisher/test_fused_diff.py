@@ -59,13 +59,20 @@ def assert_same(reference: ViewDiff | BatchDiff, fused: ViewDiff | BatchDiff) ->
         assert np.array_equal(got_hint.ranks, want_hint.ranks), name
 
 
-def both(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], spec: ViewSpec, hints: bool) -> None:
-    layout = ViewLayout.of({k: v.to(DEVICE) for k, v in old.items()}, spec)
+def both(
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    spec: ViewSpec,
+    hints: bool,
+    layout: ViewLayout | None = None,
+) -> None:
+    layout = layout or ViewLayout.of({k: v.to(DEVICE) for k, v in old.items()}, spec)
     a, b = ViewBuffer(layout), ViewBuffer(layout)
     a.fill({k: v.to(DEVICE) for k, v in old.items()})
     b.fill({k: v.to(DEVICE) for k, v in new.items()})
-    for group in layout.group_numel:  # one launch per group: every slot of it at once
-        slots = [s for s in layout.slots if s.group == group]
+    # one launch per group, every slot of it at once; the layout's own batches, which the
+    # expected counts of a range are kept for (`fused_diff._capacity`)
+    for slots in device_diff.batches(layout, 1 << 62):
         # the torch pass itself (on CPU tensors `diff_slots` would take the codec's host diff)
         reference = device_diff._cut(slots, device_diff._find(a, b, slots, hints, False))
         assert_same(reference, device_diff.diff_slots(a, b, slots, hints=hints, fused=True))
@@ -111,14 +118,33 @@ def test_a_pass_that_finds_more_than_it_made_room_for_runs_again(tile, monkeypat
     g = torch.Generator().manual_seed(5)
     old = {"w": torch.randn(6000, generator=g).to(torch.bfloat16)}
     everything = {"w": (old["w"].view(torch.int16) + 1).view(torch.bfloat16)}
+    layout = ViewLayout.of({k: v.to(DEVICE) for k, v in old.items()}, ViewSpec())
     for hints in (False, True):
-        both(old, everything, ViewSpec(), hints=hints)
-    # the pass counted every change in 64-bit words (4 bf16 each)
+        both(old, everything, ViewSpec(), hints=hints, layout=layout)
+    # the pass counted every change in 64-bit words (4 bf16 each), for the layout's one batch
     assert list(fused_diff._expected.values()) == [6000 // 4]
     some = everything["w"].clone()
     some.view(torch.int16)[::7] += 1
     for hints in (False, True):
-        both(everything, {"w": some}, ViewSpec(), hints=hints)
+        both(everything, {"w": some}, ViewSpec(), hints=hints, layout=layout)
+    # the same range's count, now what the later diffs found
+    (later,) = fused_diff._expected.values()
+    assert 0 < later < 6000 // 4
+
+
+def test_expected_counts_of_layouts_no_longer_diffed_are_forgotten_oldest_first(tile, monkeypatch):
+    """A range's expected count is kept per batch, which is equal only to itself: past
+    `_EXPECTED_KEYS` ranges the oldest go, so that publishers made again and again for the
+    same model do not grow the table for the process' life."""
+    monkeypatch.setattr(fused_diff, "_expected", {})
+    monkeypatch.setattr(fused_diff, "_EXPECTED_KEYS", 2)
+    old = {"w": torch.zeros(64, dtype=torch.bfloat16)}
+    new = {"w": torch.ones(64, dtype=torch.bfloat16)}
+    layouts = [ViewLayout.of({k: v.to(DEVICE) for k, v in old.items()}, ViewSpec()) for _ in range(3)]
+    for layout in layouts:
+        both(old, new, ViewSpec(), hints=False, layout=layout)
+    kept = [("words", batch) for layout in layouts[1:] for batch in device_diff.batches(layout, 1 << 62)]
+    assert list(fused_diff._expected) == kept
 
 
 def test_batches_whose_passes_start_a_batch_early_match_the_host_diff(tile, monkeypatch):

@@ -92,18 +92,26 @@ class ViewLayout:
 
     slots: tuple[Slot, ...]
     group_numel: Mapping[tuple[str, int], int]
+    # each slot's shape and device as the tensors it was made of held them, which a
+    # tensor's own compare to (`change`, on the trainer's thread at every publish: nothing
+    # made per tensor there); kept when the layout is made, not at the first delta, where
+    # a `torch.device` made per slot cost 26 ms of its blocked time for 20,000 tensors
+    # (H200 host)
+    _placed: tuple[tuple[torch.Size, torch.device], ...]
 
     @classmethod
     def of(cls, state: Mapping[str, torch.Tensor], spec: ViewSpec) -> ViewLayout:
         slots: list[Slot] = []
+        placed: list[tuple[torch.Size, torch.device]] = []
         sizes: dict[tuple[str, int], int] = {}
         for name, tensor in state.items():
             dtype = served_dtype(name, safetensors_dtype(tensor), spec, tensor.shape)
             group = (str(tensor.device), codec.width(dtype))
             offset = sizes.get(group, 0)
             slots.append(Slot(name, dtype, tuple(tensor.shape), group[0], group[1], offset, tensor.numel()))
+            placed.append((tensor.shape, tensor.device))
             sizes[group] = word_aligned(offset + tensor.numel(), group[1])
-        return cls(tuple(slots), sizes)
+        return cls(tuple(slots), sizes, tuple(placed))
 
     @property
     def nbytes(self) -> int:
@@ -136,15 +144,6 @@ class ViewLayout:
     def _order(self) -> list[str]:
         return [s.name for s in self.slots]
 
-    @cached_property
-    def _kept(self) -> list[tuple[tuple[int, ...], torch.device]]:
-        """Each slot's shape and device as a tensor's own compare to them (`change` runs on
-        the trainer thread at every publish: no string or tuple made per tensor). One device
-        object per device, not per slot: made at the first delta, on the trainer's thread, a
-        `torch.device` per slot cost 26 ms of its blocked time for 20,000 tensors (H200 host)."""
-        devices = {name: torch.device(name) for name in {s.device for s in self.slots}}
-        return [(s.shape, devices[s.device]) for s in self.slots]
-
     def change(self, state: Mapping[str, torch.Tensor], spec: ViewSpec) -> LayoutChange | None:
         """None when `state` holds this layout's tensors (in any order) with their shapes and
         devices; else what differs, which a new layout (and a keyframe) must follow."""
@@ -156,7 +155,7 @@ class ViewLayout:
             tensors = (state[name] for name in self._order)
         if tensors is not None and all(
             t.shape == shape and t.device == device
-            for t, (shape, device) in zip(tensors, self._kept, strict=True)
+            for t, (shape, device) in zip(tensors, self._placed, strict=True)
         ):
             return None
         old = {s.name: (s.shape, s.device) for s in self.slots}

@@ -79,6 +79,29 @@ def test_the_gather_copies_bits_and_hands_back_what_it_cannot_read(sizes, kinds,
     assert torch.equal(out.cpu(), want.cpu())
 
 
+def test_when_every_source_is_readable_the_kernel_copies_all_and_hands_nothing_back():
+    """The common snapshot (every source typed and contiguous, read in one pass of `map`s):
+    nothing is left to the caller and every tensor's bits land at its offset, NaN payloads
+    included."""
+    rng = np.random.default_rng(3)
+    sizes, offsets = [7, 0, 130, 1], [0, 8, 8, 140]
+    out = torch.zeros(144, dtype=torch.int16, device=DEVICE)
+    targets, state = [], {}
+    for i, (n, at) in enumerate(zip(sizes, offsets, strict=True)):
+        bits = rng.integers(-(2**15), 2**15, n, dtype=np.int16)
+        bits[: min(n, len(SPECIAL_BF16))] = np.array(SPECIAL_BF16[:n], dtype=np.uint16).view(np.int16)
+        state[f"t{i}"] = torch.from_numpy(bits).to(DEVICE).view(torch.bfloat16)
+        view = out[at : at + n]
+        targets.append((f"t{i}", view.view(torch.bfloat16), view))
+    gather = device_gather.DeviceGather(out, targets, offsets)
+    assert gather.compiled.wait(60), "the kernel did not compile"
+    assert gather.copy_from(state) == ([], [])
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    for (name, _, view), source in zip(targets, state.values(), strict=True):
+        assert torch.equal(view.cpu(), source.view(torch.int16).cpu()), name
+
+
 def test_until_the_kernel_is_compiled_every_tensor_goes_back_to_the_caller():
     """The helper thread compiles the kernel; a snapshot before that copies everything the
     old way (each tensor handed back, as its bits where it is of the served dtype)."""

@@ -335,7 +335,10 @@ def diff_slots(
     hints: bool | None = None,
     fused: bool | None = None,
 ) -> BatchDiff:
-    """Changes of consecutive slots of one group (`start_diff`, waited for)."""
+    """Changes of consecutive slots of one group (`start_diff`, waited for). What is cached
+    per batch (device tables, the pass' expected count, the kept counts' rows) is found by
+    the batch object itself (`SlotBatch`): diff the same slots again with the same batch,
+    one of `batches`, not a new sequence each time."""
     return start_diff(old, new, slots, hints, fused)()
 
 

@@ -165,9 +165,9 @@ def hint_bins(slots: Sequence[Slot]) -> int:
     )
 
 
-# per range diffed: the changed count its last pass found. Keys are batches, equal only to
-# themselves (`SlotBatch`): those of a layout no longer diffed go, oldest first, past
-# `_EXPECTED_KEYS`, rather than stay for the process' life.
+# per range diffed: the changed count its last pass found. The keys name batches, which
+# are equal only to themselves (`SlotBatch`): those of a layout no longer diffed go, oldest
+# first, past `_EXPECTED_KEYS`, rather than stay for the process' life.
 _expected: dict[object, int] = {}
 _EXPECTED_KEYS = 4096
 

@@ -327,19 +327,20 @@ def test_a_second_layout_of_the_same_slots_never_compares_them(device, monkeypat
     g = torch.Generator().manual_seed(5)
     old = {f"t{i:02d}": torch.randn(64, generator=g).to(torch.bfloat16).to(device) for i in range(12)}
     new = {k: (v.view(torch.int16) + 1).view(torch.bfloat16) for k, v in old.items()}
-    results = []
-    for _ in range(2):
+
+    def diffed_in_a_new_layout() -> device_diff.ViewDiff:
         layout = ViewLayout.of(old, ViewSpec())
         a, b = ViewBuffer(layout), ViewBuffer(layout)
         a.fill(old)
         b.fill(new)
-        results.append(diff_views(a, b, hints=True))
+        return diff_views(a, b, hints=True)
 
-        def compared(self: object, other: object) -> bool:
-            raise AssertionError("a cache lookup compared slots")
+    def compared(self: object, other: object) -> bool:
+        raise AssertionError("a cache lookup compared slots")
 
-        monkeypatch.setattr(Slot, "__eq__", compared)
-    first, second = results
+    first = diffed_in_a_new_layout()
+    monkeypatch.setattr(Slot, "__eq__", compared)
+    second = diffed_in_a_new_layout()
     assert sorted(first.changes) == sorted(second.changes) == sorted(old)
     for name, changes in first.changes.items():
         assert np.array_equal(changes.positions, second.changes[name].positions)

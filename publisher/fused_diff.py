@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -170,13 +171,15 @@ def hint_bins(slots: Sequence[Slot]) -> int:
 # first, past `_EXPECTED_KEYS`, rather than stay for the process' life.
 _expected: dict[object, int] = {}
 _EXPECTED_KEYS = 4096
+_expected_lock = threading.Lock()  # the diff's lanes finish passes in threads of their own
 
 
 def _remember(key: object, total: int) -> None:
-    _expected.pop(key, None)
-    _expected[key] = total
-    if len(_expected) > _EXPECTED_KEYS:
-        del _expected[next(iter(_expected))]
+    with _expected_lock:
+        _expected.pop(key, None)
+        _expected[key] = total
+        if len(_expected) > _EXPECTED_KEYS:
+            del _expected[next(iter(_expected))]
 
 
 def _capacity(key: object, first_guess: int) -> int:

@@ -54,11 +54,12 @@ CUDA_HINT_LANES = 2  # with hints, batches diffed at once, each on a pass stream
 
 @dataclass(frozen=True)
 class BatchDiff:
-    """A diff batch's changes as the encoder takes them: the changed slots' names (in layout
-    order) and their changes and context hints as columns, no object per tensor (a model
-    of thousands of small tensors paid one per tensor, under the GIL that the next
+    """A diff batch's changes as the encoder takes them: the changed slots (in layout order)
+    and their names, and their changes and context hints as columns, no object per tensor
+    (a model of thousands of small tensors paid one per tensor, under the GIL that the next
     batches' kernel launches wait for); and how many bytes crossed to the host."""
 
+    slots: Sequence[Slot]
     names: Sequence[str]
     columns: codec.ChangeColumns
     hint_columns: codec.HintColumns | None = None
@@ -353,19 +354,19 @@ def _cut(slots: Sequence[Slot], found: Found) -> BatchDiff:
     local, counts, old_h, new_h, ranks = found()
     unsigned = codec.uint_dtype(slots[0].dtype)  # the batch's one width
     changed = np.flatnonzero(counts)
-    names, columns = _changed_columns(
+    found_slots, names, columns = _changed_columns(
         as_batch(slots), changed, counts, local, old_h.view(unsigned), new_h.view(unsigned)
     )
     host_bytes = local.nbytes + old_h.nbytes + new_h.nbytes + 8 * len(slots)
     if ranks is None:
-        return BatchDiff(names, columns, None, host_bytes)
+        return BatchDiff(found_slots, names, columns, None, host_bytes)
     plans, host_ranks, hint_bytes = ranks
     hint_columns = None
     if plans.picked.size:
         thresholds = np.full((len(slots), 2), -1, dtype=np.int64)
         thresholds[plans.picked] = plans.thresholds
         hint_columns = codec.HintColumns(thresholds[changed], host_ranks)
-    return BatchDiff(names, columns, hint_columns, host_bytes + hint_bytes, hint_bytes)
+    return BatchDiff(found_slots, names, columns, hint_columns, host_bytes + hint_bytes, hint_bytes)
 
 
 def _changed_columns(
@@ -375,15 +376,22 @@ def _changed_columns(
     local: np.ndarray,
     old_bits: np.ndarray,
     new_bits: np.ndarray,
-) -> tuple[Sequence[str], codec.ChangeColumns]:
-    """The changed slots (indices `changed` in the batch, `counts` changes each) and their
-    changes as columns: slot-local positions and bits, in slot order."""
+) -> tuple[Sequence[Slot], Sequence[str], codec.ChangeColumns]:
+    """The changed slots (indices `changed` in the batch, `counts` changes each), their names
+    and their changes as columns: slot-local positions and bits, in slot order."""
     info = _info(slots)
-    every = changed.size == len(slots)
-    names = info.names if every else [info.names[i] for i in changed.tolist()]
-    dtypes = info.dtypes if every else [info.dtypes[i] for i in changed.tolist()]
-    return names, codec.ChangeColumns.joined(
-        dtypes, info.numel[changed], counts[changed], local, old_bits, new_bits
+    found: Sequence[Slot]
+    if changed.size == len(slots):
+        found, names, dtypes = slots, info.names, info.dtypes
+    else:
+        rows = changed.tolist()
+        found = [slots[i] for i in rows]
+        names = [info.names[i] for i in rows]
+        dtypes = [info.dtypes[i] for i in rows]
+    return (
+        found,
+        names,
+        codec.ChangeColumns.joined(dtypes, info.numel[changed], counts[changed], local, old_bits, new_bits),
     )
 
 
@@ -687,11 +695,15 @@ def _diff_on_host(old: ViewBuffer, new: ViewBuffer, slots: Sequence[Slot]) -> Ba
     offsets = _info(batch).offsets
     counts = np.diff(np.searchsorted(found.positions, offsets), append=found.count)
     local = found.positions - np.repeat(offsets, counts)
-    names, columns = _changed_columns(
+    changed_slots, names, columns = _changed_columns(
         batch, np.flatnonzero(counts), counts, local, found.old_bits, found.new_bits
     )
     return BatchDiff(
-        names, columns, None, found.positions.nbytes + found.old_bits.nbytes + found.new_bits.nbytes
+        changed_slots,
+        names,
+        columns,
+        None,
+        found.positions.nbytes + found.old_bits.nbytes + found.new_bits.nbytes,
     )
 
 

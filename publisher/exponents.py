@@ -44,16 +44,16 @@ class ExponentCounts:
             mask = codec.EXPONENT_FIELDS.get(dtype, (0, 0))[1]
             columns[width] = max(columns.get(width, 1), mask + 1)
         self._tables = {w: np.full((len(names), columns[w]), -1, dtype=np.int64) for w, names in rows.items()}
-        self._rows = {name: (w, row) for w, names in rows.items() for row, name in enumerate(names)}
+        self._widths = {name: w for w, names in rows.items() for name in names}
+        self._rows = {name: row for names in rows.values() for row, name in enumerate(names)}
 
     def _where(self, names: Sequence[str]) -> tuple[np.ndarray, slice | np.ndarray]:
         """The table of `names` and their rows in it: a slice where they are consecutive (a
         bundle's tensors in layout order, not interleaved with another width's), so that
         they are read and written as one block, not gathered and scattered row by row
         (2 KB a bf16 tensor: ~80 MB a version for 20,000 small tensors)."""
-        width = self._rows[names[0]][0]
-        rows = np.fromiter((self._rows[name][1] for name in names), dtype=np.int64, count=len(names))
-        return self._tables[width], block_or_rows(rows)
+        rows = np.fromiter(map(self._rows.__getitem__, names), dtype=np.int64, count=len(names))
+        return self._tables[self._widths[names[0]]], block_or_rows(rows)
 
     def take(self, names: Sequence[str]) -> np.ndarray:
         """The rows of `names` (tensors of one element width, as a delta's bundle), for the
@@ -66,7 +66,7 @@ class ExponentCounts:
     def put(self, names: Sequence[str], counts: np.ndarray) -> None:
         """Replace the rows of `names` with `counts` (as `take` gave them, moved by the
         codec); nothing to write (or look up) where `take` gave a view of the table."""
-        if np.may_share_memory(self._tables[self._rows[names[0]][0]], counts):
+        if np.may_share_memory(self._tables[self._widths[names[0]]], counts):
             return
         table, rows = self._where(names)
         table[rows] = counts
@@ -80,5 +80,4 @@ class ExponentCounts:
                 bits = data.view(codec.uint_dtype(dtype))
                 sample = np.ascontiguousarray(bits[:: codec.sample_stride(bits.size)])
                 found = codec.exponent_counts(sample, dtype)
-                width, row = self._rows[name]
-                self._tables[width][row, : found.size] = found
+                self._tables[self._widths[name]][self._rows[name], : found.size] = found

@@ -137,6 +137,11 @@ class ViewLayout:
         return tuple((s.name, s.dtype, s.shape) for s in self.slots)
 
     @cached_property
+    def host_tensors(self) -> tuple[tuple[str, str], ...]:
+        """(name, served dtype) of each slot on the host (none for a CUDA trainer's view)."""
+        return tuple((s.name, s.dtype) for s in self.slots if s.device == "cpu")
+
+    @cached_property
     def names(self) -> frozenset[str]:
         return frozenset(s.name for s in self.slots)
 

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from deltaboard.board import codec
@@ -165,3 +167,21 @@ def test_a_batch_holds_at_most_batch_slots_tensors_of_one_group_in_layout_order(
     assert [s for batch in got for s in batch] == list(layout.slots)
     assert all(0 < len(batch) <= 7 and len({s.group for s in batch}) == 1 for batch in got)
     assert len(got) > 60 // 7
+
+
+@given(st.lists(st.integers(0, 3 * BUNDLE_ELEMENTS), max_size=60), st.sampled_from([1, 30, BUNDLE_ELEMENTS]))
+def test_bundles_cut_consecutive_items_where_their_work_reaches_a_bundle(
+    work: list[int], bundle: int
+) -> None:
+    """Every item in exactly one bundle, in order; every bundle but the last holds at least
+    `BUNDLE_ELEMENTS` of work and would not without its last item; the last holds less
+    unless it ends exactly where its work was reached."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(encode, "BUNDLE_ELEMENTS", bundle)
+        ranges = encode._bundles(work)
+    assert [i for a, b in ranges for i in range(a, b)] == list(range(len(work)))
+    assert all(b > a for a, b in ranges)
+    for n, (a, b) in enumerate(ranges):
+        held = sum(work[a:b])
+        if n < len(ranges) - 1 or held >= bundle:
+            assert held >= bundle and held - work[b - 1] < bundle

@@ -31,10 +31,12 @@ from deltaboard.board.contract.errors import (
     NotFound,
     NotHead,
     Unauthorized,
+    UnknownPrepared,
     error_class,
 )
 from deltaboard.board.contract.schemas import (
     BlobUploadTarget,
+    CommitRequest,
     FleetNode,
     Head,
     Heartbeat,
@@ -43,6 +45,7 @@ from deltaboard.board.contract.schemas import (
     LeaseRequest,
     Manifest,
     Plan,
+    Prepared,
     RetentionPolicy,
     RetentionReport,
     RunCreate,
@@ -391,11 +394,29 @@ class BoardClient:
 
     # ---- versions ----------------------------------------------------------------------
 
-    def commit(self, run: str, manifest: Manifest, manifest_json: str | None = None) -> Head:
+    def prepare(self, run: str, manifest: Manifest, manifest_json: str | None = None) -> Prepared:
+        """Have the board check `manifest` and hold it for a commit that names it
+        (`commit(..., prepared=...)`): its parse, rules and encoding then happen before the
+        commit, while the version's last blob uploads (`board.server.prepared`)."""
+        if manifest_json is None:
+            manifest_json = manifest.model_dump_json()
+        body = self._json_body(f'{{"manifest":{manifest_json}}}')  # a PrepareRequest
+        return self._json("POST", f"/v1/runs/{run}/prepare", Prepared, **body)
+
+    def commit(
+        self, run: str, manifest: Manifest, manifest_json: str | None = None, prepared: str | None = None
+    ) -> Head:
         """Commit; a retried commit that had in fact landed is recognised and succeeds.
         `manifest_json`: the manifest already serialized (`manifest.model_dump_json()`), by
-        a caller that needs its size too: a manifest of 20,000 tensors takes ~7 ms to dump."""
+        a caller that needs its size too: a manifest of 20,000 tensors takes ~7 ms to dump.
+        `prepared`: the name the board gave `manifest` when it prepared it (`prepare`); the
+        commit names it, and sends the manifest itself only if the board no longer holds it
+        (`UnknownPrepared`: expired, or prepared by another replica)."""
         try:
+            if prepared is not None:
+                with contextlib.suppress(UnknownPrepared):
+                    named = CommitRequest(prepared=prepared).model_dump_json(exclude_none=True)
+                    return self._json("POST", f"/v1/runs/{run}/commit", Head, **self._json_body(named))
             if manifest_json is None:
                 manifest_json = manifest.model_dump_json()
             body = self._json_body(f'{{"manifest":{manifest_json}}}')  # a CommitRequest

@@ -48,6 +48,7 @@ the lease renewer.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -59,6 +60,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import torch
 
 from deltaboard.board import codec
@@ -75,6 +77,8 @@ from deltaboard.publisher.quantize import quantize_state
 from deltaboard.publisher.ranks import RankCoordinator, RankReport, SingleRank, Verdict
 from deltaboard.publisher.snapshot import LayoutChange, ViewBuffer
 from deltaboard.publisher.tied import ModelOrState, state_of
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 Progress = Callable[[int], None]
@@ -179,7 +183,8 @@ class Publisher:
         self._may_resume = self._ranks.world_size == 1
         self._lease: LeaseKeeper | None = None  # the leader's only
         # a lone rank's manifest made while its last blob uploads (`_prepare`), with its JSON
-        self._prepared: tuple[RankVersion, Manifest, str] | None = None
+        # ... and the name the board prepared it under (None: not prepared there)
+        self._prepared: tuple[RankVersion, Manifest, str, str | None] | None = None
         self._fenced: FencedError | None = None  # a verdict said so
         try:
             self.next_version = self._ranks.open_run(
@@ -491,11 +496,20 @@ class Publisher:
 
     def _prepare(self, proposal: Proposal, version: RankVersion) -> None:
         """A lone rank's manifest of `version` and its JSON, made while its last blob
-        uploads (`encode_rank`'s `while_uploading`): for a model of many tensors the
-        manifest's build and dump are otherwise serial between the upload and the commit."""
+        uploads (`encode_rank`'s `while_uploading`), and sent for the board to check and
+        hold (`BoardClient.prepare`): for a model of many tensors the manifest's build and
+        dump, and the board's parse, rules and encoding of it, are otherwise serial between
+        the upload and the commit. A board that cannot prepare it (an older one, or a
+        failure) gets the manifest itself at the commit."""
         assert self._lease is not None
         manifest = build_manifest(self.run, proposal, self.spec, self._lease.epoch, [version])
-        self._prepared = (version, manifest, manifest.model_dump_json())
+        manifest_json = manifest.model_dump_json()
+        try:
+            name: str | None = self.client.prepare(self.run, manifest, manifest_json).prepared
+        except (BoardError, httpx.TransportError) as exc:
+            log.debug("version %d not prepared on the board (%s): committed whole", proposal.version, exc)
+            name = None
+        self._prepared = (version, manifest, manifest_json, name)
 
     def _send(self, proposal: Proposal, ranks: list[RankVersion]) -> int:
         """Commit the manifest under the current epoch, serialized once for the request and
@@ -510,12 +524,12 @@ class Publisher:
             and prepared[1].version == proposal.version
             and prepared[1].epoch == self._lease.epoch
         ):
-            _, manifest, manifest_json = prepared
+            _, manifest, manifest_json, name = prepared
         else:
             manifest = build_manifest(self.run, proposal, self.spec, self._lease.epoch, ranks)
-            manifest_json = manifest.model_dump_json()
+            manifest_json, name = manifest.model_dump_json(), None
         try:
-            self.client.commit(self.run, manifest, manifest_json)
+            self.client.commit(self.run, manifest, manifest_json, prepared=name)
         except StaleEpoch as exc:
             raise self._lease.fence(f"the board refused version {proposal.version}") from exc
         except NotHead:

@@ -26,7 +26,8 @@ The classes, by what the caller does about them:
     │   ├── UnknownVersion      not committed yet, or pruned
     │   ├── UnknownBase         the base is pruned: bootstrap (`.extra["bootstrap"]`)
     │   ├── NoVersions          the run has no committed version yet
-    │   └── NoChain             no keyframe chain reaches the version
+    │   ├── NoChain             no keyframe chain reaches the version
+    │   └── UnknownPrepared     the board no longer holds a prepared manifest: commit it whole
     ├── Conflict                the board's state moved under the request
     │   ├── NotHead             another version landed first: re-read the head
     │   ├── StaleEpoch          this writer was fenced off: stop, or take a new lease
@@ -81,6 +82,7 @@ class ErrorCode(StrEnum):
     UNKNOWN_BASE = "UnknownBase"
     NO_VERSIONS = "NoVersions"
     NO_CHAIN = "NoChain"
+    UNKNOWN_PREPARED = "UnknownPrepared"
     # the board's state moved
     NOT_HEAD = "NotHead"
     STALE_EPOCH = "StaleEpoch"
@@ -237,6 +239,14 @@ class NoChain(NotFound):
     default_code = ErrorCode.NO_CHAIN
 
 
+class UnknownPrepared(NotFound):
+    """A commit named a prepared manifest (`POST .../prepare`) that this board does not
+    hold: it expired or was evicted, the board restarted, or another replica prepared it.
+    Nothing was committed; commit the manifest itself (`BoardClient.commit` does)."""
+
+    default_code = ErrorCode.UNKNOWN_PREPARED
+
+
 # ---- the board's state moved -----------------------------------------------------------
 
 
@@ -329,6 +339,7 @@ _OWN_CODE: tuple[type[BoardError], ...] = (
     UnknownBase,
     NoVersions,
     NoChain,
+    UnknownPrepared,
     NotHead,
     StaleEpoch,
     NoLease,

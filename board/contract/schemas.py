@@ -334,12 +334,18 @@ class TensorTable(Sequence[TensorEntry]):
         columns = handler.generate_schema(TensorColumns)
         # labelled, so that an error reads `tensors.entries.3.dtype` / `tensors.columns.dtype.3`
         forms: list[core_schema.CoreSchema | tuple[core_schema.CoreSchema, str]] = [
-            (core_schema.no_info_after_validator_function(cls.of, entries), "entries"),
             (core_schema.no_info_after_validator_function(cls, columns), "columns"),
+            (core_schema.no_info_after_validator_function(cls.of, entries), "entries"),
         ]
+        # In order, the first form that validates wins: an object can only be columns and an
+        # array only entries. (pydantic's default "smart" union validates the columns twice,
+        # strict then lax, to rank the forms: 33-36 against 17-22 ms for a 20,000-entry
+        # manifest on the dev machine.)
         return core_schema.json_or_python_schema(
-            json_schema=core_schema.union_schema(forms),
-            python_schema=core_schema.union_schema([core_schema.is_instance_schema(cls), *forms]),
+            json_schema=core_schema.union_schema(forms, mode="left_to_right"),
+            python_schema=core_schema.union_schema(
+                [core_schema.is_instance_schema(cls), *forms], mode="left_to_right"
+            ),
         )
 
 
@@ -429,8 +435,37 @@ class BlobUploadTarget(Strict):
     headers: dict[str, str] = Field(default_factory=dict)
 
 
-class CommitRequest(Strict):
+class PrepareRequest(Strict):
     manifest: Manifest
+
+
+class Prepared(Strict):
+    """A manifest the board checked and holds, ready to commit by name (`prepared`) for
+    `expires_in_s` seconds: the sha256 of the JSON it will store."""
+
+    run: RunName
+    version: Version
+    prepared: Sha256
+    expires_in_s: Float
+
+
+class CommitRequest(Strict):
+    """The manifest itself, or the name of one this board prepared (`Prepared.prepared`):
+    exactly one of them."""
+
+    manifest: Manifest | None = None
+    prepared: Sha256 | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> CommitRequest:
+        if (self.manifest is None) == (self.prepared is None):
+            raise ValueError("give the manifest or the name of a prepared one, not both or neither")
+        return self
+
+    @property
+    def committed(self) -> Manifest | str:
+        """The manifest, or the prepared one's name."""
+        return self.manifest if self.manifest is not None else str(self.prepared)
 
 
 class Head(Strict):

@@ -225,9 +225,13 @@ class Ledger:
 
     # ---- commit ------------------------------------------------------------------------
 
-    def commit(self, run: str, manifest: Manifest) -> tuple[HeadRecord, VersionRecord]:
+    def commit(
+        self, run: str, manifest: Manifest, prepared: tuple[bytes, bytes] | None = None
+    ) -> tuple[HeadRecord, VersionRecord]:
+        """Commit `manifest` as head + 1. `prepared`: its stored JSON and that JSON packed,
+        made when it was prepared (`board.server.prepared`), its own rules checked then."""
         with self._exclusive(run):
-            return self._commit(run, manifest)
+            return self._commit(run, manifest, prepared)
 
     def retain(
         self,
@@ -243,15 +247,23 @@ class Ledger:
             now = self.clock.now()
             return apply_retention(self.store, run, versions, head, selection, grace_s, touches, now)
 
-    def _commit(self, run: str, manifest: Manifest) -> tuple[HeadRecord, VersionRecord]:
+    def _commit(
+        self, run: str, manifest: Manifest, prepared: tuple[bytes, bytes] | None
+    ) -> tuple[HeadRecord, VersionRecord]:
         head, head_tag = self.head(run)
         found = self.lease(run)
-        rules.check_commit(manifest, run, head, None if found is None else found[0], self.clock.now())
+        lease = None if found is None else found[0]
+        if prepared is None:
+            rules.check_manifest_shape(manifest, run)
+        rules.check_commit(manifest, head, lease, self.clock.now())
         sizes = {sha: self.blob_size(run, sha) for sha in manifest.blob_shas()}
         rules.check_blob_ranges(manifest, sizes)
         new_head = HeadRecord(version=manifest.version, kind=manifest.kind, epoch=manifest.epoch)
-        as_json = encode(manifest)
-        data = packed_manifest(as_json)
+        if prepared is None:
+            as_json = encode(manifest)
+            data = packed_manifest(as_json)
+        else:
+            as_json, data = prepared
         key = manifest_key(run, manifest.version)
         head_write = (head_key(run), encode(new_head), head_tag)
         # The manifest create-if-absent, then the head CAS, durable together.

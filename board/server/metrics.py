@@ -19,6 +19,11 @@ class BoardMetrics:
             registry=self.registry,
         )
         self.commits = Counter("deltaboard_commits", "Committed versions", registry=self.registry)
+        self.prepared_commits = Counter(
+            "deltaboard_prepared_commits",
+            "Commits that named a manifest this board had prepared",
+            registry=self.registry,
+        )
         self.commit_seconds = Histogram(
             "deltaboard_commit_seconds",
             "Commit latency inside the board",

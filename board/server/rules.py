@@ -99,10 +99,8 @@ def _range_error(name: str, offset: int, length: int, size: int) -> BadManifest:
     return BadManifest(f"tensor {name!r}: range {offset}+{length} exceeds blob size {size}")
 
 
-def check_commit(
-    manifest: Manifest, run: str, head: HeadRecord, lease: LeaseRecord | None, now: float
-) -> None:
-    """All rules that do not need blob sizes, in the order a client can act on them."""
-    check_manifest_shape(manifest, run)
+def check_commit(manifest: Manifest, head: HeadRecord, lease: LeaseRecord | None, now: float) -> None:
+    """The rules that need the board's state but not blob sizes, in the order a client can
+    act on them (after `check_manifest_shape`, the manifest's own)."""
     check_fencing(manifest, head, lease, now)
     check_succession(manifest, head)

@@ -40,6 +40,7 @@ from deltaboard.board.contract.schemas import (
     LeaseRequest,
     Manifest,
     Plan,
+    Prepared,
     RetentionPolicy,
     RetentionReport,
     RunCreate,
@@ -49,10 +50,12 @@ from deltaboard.board.contract.schemas import (
 from deltaboard.board.server import plan as planning
 from deltaboard.board.server.clock import Clock
 from deltaboard.board.server.index import Index
-from deltaboard.board.server.ledger import Ledger
+from deltaboard.board.server.ledger import Ledger, encode
 from deltaboard.board.server.metrics import BoardMetrics
-from deltaboard.board.server.records import RunRecord, head_rank, served_manifest
+from deltaboard.board.server.prepared import PreparedManifest, PreparedManifests
+from deltaboard.board.server.records import RunRecord, head_rank, packed_manifest, served_manifest
 from deltaboard.board.server.retention import select_versions
+from deltaboard.board.server.rules import check_manifest_shape
 from deltaboard.board.server.settings import Settings
 from deltaboard.board.server.span_service import SpanBook
 from deltaboard.board.server.storage import ObjectNotFound, ObjectStore, asset_key, blob_key
@@ -67,6 +70,13 @@ KEEPALIVE_S = 15.0
 
 def blob_url(run: str, sha256: str) -> str:
     return f"/v1/runs/{run}/blobs/{sha256}"
+
+
+def _prepared(run: str, manifest: Manifest) -> PreparedManifest:
+    """`manifest` checked on its own (`BadManifest`) and encoded as the store holds it."""
+    check_manifest_shape(manifest, run)
+    as_json = encode(manifest)
+    return PreparedManifest(manifest, as_json, packed_manifest(as_json))
 
 
 def newer(head: Head, after: int | None) -> bool:
@@ -93,6 +103,7 @@ class BoardService:
         self._manifests: OrderedDict[tuple[str, int], tuple[bytes, bytes]] = OrderedDict()
         self._generation: str | None = None  # the index's, when this process last loaded it
         self._healing: dict[str, asyncio.Future[tuple[RunRecord, Head]]] = {}
+        self.prepared = PreparedManifests(clock)
         self.spans = SpanBook(self)
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -289,10 +300,29 @@ class BoardService:
 
     # ---- versions ----------------------------------------------------------------------
 
-    async def commit(self, run: str, manifest: Manifest) -> Head:
+    async def prepare(self, run: str, manifest: Manifest) -> Prepared:
+        """Check `manifest` on its own and encode it as the store will hold it, for a commit
+        that names it (`board.server.prepared`); nothing is stored."""
+        await self.require_run(run)
+        prepared = await self.blocking(_prepared, run, manifest)
+        name = self.prepared.put(prepared)
+        return Prepared(run=run, version=manifest.version, prepared=name, expires_in_s=self.prepared.ttl_s)
+
+    async def commit(self, run: str, manifest: Manifest | str) -> Head:
+        """Commit `manifest`, or the manifest this board prepared under that name (then
+        only the rules that need the board's state are left: `UnknownPrepared` if it does
+        not hold it)."""
         await self.require_run(run)
         started = self.clock.monotonic()
-        head_record, durable = await self.blocking(self.ledger.commit, run, manifest)
+        if isinstance(manifest, str):
+            name, found = manifest, self.prepared.get(run, manifest)
+            self.metrics.prepared_commits.inc()
+            head_record, durable = await self.blocking(
+                self.ledger.commit, run, found.manifest, (found.as_json, found.packed)
+            )
+            self.prepared.discard(name)
+        else:
+            head_record, durable = await self.blocking(self.ledger.commit, run, manifest)
         version_record = durable.model_copy(update={"commit_s": self.clock.monotonic() - started})
         head = head_record.wire(run)
         try:

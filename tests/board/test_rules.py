@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from deltaboard.board.contract.errors import BoardError
 from deltaboard.board.server.records import HeadRecord, LeaseRecord
-from deltaboard.board.server.rules import check_blob_ranges, check_commit
+from deltaboard.board.server.rules import check_blob_ranges, check_commit, check_manifest_shape
 from tests.support.manifests import manifest
 
 NOW = 1000.0
@@ -19,7 +19,9 @@ def live(epoch: int) -> LeaseRecord:
 
 
 def commit_code(m, head: HeadRecord, lease: LeaseRecord | None) -> str | None:
-    return code_of(check_commit, m, "r", head, lease, NOW)
+    """What the ledger checks before it asks for blob sizes: the manifest's own rules, then
+    the board's state."""
+    return code_of(check_manifest_shape, m, "r") or code_of(check_commit, m, head, lease, NOW)
 
 
 def code_of(fn, *args) -> str | None:

@@ -329,3 +329,25 @@ def test_manifests_are_counted_and_travel_compressed(board):
         encoding, wire = recorder.wire[f"/v1/runs/run-w/manifests/{result.version}"]
         # as the board stores it: one zstd frame (`BoardClient`'s httpx accepts zstd)
         assert encoding == "zstd" and wire < result.manifest_bytes / 2, (encoding, wire)
+
+
+@pytest.mark.parametrize("board_prepares", [True, False])
+def test_versions_are_committed_by_the_name_the_board_prepared_them_under(board, board_prepares):
+    """The manifest goes to the board while the version's last blob uploads and the commit
+    names it; a board that cannot prepare (an older one: no such route) gets the manifest
+    itself at the commit. Either way every version reads back exactly."""
+    transport = FaultyTransport()
+    if not board_prepares:
+        transport.rule = lambda r: error(404, "NotFound") if r.url.path.endswith("/prepare") else None
+    client = board.client(board.publish_token, transport=transport, backoff_s=0.01)
+    state = make_state(5)
+    reader = board.client(board.read_token)
+    with Publisher(client, "run-p", assets={}) as pub:
+        for step in range(3):
+            if step:
+                train_step(state, step)
+            assert pub.publish(state).result().version == step
+            assert_same_view(materialize(reader, "run-p", step), view_bytes(state))
+    metrics = httpx.get(f"{board.url}/metrics").text
+    named = re.search(r"^deltaboard_prepared_commits_total (\S+)$", metrics, re.M)
+    assert named is not None and float(named.group(1)) == (3 if board_prepares else 0)

@@ -10,7 +10,16 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from deltaboard.board.contract.schemas import MAX_VERSION, CommitRequest, Head, Manifest, Plan, VersionSummary
+from deltaboard.board.contract.schemas import (
+    MAX_VERSION,
+    CommitRequest,
+    Head,
+    Manifest,
+    Plan,
+    Prepared,
+    PrepareRequest,
+    VersionSummary,
+)
 from deltaboard.board.server.api.errors import documented
 from deltaboard.board.server.api.routing import INPUT_ERRORS, RUN_ERRORS, BoardRoute
 from deltaboard.board.server.api.state import BoardState, Publisher, Reader, RunPath
@@ -24,7 +33,15 @@ READ_ERRORS = documented(*RUN_ERRORS)
     "/commit", status_code=201, response_model=Head, responses=documented(*RUN_ERRORS, 409, *INPUT_ERRORS)
 )
 async def commit(run: RunPath, body: CommitRequest, state: BoardState = Publisher) -> Head:
-    return await state.service.commit(run, body.manifest)
+    return await state.service.commit(run, body.committed)
+
+
+@router.post(
+    "/prepare", status_code=201, response_model=Prepared, responses=documented(*RUN_ERRORS, *INPUT_ERRORS)
+)
+async def prepare(run: RunPath, body: PrepareRequest, state: BoardState = Publisher) -> Prepared:
+    """Check a manifest and hold it for a commit that names it (`CommitRequest.prepared`)."""
+    return await state.service.prepare(run, body.manifest)
 
 
 MAX_WAIT_S = 60  # a long-poll's longest wait (the board's own cap is `Settings.max_wait_s`)

@@ -23,7 +23,10 @@ from deltaboard.board.contract.schemas import Manifest
 from deltaboard.board.server.clock import Clock
 
 PREPARED_TTL_S = 120.0
-PREPARED_ENTRIES = 8  # a 20,000-tensor manifest is ~2 MB of JSON and some 10 MB parsed
+PREPARED_ENTRIES = 8
+# a 20,000-tensor manifest is ~2 MB of JSON and some 10 MB parsed: the JSON held is bounded
+# too, so that a few manifests at the body limit (64 MiB) cannot take the board's memory
+PREPARED_JSON_BYTES = 128 * 2**20
 
 
 @dataclass(frozen=True)
@@ -42,30 +45,41 @@ class PreparedManifest:
 
 
 class PreparedManifests:
-    """At most `entries` prepared manifests, each for `ttl_s` after it was prepared, the
-    least recently prepared evicted first. Used from the event loop only (no lock)."""
+    """At most `entries` prepared manifests of at most `json_bytes` of JSON together, each
+    for `ttl_s` after it was prepared, the least recently prepared evicted first (a
+    manifest larger than `json_bytes` alone is not held). Used from the event loop only
+    (no lock)."""
 
-    def __init__(self, clock: Clock, ttl_s: float = PREPARED_TTL_S, entries: int = PREPARED_ENTRIES) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        ttl_s: float = PREPARED_TTL_S,
+        entries: int = PREPARED_ENTRIES,
+        json_bytes: int = PREPARED_JSON_BYTES,
+    ) -> None:
         self._clock = clock
         self.ttl_s = ttl_s
         self._entries = entries
+        self._json_bytes = json_bytes
         self._held: OrderedDict[str, tuple[PreparedManifest, float]] = OrderedDict()
+        self._bytes = 0
 
     def put(self, prepared: PreparedManifest) -> str:
         """Hold `prepared` (again: the same manifest prepared twice is one entry, its time
         renewed); returns its name."""
         name = prepared.name
-        self._held.pop(name, None)
+        self.discard(name)
         self._held[name] = (prepared, self._clock.monotonic() + self.ttl_s)
-        while len(self._held) > self._entries:
-            self._held.popitem(last=False)
+        self._bytes += len(prepared.as_json)
+        while len(self._held) > self._entries or self._bytes > self._json_bytes:
+            self.discard(next(iter(self._held)))
         return name
 
     def get(self, run: str, name: str) -> PreparedManifest:
         """The manifest prepared for `run` under `name` (`UnknownPrepared` if none is held)."""
         found = self._held.get(name)
         if found is not None and found[1] <= self._clock.monotonic():
-            del self._held[name]
+            self.discard(name)
             found = None
         if found is None or found[0].manifest.run != run:
             raise UnknownPrepared(
@@ -75,8 +89,10 @@ class PreparedManifests:
         return found[0]
 
     def discard(self, name: str) -> None:
-        """Forget `name` (committed)."""
-        self._held.pop(name, None)
+        """Forget `name` (committed, expired or evicted)."""
+        found = self._held.pop(name, None)
+        if found is not None:
+            self._bytes -= len(found[0].as_json)
 
     def __len__(self) -> int:
         return len(self._held)

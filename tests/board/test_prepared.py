@@ -135,3 +135,19 @@ def test_prepared_manifests_expire_and_the_least_recently_prepared_goes_first():
         held.get("r", third)  # prepared 18 s ago
     held.discard(second)
     assert len(held) == 0
+
+
+def test_prepared_manifests_hold_a_bounded_amount_of_json():
+    versions = [_prepared("r", v) for v in range(3)]
+    size = len(versions[0].as_json)
+    held = PreparedManifests(ManualClock(), entries=8, json_bytes=2 * size + size // 2)
+    names = [held.put(p) for p in versions]
+    assert len(held) == 2
+    with pytest.raises(UnknownPrepared):
+        held.get("r", names[0])  # the oldest went for the third's bytes
+    assert [held.get("r", n).manifest.version for n in names[1:]] == [1, 2]
+    alone = PreparedManifests(ManualClock(), json_bytes=size - 1)
+    name = alone.put(versions[0])  # larger than the whole hold: not kept
+    assert len(alone) == 0
+    with pytest.raises(UnknownPrepared):
+        alone.get("r", name)

@@ -574,18 +574,12 @@ def _hints(old: ViewBuffer, new: ViewBuffer, slots: SlotBatch, counts: np.ndarra
     device = found.local.device
     info = _info(slots)
     bins = info.bins
-    stride, shift, keymask = fused_diff.key_tables(slots, device)
-    st = stride[found.owner]
-    floating = st > 0
-    base = found.owner * bins
-    old_keys = base + ((found.old_bits.to(torch.int64) >> shift[found.owner]) & keymask[found.owner])
-    new_keys = base + ((found.new_bits.to(torch.int64) >> shift[found.owner]) & keymask[found.owner])
-    sampled_changed = floating & ((found.local & (st - 1)) == 0)
     n = len(slots) * bins
-    keys = torch.cat((old_keys[floating], old_keys[sampled_changed] + n, new_keys[sampled_changed] + 2 * n))
-    present, times = torch.unique(keys, return_counts=True)
+    present, times = torch.unique(_hint_keys(slots, bins, found), return_counts=True)
     present_h, times_h = to_host(present, times)
     counts_bytes = present_h.nbytes + times_h.nbytes
+    if present_h.size and present_h[-1] == 3 * n:  # the Triton keys' mark of a key not counted
+        present_h, times_h = present_h[:-1], times_h[:-1]
     # the keys ascend: the changed elements' old exponents, then the sampled elements'
     # exponents that the changes remove, then those they add (each range a [slot, bin] table)
     removed_at, added_at = np.searchsorted(present_h, (n, 2 * n)).tolist()
@@ -637,6 +631,29 @@ def _hints(old: ViewBuffer, new: ViewBuffer, slots: SlotBatch, counts: np.ndarra
             )
     (host_ranks,) = to_host(ranks)
     return plans, host_ranks, counts_bytes + host_ranks.nbytes
+
+
+def _hint_keys(slots: SlotBatch, bins: int, found: _Changed) -> torch.Tensor:
+    """The keys `_hints` counts, each a [slot, bin] of one of three tables: the changed
+    elements' old exponents (`slot * bins + exponent`), the sampled changed elements' old
+    exponents (+ n) and their new ones (+ 2n), n = slots * bins. Where Triton runs, one
+    launch writes all three for every change, `3n` where a change has none of a table
+    (`fused_diff.hint_keys`) in place of the torch code's two dozen element-wise calls,
+    each of which gives the GIL up and takes it back behind the publisher's other threads
+    (design.md); the torch code is the reference and the CPU path."""
+    stride, shift, keymask = fused_diff.key_tables(slots, found.local.device)
+    if fused_diff.available(found.local.device):
+        return fused_diff.hint_keys(
+            found.owner, found.local, found.old_bits, found.new_bits, stride, shift, keymask, bins
+        )
+    st = stride[found.owner]
+    floating = st > 0
+    base = found.owner * bins
+    old_keys = base + ((found.old_bits.to(torch.int64) >> shift[found.owner]) & keymask[found.owner])
+    new_keys = base + ((found.new_bits.to(torch.int64) >> shift[found.owner]) & keymask[found.owner])
+    sampled_changed = floating & ((found.local & (st - 1)) == 0)
+    n = len(slots) * bins
+    return torch.cat((old_keys[floating], old_keys[sampled_changed] + n, new_keys[sampled_changed] + 2 * n))
 
 
 _tables_lock = threading.Lock()  # batches of one diff run in helper threads

@@ -46,6 +46,7 @@ from deltaboard.publisher.snapshot import Slot, as_batch
 
 TILE = 4096  # elements per program; a multiple of 32 (one bitmask word per 32 lanes)
 WARPS = 8  # warps per program: 8 beat 4 on the H200 at TILE 4096 (design.md)
+KEY_BLOCK = 1024  # changes a `hint_keys` or `changed_lanes` program takes
 REORDER_STEP = 128  # entries a `reorder` program moves per step (a tile holds ~TILE/100)
 
 
@@ -127,17 +128,25 @@ def lanes_at(slots: Sequence[Slot], owner: torch.Tensor, local: torch.Tensor) ->
     """The `ChangedLanes` of changes found by another pass (the torch one): each change's
     slot (index in the batch) and slot-local position, in slot order, positions ascending.
     Two scatters over the changes, none over the tensors: a word's changed lanes are
-    distinct bits, so adding them up is their OR."""
+    distinct bits, so adding them up is their OR. Where Triton runs, both in one launch
+    (`changed_lanes`, by atomics): a dozen torch calls each gave the GIL up and took it
+    back behind the publisher's other threads (design.md)."""
     device = local.device
     table = tiles(as_batch(slots), str(device), TILE)
     count = table.count
+    masks = torch.zeros(max(count, 1) * (TILE // 32), dtype=torch.int32, device=device)
+    counts = torch.zeros(count, dtype=torch.int32, device=device)
+    if available(device):
+        if local.numel():
+            _kernels().changed_lanes[(-(-local.numel() // KEY_BLOCK),)](
+                owner, local, table.first_tile, masks, counts, local.numel(), TILE=TILE, BLOCK=KEY_BLOCK
+            )
+        return ChangedLanes(counts, torch.cumsum(counts, 0) - counts, masks, TILE)
     tile_of = table.first_tile[owner] + torch.div(local, TILE, rounding_mode="floor")
     lane = local % TILE
-    masks = torch.zeros(max(count, 1) * (TILE // 32), dtype=torch.int32, device=device)
     # bit 31 wraps to the sign bit of an int32, as the fused pass stores it
     masks.index_add_(0, tile_of * (TILE // 32) + torch.div(lane, 32, rounding_mode="floor"),
                      torch.bitwise_left_shift(torch.ones_like(lane), lane % 32).to(torch.int32))  # fmt: skip
-    counts = torch.zeros(count, dtype=torch.int32, device=device)
     counts.index_add_(0, tile_of, torch.ones_like(tile_of, dtype=torch.int32))
     return ChangedLanes(counts, torch.cumsum(counts, 0) - counts, masks, TILE)
 
@@ -156,6 +165,29 @@ def key_tables(slots: tuple[Slot, ...], device: torch.device) -> tuple[torch.Ten
         shift.append(field[0] if field else 0)
         keymask.append(field[1] if field else 0)
     return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (stride, shift, keymask))
+
+
+def hint_keys(
+    owner: torch.Tensor,
+    local: torch.Tensor,
+    old_bits: torch.Tensor,
+    new_bits: torch.Tensor,
+    stride: torch.Tensor,
+    shift: torch.Tensor,
+    keymask: torch.Tensor,
+    bins: int,
+) -> torch.Tensor:
+    """`device_diff._hint_keys` in one launch: for each of a batch's changes (its slot,
+    slot-local position, old and new bits; the slots' `key_tables`), its key in each of
+    the three tables, or `3 * slots * bins` where it has none (not floating; not sampled)."""
+    changes = local.numel()
+    keys = torch.empty(3 * changes, dtype=torch.int64, device=local.device)
+    if changes:
+        _kernels().hint_keys[(-(-changes // KEY_BLOCK),)](
+            owner, local, old_bits, new_bits, stride, shift, keymask, keys,
+            changes, stride.numel() * bins, bins, BLOCK=KEY_BLOCK,
+        )  # fmt: skip
+    return keys
 
 
 def hint_bins(slots: Sequence[Slot]) -> int:

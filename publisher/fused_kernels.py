@@ -188,3 +188,38 @@ def sampled_counts(
     keys = ((a >> tl.load(s_shift + slot)) & tl.load(s_keymask + slot)).to(tl.int32)
     hist = tl.histogram(keys, BINS, mask=take)
     tl.atomic_add(out + tl.load(rows + slot) * BINS + tl.arange(0, BINS), hist, mask=hist > 0)
+
+
+@triton.jit(do_not_specialize=["changes", "n", "bins"])  # per batch: vary
+def hint_keys(
+    owner, local, old_bits, new_bits, s_stride, s_shift, s_keymask, keys, changes, n, bins,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < changes
+    slot = tl.load(owner + i, mask=inside, other=0)
+    stride = tl.load(s_stride + slot, mask=inside, other=0)  # 0: no exponent; else a power of 2
+    shift = tl.load(s_shift + slot, mask=inside, other=0)
+    keymask = tl.load(s_keymask + slot, mask=inside, other=0)
+    base = slot.to(tl.int64) * bins
+    old_key = base + ((tl.load(old_bits + i, mask=inside, other=0).to(tl.int64) >> shift) & keymask)
+    new_key = base + ((tl.load(new_bits + i, mask=inside, other=0).to(tl.int64) >> shift) & keymask)
+    floating = stride > 0
+    sampled = floating & ((tl.load(local + i, mask=inside, other=0) & (stride - 1)) == 0)
+    none = 3 * n.to(tl.int64)
+    tl.store(keys + i, tl.where(floating, old_key, none), mask=inside)
+    tl.store(keys + changes + i, tl.where(sampled, old_key + n, none), mask=inside)
+    tl.store(keys + 2 * changes + i, tl.where(sampled, new_key + 2 * n, none), mask=inside)
+
+
+@triton.jit(do_not_specialize=["changes"])  # per batch: varies
+def changed_lanes(owner, local, first_tile, masks, counts, changes, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < changes
+    p = tl.load(local + i, mask=inside, other=0).to(tl.int64)
+    t = tl.load(first_tile + tl.load(owner + i, mask=inside, other=0), mask=inside, other=0) + p // TILE
+    lane = p % TILE
+    # bit 31 is the int32's sign bit, as the fused pass stores it
+    bit = (tl.full((BLOCK,), 1, tl.uint32) << (lane % 32).to(tl.uint32)).to(tl.int32, bitcast=True)
+    tl.atomic_or(masks + t * (TILE // 32) + lane // 32, bit, mask=inside, sem="relaxed")
+    tl.atomic_add(counts + t, tl.full((BLOCK,), 1, tl.int32), mask=inside, sem="relaxed")

@@ -230,11 +230,12 @@ def _buffers(
 
 
 @settings(max_examples=8, deadline=None)
-@given(pair=state_pairs())
-def test_lanes_scattered_from_positions_mark_each_change_in_its_tile(tile, pair):
+@given(pair=state_pairs(), triton_runs=st.booleans())
+def test_lanes_scattered_from_positions_mark_each_change_in_its_tile(tile, pair, triton_runs):
     """`lanes_at` sets, for each change, the bit of its lane in its tile's mask words (tiles
     of `tile` elements from each slot's start), counts each tile's changes and where each
-    tile's run starts: built here change by change from the torch pass' positions."""
+    tile's run starts: built here change by change from the torch pass' positions. By
+    torch's scatters, or by one Triton launch of atomics where Triton runs."""
     a, b = _buffers(pair[0], pair[1], SPEC)
     for group in a.layout.group_numel:
         slots = [s for s in a.layout.slots if s.group == group]
@@ -245,9 +246,11 @@ def test_lanes_scattered_from_positions_mark_each_change_in_its_tile(tile, pair)
         ]
         owner = np.repeat(np.arange(len(slots)), [p.size for p in local])
         positions = np.concatenate(local).astype(np.int64)
-        got = fused_diff.lanes_at(
-            slots, torch.from_numpy(owner).to(DEVICE), torch.from_numpy(positions).to(DEVICE)
-        )
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fused_diff, "available", lambda device: triton_runs)
+            got = fused_diff.lanes_at(
+                slots, torch.from_numpy(owner).to(DEVICE), torch.from_numpy(positions).to(DEVICE)
+            )
         table = fused_diff.tiles(tuple(slots), str(DEVICE), tile)
         words = np.zeros(max(table.count, 1) * (tile // 32), dtype=np.uint32)
         counts = np.zeros(table.count, dtype=np.int64)
@@ -288,6 +291,28 @@ def test_torch_hints_rank_with_the_fused_kernels_where_triton_runs(tile, monkeyp
     got = device_diff._cut(slots, device_diff._find(a, b, slots, True, False))
     assert reference.hints, "the classes paid off nowhere: the ranks were not exercised"
     assert_same(reference, got)
+
+
+@settings(max_examples=10, deadline=None)
+@given(pair=state_pairs())
+def test_hint_keys_in_one_launch_give_the_hints_torch_gives(tile, pair):
+    """The context hints of every dtype's changes (floating or not, sampled or not: the
+    keys of the three count tables), keyed in one Triton launch per batch with a mark for
+    "no key" that is dropped on the host, equal the torch code's, whose keys are cut
+    out by masks; and so do the new view's sampled counts, which the sampled changes move
+    (the next version's hints start from them)."""
+    a, b = _buffers(pair[0], pair[1], SPEC)
+    for group in a.layout.group_numel:
+        slots = SlotBatch(s for s in a.layout.slots if s.group == group)
+        found, moved = [], []
+        for triton_runs in (False, True):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(fused_diff, "available", lambda device, runs=triton_runs: runs)
+                found.append(device_diff._cut(slots, device_diff._find(a, b, slots, True, False)))
+                kept = b.sampled_counts
+                moved.append(np.zeros((0, 0), np.int64) if kept is None else kept.table.copy())
+        assert_same(*found)
+        assert np.array_equal(moved[0], moved[1])
 
 
 @settings(max_examples=8, deadline=None)

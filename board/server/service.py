@@ -316,11 +316,11 @@ class BoardService:
         started = self.clock.monotonic()
         if isinstance(manifest, str):
             name, found = manifest, self.prepared.get(run, manifest)
-            self.metrics.prepared_commits.inc()
             head_record, durable = await self.blocking(
                 self.ledger.commit, run, found.manifest, (found.as_json, found.packed)
             )
             self.prepared.discard(name)
+            self.metrics.prepared_commits.inc()
         else:
             head_record, durable = await self.blocking(self.ledger.commit, run, manifest)
         version_record = durable.model_copy(update={"commit_s": self.clock.monotonic() - started})

@@ -81,6 +81,7 @@ def test_a_prepared_commit_still_checks_the_boards_state(board):
     assert c.head("r").version is None
     c.upload_blob("r", b"zero")
     assert c.commit("r", m, prepared=name).version == 0
+    assert counter(board, "deltaboard_prepared_commits_total") == 1  # the refused one not counted
     stale = manifest("r", 1, epoch, {"w": b"zero"})
     stale_name = c.prepare("r", stale).prepared
     c.acquire_lease("r", "u", steal=True)  # fences the first writer's epoch off

@@ -109,7 +109,7 @@ class PublishResult:
     blocked_s: float  # time the caller spent inside publish()
     e2e_s: float  # from the publish() call to the commit
     diff_s: float  # the device diff (part of encode_s)
-    encode_s: float  # diff, encode and upload of this rank's part
+    encode_s: float  # diff, encode and upload of this rank's part (a lone rank: and the board's prepare)
     commit_s: float  # gathering the ranks' parts and committing
     manifest_bytes: int  # the committed manifest's JSON (what every follower reads), 0 if none
     layout_change: LayoutChange | None  # the tensors changed: this version is a keyframe

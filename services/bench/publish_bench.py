@@ -274,7 +274,8 @@ def run_shapes(config: BenchConfig, progress: Callable[[str], None]) -> dict[str
     then `config.deltas` deltas of each, alternating shape version by version (so that both
     see the same machine load), across the first link. Per shape (medians over the deltas):
     `blocked_ms`, `e2e_s` (call to commit) and its parts `diff_s` (waiting for the diff),
-    `encode_s` (diff, encode and upload), `commit_s`; `delta_bytes`, `manifest_bytes`.
+    `encode_s` (diff, encode and upload, and the board's prepare of the manifest, which runs
+    while the last blob uploads), `commit_s`; `delta_bytes`, `manifest_bytes`.
     `many_over_few`: the e2e ratio of the two shapes (the issue's target: within 1.5x).
 
     Beside each publish, what the snapshot copy alone costs, in the same run (`SnapshotCopy`):

@@ -8,7 +8,7 @@ import hashlib
 import httpx
 import pytest
 
-from deltaboard.board.contract.errors import BadManifest, MissingBlobs, StaleEpoch, UnknownPrepared
+from deltaboard.board.contract.errors import BadManifest, Forbidden, MissingBlobs, StaleEpoch, UnknownPrepared
 from deltaboard.board.contract.schemas import Manifest
 from deltaboard.board.server.clock import ManualClock
 from deltaboard.board.server.prepared import PreparedManifest, PreparedManifests
@@ -95,6 +95,8 @@ def test_prepare_refuses_what_a_commit_would_and_a_commit_takes_one_form(board):
     c.create_run("r")
     c.create_run("s")
     epoch = c.acquire_lease("r", "t").epoch
+    with pytest.raises(Forbidden):
+        board.client(board.read_token).prepare("r", manifest("r", 0, epoch, {"w": b"zero"}))
     with pytest.raises(BadManifest):
         c.prepare("r", manifest("s", 0, epoch, {"w": b"zero"}))  # another run's
     with pytest.raises(BadManifest):

@@ -276,25 +276,64 @@ def seaweedfs(directory: Path) -> Iterator[S3Server]:
             }
         )
     )
-    ports = {
-        name: free_port()
-        for name in (
-            "master",
-            "master.grpc",
-            "volume",
-            "volume.grpc",
-            "filer",
-            "filer.grpc",
-            "s3",
-            "s3.grpc",
-            "metrics",
+    log = directory / "weed.log"
+    for attempt in range(START_ATTEMPTS):
+        ports = {name: free_port() for name in WEED_PORTS}
+        proc = _start_weed(weed, directory / f"data{attempt}", config, ports, log)
+        server = S3Server(
+            endpoint=f"http://127.0.0.1:{ports['s3']}", access_key=access, secret_key=secret, process=proc
         )
-    }
+
+        def ready(server: S3Server = server) -> bool:
+            name = server.make_bucket("ready")
+            server.client().put_object(Bucket=name, Key="probe", Body=b"x")
+            return True
+
+        try:
+            wait_until(ready, "SeaweedFS", proc, log, timeout=90)
+            break
+        except RuntimeError as exc:
+            stop_process(proc, timeout=2.0)
+            # one of its nine ports was taken between `free_port` and its bind (by another
+            # server, or a connection's ephemeral port): start again on fresh ones
+            if not port_was_taken(exc) or attempt == START_ATTEMPTS - 1:
+                raise
+    try:
+        yield server
+    finally:
+        stop_process(proc, timeout=2.0)  # its data is a throwaway temp dir
+
+
+WEED_PORTS = (
+    "master",
+    "master.grpc",
+    "volume",
+    "volume.grpc",
+    "filer",
+    "filer.grpc",
+    "s3",
+    "s3.grpc",
+    "metrics",
+)
+START_ATTEMPTS = 3  # starts on fresh ports when one found free was taken before the bind
+
+
+def port_was_taken(failed: RuntimeError) -> bool:
+    """Whether a server that exited (`wait_until`'s error, its log's tail) could not bind."""
+    return "address already in use" in str(failed).lower()
+
+
+def _start_weed(
+    weed: str, data: Path, config: Path, ports: dict[str, int], log: Path
+) -> subprocess.Popen[bytes]:
+    """`weed server -s3` (master, volume, filer and S3 in one process) on `ports`, its data
+    in `data`, its output appended to `log`."""
+    data.mkdir(parents=True, exist_ok=True)
     args = [
         weed,
         "server",
         "-s3",
-        f"-dir={directory}",
+        f"-dir={data}",
         "-ip=127.0.0.1",
         "-ip.bind=127.0.0.1",
         f"-master.port={ports['master']}",
@@ -312,26 +351,11 @@ def seaweedfs(directory: Path) -> Iterator[S3Server]:
         "-master.telemetry=false",
         "-master.volumeSizeLimitMB=16",
         "-volume.max=0",  # one collection (and its volumes) per bucket: do not cap them
-        f"-filer.localSocket={directory}/filer.sock",
-        f"-s3.localSocket={directory}/s3.sock",
+        f"-filer.localSocket={data}/filer.sock",
+        f"-s3.localSocket={data}/s3.sock",
     ]
-    log = directory / "weed.log"
     with open(log, "ab") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=directory)
-    server = S3Server(
-        endpoint=f"http://127.0.0.1:{ports['s3']}", access_key=access, secret_key=secret, process=proc
-    )
-    try:
-
-        def ready() -> bool:
-            name = server.make_bucket("ready")
-            server.client().put_object(Bucket=name, Key="probe", Body=b"x")
-            return True
-
-        wait_until(ready, "SeaweedFS", proc, log, timeout=90)
-        yield server
-    finally:
-        stop_process(proc, timeout=2.0)  # its data is a throwaway temp dir
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=data)
 
 
 # ---- Valkey / Redis --------------------------------------------------------------------
@@ -363,8 +387,21 @@ class ValkeyServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> ValkeyServer:
+        """Start on the port it had (a restart) or on a free one, found again while one
+        found free is taken before the bind."""
+        fresh = not self.port
+        for attempt in range(START_ATTEMPTS if fresh else 1):
+            self.port = self.port or free_port()
+            try:
+                return self._start()
+            except RuntimeError as exc:
+                if not fresh or not port_was_taken(exc) or attempt == START_ATTEMPTS - 1:
+                    raise
+                self.port = 0
+        raise AssertionError("unreachable")
+
+    def _start(self) -> ValkeyServer:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.port = self.port or free_port()
         log = self.directory / "valkey.log"
         with open(log, "ab") as out:
             self.process = subprocess.Popen(

@@ -143,6 +143,32 @@ def test_haproxy_balances_the_board_replicas():
         assert parse_cli(command_of(services()[host])).params["port"] == int(port)
 
 
+def test_haproxy_sends_a_runs_prepare_and_commit_to_one_replica():
+    """A prepared manifest lives in the replica that prepared it: the publish routes that
+    name it go by a consistent hash of the run's path, to the same servers as the rest."""
+    config = (DEPLOY / "haproxy.cfg").read_text()
+    acl = re.search(r"^\s*acl (\S+) path_reg (\S+)$", config, flags=re.MULTILINE)
+    assert acl is not None
+    use = re.search(rf"^\s*use_backend (\S+) if {acl[1]}$", config, flags=re.MULTILINE)
+    assert use is not None
+    pattern = re.compile(acl[2])
+    for path in ("/v1/runs/r-1/prepare", "/v1/runs/r-1/commit"):
+        assert pattern.search(path), path
+    for path in ("/v1/runs/r-1/head", "/v1/runs/r-1/manifests/3", "/v1/runs/r-1/commit/x"):
+        assert not pattern.search(path), path
+    backends = dict(re.findall(r"^backend (\S+)\n((?:[ \t]+.*\n?)*)", config, flags=re.MULTILINE))
+    by_run = backends[use[1]]
+    assert re.search(r"^\s*balance uri depth 3$", by_run, flags=re.MULTILINE)  # /v1/runs/{run}
+    assert re.search(r"^\s*hash-type consistent$", by_run, flags=re.MULTILINE)
+    servers = {tuple(re.findall(r"^\s*server (.+)$", body, flags=re.MULTILINE)) for body in backends.values()}
+    assert len(backends) == 2 and len(servers) == 1
+
+
+def test_the_board_service_keeps_a_client_on_one_replica():
+    """The publisher's prepare and the commit that names it reach the same board pod."""
+    assert objects("Service")["deltaboard-board"]["spec"]["sessionAffinity"] == "ClientIP"
+
+
 def test_dockerfile_copies_what_exists():
     text = (DEPLOY / "Dockerfile").read_text()
     for source in re.findall(r"^COPY (.+) \S+$", text, flags=re.MULTILINE):

@@ -141,13 +141,13 @@ def lanes_at(slots: Sequence[Slot], owner: torch.Tensor, local: torch.Tensor) ->
             _kernels().changed_lanes[(-(-local.numel() // KEY_BLOCK),)](
                 owner, local, table.first_tile, masks, counts, local.numel(), TILE=TILE, BLOCK=KEY_BLOCK
             )
-        return ChangedLanes(counts, torch.cumsum(counts, 0) - counts, masks, TILE)
-    tile_of = table.first_tile[owner] + torch.div(local, TILE, rounding_mode="floor")
-    lane = local % TILE
-    # bit 31 wraps to the sign bit of an int32, as the fused pass stores it
-    masks.index_add_(0, tile_of * (TILE // 32) + torch.div(lane, 32, rounding_mode="floor"),
-                     torch.bitwise_left_shift(torch.ones_like(lane), lane % 32).to(torch.int32))  # fmt: skip
-    counts.index_add_(0, tile_of, torch.ones_like(tile_of, dtype=torch.int32))
+    else:
+        tile_of = table.first_tile[owner] + torch.div(local, TILE, rounding_mode="floor")
+        lane = local % TILE
+        # bit 31 wraps to the sign bit of an int32, as the fused pass stores it
+        bits = torch.bitwise_left_shift(torch.ones_like(lane), lane % 32).to(torch.int32)
+        masks.index_add_(0, tile_of * (TILE // 32) + torch.div(lane, 32, rounding_mode="floor"), bits)
+        counts.index_add_(0, tile_of, torch.ones_like(tile_of, dtype=torch.int32))
     return ChangedLanes(counts, torch.cumsum(counts, 0) - counts, masks, TILE)
 
 

@@ -30,13 +30,14 @@ from deltaboard.board.contract.spans import KeyframeManifest, SpanManifest
 from deltaboard.board.server import rules
 from deltaboard.board.server.clock import Clock, SystemClock
 from deltaboard.board.server.metrics import BoardMetrics
+from deltaboard.board.server.prepared import PreparedManifest
 from deltaboard.board.server.records import (
     HeadRecord,
     LeaseRecord,
     RunRecord,
     VersionRecord,
+    encode,
     manifest_json,
-    packed_manifest,
 )
 from deltaboard.board.server.retention import VersionSelection, apply_retention
 from deltaboard.board.server.storage import (
@@ -61,10 +62,6 @@ M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("deltaboard.board")
 
 CAS_ATTEMPTS = 16
-
-
-def encode(model: BaseModel) -> bytes:
-    return model.model_dump_json().encode()
 
 
 class Ledger:
@@ -225,13 +222,13 @@ class Ledger:
 
     # ---- commit ------------------------------------------------------------------------
 
-    def commit(
-        self, run: str, manifest: Manifest, prepared: tuple[bytes, bytes] | None = None
-    ) -> tuple[HeadRecord, VersionRecord]:
-        """Commit `manifest` as head + 1. `prepared`: its stored JSON and that JSON packed,
-        made when it was prepared (`board.server.prepared`), its own rules checked then."""
+    def commit(self, run: str, manifest: Manifest | PreparedManifest) -> tuple[HeadRecord, VersionRecord]:
+        """Commit `manifest` as head + 1: checked on its own and encoded as stored
+        (`PreparedManifest.of`) unless that was done when it was prepared, then under the
+        run's lock checked against the board's state and written."""
+        prepared = manifest if isinstance(manifest, PreparedManifest) else PreparedManifest.of(run, manifest)
         with self._exclusive(run):
-            return self._commit(run, manifest, prepared)
+            return self._commit(run, prepared)
 
     def retain(
         self,
@@ -247,23 +244,14 @@ class Ledger:
             now = self.clock.now()
             return apply_retention(self.store, run, versions, head, selection, grace_s, touches, now)
 
-    def _commit(
-        self, run: str, manifest: Manifest, prepared: tuple[bytes, bytes] | None
-    ) -> tuple[HeadRecord, VersionRecord]:
+    def _commit(self, run: str, prepared: PreparedManifest) -> tuple[HeadRecord, VersionRecord]:
+        manifest, as_json, data = prepared.manifest, prepared.as_json, prepared.packed
         head, head_tag = self.head(run)
         found = self.lease(run)
-        lease = None if found is None else found[0]
-        if prepared is None:
-            rules.check_manifest_shape(manifest, run)
-        rules.check_commit(manifest, head, lease, self.clock.now())
+        rules.check_commit(manifest, head, None if found is None else found[0], self.clock.now())
         sizes = {sha: self.blob_size(run, sha) for sha in manifest.blob_shas()}
         rules.check_blob_ranges(manifest, sizes)
         new_head = HeadRecord(version=manifest.version, kind=manifest.kind, epoch=manifest.epoch)
-        if prepared is None:
-            as_json = encode(manifest)
-            data = packed_manifest(as_json)
-        else:
-            as_json, data = prepared
         key = manifest_key(run, manifest.version)
         head_write = (head_key(run), encode(new_head), head_tag)
         # The manifest create-if-absent, then the head CAS, durable together.

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from deltaboard.board.contract.errors import UnknownPrepared
 from deltaboard.board.contract.schemas import Manifest
 from deltaboard.board.server.clock import Clock
+from deltaboard.board.server.records import encode, packed_manifest
+from deltaboard.board.server.rules import check_manifest_shape
 
 PREPARED_TTL_S = 120.0
 PREPARED_ENTRIES = 8
@@ -37,6 +39,14 @@ class PreparedManifest:
     manifest: Manifest
     as_json: bytes
     packed: bytes
+
+    @classmethod
+    def of(cls, run: str, manifest: Manifest) -> PreparedManifest:
+        """`manifest`, posted to `run`, checked on its own (`BadManifest`) and encoded:
+        what every commit does first, at its prepare or in the commit itself."""
+        check_manifest_shape(manifest, run)
+        as_json = encode(manifest)
+        return cls(manifest, as_json, packed_manifest(as_json))
 
     @property
     def name(self) -> str:

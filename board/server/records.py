@@ -18,6 +18,11 @@ from deltaboard.board.contract.schemas import Head, Manifest, RunInfo, VersionSu
 _ZSTD_FRAME = b"\x28\xb5\x2f\xfd"  # how a zstd frame starts; a JSON record starts with "{"
 
 
+def encode(model: BaseModel) -> bytes:
+    """A record's stored bytes: its JSON."""
+    return model.model_dump_json().encode()
+
+
 def packed_manifest(as_json: bytes) -> bytes:
     """A manifest's JSON as the store holds it: one zstd frame. A model of many tensors
     has a manifest of megabytes whose columns repeat (20,000 entries: 2.19 MB of JSON,

@@ -50,12 +50,11 @@ from deltaboard.board.contract.schemas import (
 from deltaboard.board.server import plan as planning
 from deltaboard.board.server.clock import Clock
 from deltaboard.board.server.index import Index
-from deltaboard.board.server.ledger import Ledger, encode
+from deltaboard.board.server.ledger import Ledger
 from deltaboard.board.server.metrics import BoardMetrics
 from deltaboard.board.server.prepared import PreparedManifest, PreparedManifests
-from deltaboard.board.server.records import RunRecord, head_rank, packed_manifest, served_manifest
+from deltaboard.board.server.records import RunRecord, head_rank, served_manifest
 from deltaboard.board.server.retention import select_versions
-from deltaboard.board.server.rules import check_manifest_shape
 from deltaboard.board.server.settings import Settings
 from deltaboard.board.server.span_service import SpanBook
 from deltaboard.board.server.storage import ObjectNotFound, ObjectStore, asset_key, blob_key
@@ -70,13 +69,6 @@ KEEPALIVE_S = 15.0
 
 def blob_url(run: str, sha256: str) -> str:
     return f"/v1/runs/{run}/blobs/{sha256}"
-
-
-def _prepared(run: str, manifest: Manifest) -> PreparedManifest:
-    """`manifest` checked on its own (`BadManifest`) and encoded as the store holds it."""
-    check_manifest_shape(manifest, run)
-    as_json = encode(manifest)
-    return PreparedManifest(manifest, as_json, packed_manifest(as_json))
 
 
 def newer(head: Head, after: int | None) -> bool:
@@ -304,7 +296,7 @@ class BoardService:
         """Check `manifest` on its own and encode it as the store will hold it, for a commit
         that names it (`board.server.prepared`); nothing is stored."""
         await self.require_run(run)
-        prepared = await self.blocking(_prepared, run, manifest)
+        prepared = await self.blocking(PreparedManifest.of, run, manifest)
         name = self.prepared.put(prepared)
         return Prepared(run=run, version=manifest.version, prepared=name, expires_in_s=self.prepared.ttl_s)
 
@@ -316,9 +308,7 @@ class BoardService:
         started = self.clock.monotonic()
         if isinstance(manifest, str):
             name, found = manifest, self.prepared.get(run, manifest)
-            head_record, durable = await self.blocking(
-                self.ledger.commit, run, found.manifest, (found.as_json, found.packed)
-            )
+            head_record, durable = await self.blocking(self.ledger.commit, run, found)
             self.prepared.discard(name)
             self.metrics.prepared_commits.inc()
         else:

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from deltaboard.board.contract.schemas import RunCreate
-from deltaboard.board.server.ledger import Ledger, encode
+from deltaboard.board.server.ledger import Ledger
+from deltaboard.board.server.records import encode
 from deltaboard.board.server.storage import manifest_key
 from deltaboard.board.server.storage.local import LocalStore
 from tests.board.test_ledger import Crashed, Crasher, lease, put_blobs

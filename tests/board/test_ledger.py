@@ -14,8 +14,8 @@ import zstandard
 
 from deltaboard.board.contract.errors import BoardError
 from deltaboard.board.contract.schemas import LeaseRequest, Manifest, RunCreate
-from deltaboard.board.server.ledger import Ledger, encode
-from deltaboard.board.server.records import packed_manifest
+from deltaboard.board.server.ledger import Ledger
+from deltaboard.board.server.records import encode, packed_manifest
 from deltaboard.board.server.retention import select_versions
 from deltaboard.board.server.storage import head_key, manifest_key
 from deltaboard.board.server.storage.local import LocalStore

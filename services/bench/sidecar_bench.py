@@ -96,11 +96,44 @@ class BenchConfig:
     swap_every_s: float = 3.0
     mode: str = "in_place"
     paced_step_ms: float = 10.0  # the engine's decode step in the paced phase
+    # the proxy under test (the pass-through, the sidecar) alone on the machine's last core,
+    # the engine and the load generator on the others (`Cores`)
+    own_core: bool = False
 
 
 def quick(workers: int | None = None) -> BenchConfig:
     """5 s a phase and a swap a second; `workers` None: `auto_workers()`, as deployed."""
     return BenchConfig(duration_s=5.0, workers=workers or auto_workers(), swap_every_s=1.0)
+
+
+@dataclass(frozen=True)
+class Cores:
+    """Where `own_core` runs each process: the proxy under test on the last core this
+    process may use, the engine and the load generator on the others. As deployed, the
+    engine's work is on its GPU and the sidecar finds a core: the default run shares every
+    core between the three, so that a woken proxy waits for one behind the engine and the
+    generator, and its added time is the machine's queueing as much as the proxy's own
+    (docs/design.md)."""
+
+    proxy: frozenset[int]
+    others: frozenset[int]
+
+    @classmethod
+    def split(cls) -> Cores:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            raise ValueError(
+                f"a core of the proxy's own needs two cores or more; this process may use {len(cores)}"
+            )
+        return cls(frozenset(cores[-1:]), frozenset(cores[:-1]))
+
+
+def on_cores(cores: frozenset[int] | None, target: Callable[..., None], *args: Any) -> None:
+    """A process's entry point run on `cores` (None: where it was started); set in the
+    process itself, before it starts any other (the sidecar's workers inherit it)."""
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    target(*args)
 
 
 # --- the fake engine -------------------------------------------------------------------
@@ -503,18 +536,27 @@ def _summary(phases: dict[str, Phase], config: BenchConfig) -> dict[str, Any]:
 
 def run(config: BenchConfig, status: Status) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
+    cores = Cores.split() if config.own_core else None
+    proxy_cores, other_cores = (cores.proxy, cores.others) if cores else (None, None)
+    started_on = os.sched_getaffinity(0)
     engine_port, engine_end = context.Pipe()
-    engine = context.Process(target=engine_process, args=(engine_end,), daemon=True)
+    engine = context.Process(target=on_cores, args=(other_cores, engine_process, engine_end), daemon=True)
     engine.start()
     sidecar = passthrough = None
     try:
+        if other_cores is not None:
+            os.sched_setaffinity(0, other_cores)  # the load generator
         engine_url = f"http://127.0.0.1:{engine_port.recv()}"
         floor_port, floor_end = context.Pipe()
-        passthrough = context.Process(target=passthrough_process, args=(engine_url, floor_end), daemon=True)
+        passthrough = context.Process(
+            target=on_cores, args=(proxy_cores, passthrough_process, engine_url, floor_end), daemon=True
+        )
         passthrough.start()
         floor_url = f"http://127.0.0.1:{floor_port.recv()}"
         sidecar_port, sidecar_end = context.Pipe()
-        sidecar = context.Process(target=sidecar_process, args=(engine_url, config, sidecar_end))
+        sidecar = context.Process(
+            target=on_cores, args=(proxy_cores, sidecar_process, engine_url, config, sidecar_end)
+        )
         sidecar.start()
         deadline = time.monotonic() + 60
         while not sidecar_port.poll(0.1):
@@ -537,12 +579,27 @@ def run(config: BenchConfig, status: Status) -> dict[str, Any]:
                 status(f"{what}, {name}")
                 phase = _phase(url, stream, config, engine.pid, pid, name == "sidecar", paced)
                 phases[f"{what}, {name}"] = uvloop.run(phase)
-        return _summary(phases, config)
+        report = _summary(phases, config)
+        report["placement"] = _placement(engine.pid, passthrough.pid, sidecar.pid)
+        return report
     finally:
+        os.sched_setaffinity(0, started_on)
         for process in (sidecar, passthrough, engine):
             if process is not None:
                 process.terminate()
                 process.join(10)
+
+
+def _placement(engine: int, passthrough: int, sidecar: int) -> dict[str, list[int]]:
+    """The cores each process may run on, read from the processes after the phases (the
+    sidecar's: its owner's and every worker's)."""
+    processes = {"engine": [engine], PASSTHROUGH: [passthrough], "load generator": [os.getpid()]}
+    owner = psutil.Process(sidecar)
+    processes["sidecar"] = [sidecar, *(p.pid for p in owner.children(recursive=True))]
+    return {
+        name: sorted(set().union(*(os.sched_getaffinity(pid) for pid in pids)))
+        for name, pids in processes.items()
+    }
 
 
 def _pair(values: list[float]) -> str:
@@ -551,7 +608,10 @@ def _pair(values: list[float]) -> str:
 
 def render(report: dict[str, Any], console: Console) -> None:
     workers = report["config"]["workers"]
-    table = Table(title=f"sidecar beside a fast fake engine ({report['cores']} cores, {workers} worker(s))")
+    placed = ", the proxy on a core of its own" if report["config"]["own_core"] else ""
+    table = Table(
+        title=f"sidecar beside a fast fake engine ({report['cores']} cores, {workers} worker(s){placed})"
+    )
     for column in ("figure", "direct", "through a pass-through", "through the sidecar", "target"):
         table.add_column(column)
     ttft, latency, floor = report["ttft_ms"], report["latency_ms"], report["passthrough"]

@@ -171,6 +171,13 @@ def bench_sidecar(
     swap_every: float | None = typer.Option(
         None, help="Seconds between the swaps during the run (default: 3; quick 1)."
     ),
+    own_core: bool = typer.Option(
+        False,
+        "--own-core",
+        help="Run the proxy under test (the pass-through, then the sidecar) alone on the last "
+        "core, the engine and the load generator on the others, as a sidecar beside a GPU "
+        "engine finds a core; --workers auto is then 1.",
+    ),
     json_path: Path | None = typer.Option(None, "--json", help="Write the figures here (default: nowhere)."),
 ) -> None:
     """The sidecar's cost beside a fast fake engine: the same load direct, through a proxy
@@ -181,11 +188,20 @@ def bench_sidecar(
 
     from deltaboard.services.bench import sidecar_bench
     from deltaboard.services.commands.progress import measured, write_report
+    from deltaboard.services.sidecar.workers import AUTO
 
-    processes = _worker_count(workers)
+    if own_core:
+        try:
+            sidecar_bench.Cores.split()
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--own-core") from exc
+    processes = 1 if own_core and workers == AUTO else _worker_count(workers)  # auto: on one core
     config = sidecar_bench.quick(processes) if quick else sidecar_bench.BenchConfig(workers=processes)
     config = replace(
-        config, duration_s=duration or config.duration_s, swap_every_s=swap_every or config.swap_every_s
+        config,
+        duration_s=duration or config.duration_s,
+        swap_every_s=swap_every or config.swap_every_s,
+        own_core=own_core,
     )
     console = Console()
     report = measured(console, lambda status: sidecar_bench.run(config, status))

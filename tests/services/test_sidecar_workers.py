@@ -239,6 +239,32 @@ def test_bench_sidecar_command_writes_the_figures(tmp_path: Path) -> None:
     assert (
         report["workers"] == report["config"]["workers"] == workers.auto_workers()
     )  # as deployed by default
+    every_core = sorted(os.sched_getaffinity(0))  # shared by every process
+    assert set(report["placement"]) == {"engine", "pass-through", "load generator", "sidecar"}
+    assert all(cores == every_core for cores in report["placement"].values()), report["placement"]
+    assert report["errors"] == 0 and report["missing_stamps"] == 0, report["first_error"]
+
+
+def test_bench_sidecar_gives_the_proxy_a_core_of_its_own(tmp_path: Path) -> None:
+    """`--own-core`: the pass-through and the sidecar (owner and workers) on the last core,
+    the engine and the load generator on the others, as each process reports it during the
+    run; one worker for `--workers auto`, and this process's cores given back after."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("a core of the proxy's own needs two cores")
+    out = tmp_path / "sidecar.json"
+    args = ["bench", "sidecar", "--own-core", "--duration", "0.5", "--swap-every", "0.2", "--json", str(out)]
+    result = CliRunner().invoke(build_app(), args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["config"]["own_core"] is True and report["workers"] == 1
+    assert report["placement"] == {
+        "engine": cores[:-1],
+        "pass-through": cores[-1:],
+        "load generator": cores[:-1],
+        "sidecar": cores[-1:],
+    }
+    assert sorted(os.sched_getaffinity(0)) == cores
     assert report["errors"] == 0 and report["missing_stamps"] == 0, report["first_error"]
 
 

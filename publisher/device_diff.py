@@ -604,9 +604,14 @@ def _hints(old: ViewBuffer, new: ViewBuffer, slots: SlotBatch, counts: np.ndarra
     )
     moved[:, bins:] = -1
     moved[:, :bins] = sampled
+    # the moves by flat index into the rows (C-contiguous: a view), one fancy index each, not
+    # a (row, column) pair: tens of thousands of keys a batch
+    flat, width = moved.reshape(-1), moved.shape[1]
     for lo, hi, sign in ((removed_at, added_at, -1), (added_at, present_h.size, 1)):
         at = present_h[lo:hi] - (n if sign < 0 else 2 * n)
-        moved[at // bins, at % bins] += sign * times_h[lo:hi]
+        if width != bins:
+            at += at // bins * (width - bins)
+        flat[at] += sign * times_h[lo:hi]
     moved[sampled[:, 0] < 0] = -1
     if not isinstance(rows, slice):
         moving.table[rows] = moved

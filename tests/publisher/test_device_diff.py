@@ -348,23 +348,33 @@ def test_a_second_layout_of_the_same_slots_never_compares_them(device, monkeypat
 
 
 def _hint_versions(device: str, seed: int) -> list[dict[str, torch.Tensor]]:
-    """Four versions of a sampled tensor (every 32nd element counted), an unsampled one
-    and an integer one, whose changes favour small weights, sampled positions included."""
+    """Four versions of a sampled tensor (every 32nd element counted), three unsampled ones
+    (two of a narrower exponent field, in a batch of their own) and an integer one, whose
+    changes favour small weights, sampled positions included."""
     g = torch.Generator().manual_seed(seed)
     first = {
         "big": (torch.randn(70_000, generator=g) * 10.0 ** torch.randint(-6, 1, (70_000,), generator=g)).to(
             torch.bfloat16
         ),
         "small": (torch.randn(3_000, generator=g) * 1e-4).to(torch.float32),
+        # two alone in their batch: 16 exponents each in a table 256 wide (the widest dtype's)
+        **{
+            name: (torch.randn(n, generator=g) * 10.0 ** torch.randint(-2, 1, (n,), generator=g)).to(
+                torch.float8_e4m3fn
+            )
+            for name, n in (("eights", 4_000), ("more_eights", 2_500))
+        },
         "ints": torch.randint(0, 9, (100,), generator=g),
     }
     versions = [first]
     for _ in range(3):
         nxt = {}
         for name, t in versions[-1].items():
-            bits = t.clone().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+            bits = t.clone().view(
+                {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+            )
             small = (
-                t.abs().to(torch.float64) < 1e-3
+                t.to(torch.float64).abs() < (1e-3 if t.element_size() > 1 else 0.05)
                 if t.is_floating_point()
                 else torch.ones_like(t, dtype=torch.bool)
             )
@@ -384,8 +394,9 @@ def test_kept_sampled_counts_give_the_codecs_hint_version_after_version(device, 
     that failed (its buffer filled again with another state) leaves the base's counts true,
     those the base was counted to as well."""
     v = _hint_versions(device, seed)
-    spec = ViewSpec(rules=(ViewRule(pattern=".*", dtype="raw"),))
+    spec = ViewSpec(rules=(ViewRule(pattern="*", dtype="raw"),))  # every dtype served as it is
     layout = ViewLayout.of(v[0], spec)
+    assert {slot.dtype for slot in layout.slots} == {"BF16", "F32", "F8_E4M3", "I64"}
     base, other = ViewBuffer(layout), ViewBuffer(layout)
     base.fill(v[0])
     hinted = 0

@@ -17,7 +17,7 @@ from deltaboard.services.bench.publish_bench import shaped_tensors
 from tests.publisher.test_fused_diff import both
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-RAW = ViewSpec(rules=(ViewRule(pattern=".*", dtype="raw"),))
+RAW = ViewSpec(rules=(ViewRule(pattern="*", dtype="raw"),))
 
 
 def _moved(t: torch.Tensor, rate: float, g: torch.Generator) -> torch.Tensor:

@@ -66,6 +66,7 @@ import torch
 from deltaboard.board import codec
 from deltaboard.board.contract.errors import BoardError, NotHead, StaleEpoch
 from deltaboard.board.contract.schemas import Manifest, ViewSpec
+from deltaboard.board.contract.view_spec import unmatched_rules
 from deltaboard.clients.board_client import BoardClient
 from deltaboard.publisher.assets import describe_view, model_assets, read_assets
 from deltaboard.publisher.encode import LocalSlice, RankVersion, encode_rank
@@ -319,6 +320,14 @@ class Publisher:
                 f"the tensors changed since the last version ({change}): ranks publishing together "
                 "cannot change their tensors within a run; start a new run"
             )
+        if self._ranks.rank == 0 and (self._pipeline.layout is None or change is not None):
+            for rule in unmatched_rules(list(whole), self.spec):
+                log.warning(
+                    "view rule %r (%s) matches no tensor of the published state, so it serves none "
+                    "(patterns are globs: '*' matches every name, 'model.layers.*' a prefix)",
+                    rule.pattern,
+                    rule.dtype,
+                )
         assets = self._assets_due(model_or_state_dict, change)
         return self._pipeline.submit(state, step, meta or {}, change=change, assets=assets)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -60,6 +61,16 @@ def applying_rule(name: str, shape: Sequence[int], spec: ViewSpec) -> ViewRule |
         if fnmatch.fnmatchcase(name, rule.pattern) and (rule.dtype != FP8_BLOCK or len(shape) == 2):
             return rule
     return None
+
+
+def unmatched_rules(names: Sequence[str], spec: ViewSpec) -> list[ViewRule]:
+    """The rules of `spec` whose pattern matches none of `names`: a spec written for
+    another model, or a pattern written as a regular expression (`.*` is a glob for the
+    names that start with a dot), which would leave tensors in the default dtype without a
+    word."""
+    return [
+        rule for rule in spec.rules if not any(map(re.compile(fnmatch.translate(rule.pattern)).match, names))
+    ]
 
 
 def served_dtype(name: str, source_dtype: str, spec: ViewSpec, shape: Sequence[int] = ()) -> str:

@@ -13,6 +13,7 @@ from deltaboard.board.contract.view_spec import (
     nbytes,
     plan_layout,
     served_dtype,
+    unmatched_rules,
 )
 
 
@@ -31,6 +32,20 @@ def test_floating_tensors_take_the_default_or_the_first_matching_rule() -> None:
     assert served_dtype("layers.0.q.weight", "F32", spec) == "F16"
     assert served_dtype("layers.0.q.bias", "F32", spec) == "BF16"
     assert served_dtype("x", "F64", ViewSpec(default_dtype="fp32")) == "F32"
+
+
+def test_rules_that_match_no_name_are_found() -> None:
+    """A regular expression where a glob is meant (`.*` matches only names that start with
+    a dot) and a case that differs match nothing, as `served_dtype` applies them."""
+    rules = tuple(
+        ViewRule(pattern=p, dtype="raw") for p in (".*", "*", "model.layers.*", "LM_HEAD.*", "lm_head.*")
+    )
+    names = ["model.layers.0.q_proj.weight", "lm_head.weight"]
+    unmatched = unmatched_rules(names, ViewSpec(rules=rules))
+    assert [rule.pattern for rule in unmatched] == [".*", "LM_HEAD.*"]
+    for rule in unmatched:  # none of their tensors is served by them
+        assert all(served_dtype(n, "F32", ViewSpec(rules=(rule,))) == "BF16" for n in names)
+    assert unmatched_rules([], ViewSpec()) == []
 
 
 def test_fp8_block_rules_serve_2d_weights_and_their_scales() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 
@@ -43,6 +44,25 @@ def train_step(state: dict[str, torch.Tensor], seed: int) -> None:
         t = state[name]
         t.add_((torch.randn(t.shape, generator=g) * 0.0005).to(t.device) * t.abs())
     state["step_count"] += 1
+
+
+def test_a_view_rule_that_matches_no_tensor_is_named_once_per_layout(board, caplog):
+    """A regular expression where a glob is meant serves nothing: said at the first publish
+    and again when the tensors change, not at every version."""
+    client = board.client(board.publish_token)
+    state = make_state()
+    spec = ViewSpec(rules=(ViewRule(pattern=".*", dtype="raw"), ViewRule(pattern="norm.*", dtype="fp32")))
+    with (
+        caplog.at_level(logging.WARNING, logger="deltaboard.publisher.publisher"),
+        Publisher(client, "run-rules", spec=spec, assets={}) as pub,
+    ):
+        pub.publish(state, step=0).result()
+        pub.publish(state, step=1).result()
+        warned = [r.getMessage() for r in caplog.records if "matches no tensor" in r.getMessage()]
+        assert len(warned) == 1 and "'.*'" in warned[0] and "norm" not in warned[0], warned
+        pub.publish({**state, "extra.weight": torch.ones(4)}, step=2).result()
+    warned = [r.getMessage() for r in caplog.records if "matches no tensor" in r.getMessage()]
+    assert len(warned) == 2, warned
 
 
 @pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])

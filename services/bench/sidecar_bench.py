@@ -45,6 +45,10 @@ writes and connections), with the sidecar's own work left out. Its figures are u
 `passthrough` (requests/s, added time to first token, CPU per token and per request), and
 `sidecar_paced_cpu_us_per_token` beside its `paced_cpu_us_per_token` gives the cost per
 token at a GPU's pace, where each read of the engine brings one token.
+
+With `own_core` (`--own-core`) the proxy under test runs alone on the last core, the
+engine and the load generator on the others (`Cores`), as a sidecar beside a GPU engine
+finds a core; `placement` reports the cores each process was found on after the phases.
 """
 
 from __future__ import annotations
@@ -596,10 +600,15 @@ def _placement(engine: int, passthrough: int, sidecar: int) -> dict[str, list[in
     processes = {"engine": [engine], PASSTHROUGH: [passthrough], "load generator": [os.getpid()]}
     owner = psutil.Process(sidecar)
     processes["sidecar"] = [sidecar, *(p.pid for p in owner.children(recursive=True))]
-    return {
-        name: sorted(set().union(*(os.sched_getaffinity(pid) for pid in pids)))
-        for name, pids in processes.items()
-    }
+    return {name: sorted(set().union(*map(_affinity, pids))) for name, pids in processes.items()}
+
+
+def _affinity(pid: int) -> set[int]:
+    """The cores process `pid` may run on; none for one that has ended meanwhile."""
+    try:
+        return os.sched_getaffinity(pid)
+    except ProcessLookupError:
+        return set()
 
 
 def _pair(values: list[float]) -> str:

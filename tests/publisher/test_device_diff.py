@@ -357,7 +357,7 @@ def _hint_versions(device: str, seed: int) -> list[dict[str, torch.Tensor]]:
             torch.bfloat16
         ),
         "small": (torch.randn(3_000, generator=g) * 1e-4).to(torch.float32),
-        # two alone in their batch: 16 exponents each in a table 256 wide (the widest dtype's)
+        # two in one batch of their own: 16 exponents each in a table 256 wide (the widest dtype's)
         **{
             name: (torch.randn(n, generator=g) * 10.0 ** torch.randint(-2, 1, (n,), generator=g)).to(
                 torch.float8_e4m3fn
@@ -390,16 +390,17 @@ def _hint_versions(device: str, seed: int) -> list[dict[str, torch.Tensor]]:
 def test_kept_sampled_counts_give_the_codecs_hint_version_after_version(device, seed):
     """The device hint plans from sampled counts counted once, then moved by each delta's
     changes into the new buffer's table: version after version (the two buffers taking
-    turns, as the publisher's do) its thresholds and ranks stay the codec's, and a version
-    that failed (its buffer filled again with another state) leaves the base's counts true,
-    those the base was counted to as well."""
+    turns, as the publisher's do) its thresholds and ranks stay the codec's, the new
+    buffer's counts are its bytes' own, and a version that failed (its buffer filled again
+    with another state) leaves the base's counts true, those the base was counted to as
+    well."""
     v = _hint_versions(device, seed)
     spec = ViewSpec(rules=(ViewRule(pattern="*", dtype="raw"),))  # every dtype served as it is
     layout = ViewLayout.of(v[0], spec)
     assert {slot.dtype for slot in layout.slots} == {"BF16", "F32", "F8_E4M3", "I64"}
     base, other = ViewBuffer(layout), ViewBuffer(layout)
     base.fill(v[0])
-    hinted = 0
+    hinted, checked = 0, set()
     for old_state, new_state, commit in (
         (v[0], v[1], False),
         (v[0], v[2], True),
@@ -419,6 +420,17 @@ def test_kept_sampled_counts_give_the_codecs_hint_version_after_version(device, 
                 hinted += 1
                 assert (got.t_low, got.t_top) == (want.t_low, want.t_top), slot.name
                 assert np.array_equal(got.ranks, want.ranks), slot.name
+        # the new buffer's kept counts are its own bytes' sampled counts, row by row
+        kept = other.sampled_counts
+        assert kept is not None
+        for row, slot in enumerate(layout.slots):
+            if slot.dtype in codec.EXPONENT_FIELDS and kept.table[row, 0] >= 0:
+                new_bits = tensor_bytes(new_state[slot.name].cpu()).view(codec.uint_dtype(slot.dtype))
+                sample = new_bits[:: codec.sample_stride(slot.numel)]
+                counted = codec.exponent_counts(np.ascontiguousarray(sample), slot.dtype)
+                assert np.array_equal(kept.table[row, : counted.size], counted), slot.name
+                checked.add(slot.dtype)
         if commit:
             base, other = other, base
     assert hinted >= 3  # the classes paid off: the counts were used, not just carried
+    assert checked == {"BF16", "F32", "F8_E4M3"}  # moved counts of every floating dtype compared

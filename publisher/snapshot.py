@@ -291,8 +291,15 @@ class ViewBuffer:
         self._others: list[tuple[str, torch.Tensor, torch.Tensor, np.ndarray | None]] = []
         # small CUDA tensors, copied by one kernel per group where Triton is (`device_gather`)
         gathered: dict[tuple[str, int], list[Slot]] = {}
+        # 0-dim tensors, cast by `Tensor.to` as `rollout_view` casts them: torch converts a
+        # NaN by another path there (0x7FC0 in bf16 from an f32 scalar) than in a copy among
+        # others (0xFFFF on the CPU), and the view is defined bit for bit
+        self._scalars: list[tuple[str, torch.Tensor]] = []
         small_bytes = _PIECE_BYTES
         for slot in layout.slots:
+            if not slot.shape:
+                self._scalars.append((slot.name, self.tensor(slot)))
+                continue
             host = self._host_raw.get(slot.name)
             if host is None and slot.nbytes < _MEMCPY_BYTES and _gathers_on(slot.device):
                 gathered.setdefault(slot.group, []).append(slot)
@@ -384,6 +391,8 @@ class ViewBuffer:
             pieces.append(partial(_copy_all, *batch))
         if on_device[0]:
             _copy_all(*on_device)
+        for name, target in self._scalars:
+            target.copy_(state[name].to(target.dtype))
         copy_shared(pieces)
         self.ready = None
         if any(device.startswith("cuda") for device, _ in self.groups):

@@ -152,3 +152,29 @@ def test_small_host_tensors_are_copied_as_bytes_or_by_torch_exactly(monkeypatch)
         # four batches (seven and three views, the fp32 tensor, two small ones): all as
         # bytes but the one with the strided view
         assert len(gathered) == (3 if strided else 4)
+
+
+def test_a_scalar_snapshot_is_the_view_bit_for_bit_nan_payloads_too():
+    """A 0-dim tensor cast to the served dtype: torch converts an f32 NaN to bf16 by one
+    path for a scalar (`Tensor.to`, `rollout_view`) and by another in a copy among other
+    tensors (0xFFFF where `to` gives 0x7FC0, on the CPU): the snapshot casts scalars as the
+    view does, whatever shares its group (found by the device diff's property test)."""
+    from deltaboard.publisher import snapshot
+
+    payloads = (0x7FC00000, 0xFFFFFFFF, 0x7F800001, 0xFFC00001, 0x3F800000, 0x80000000)
+    scalars = [
+        torch.tensor(p, dtype=torch.int64).to(torch.int32).view(torch.float32).reshape(()) for p in payloads
+    ]
+    for others in (
+        {},
+        {"t0": torch.randn(5)},
+        {"t0": torch.randn(40), "t1": torch.randn(3), "t2": torch.randn(2)},
+    ):
+        for value in scalars:
+            state = {**others, "s": value, "b": value.to(torch.bfloat16)}
+            layout = snapshot.ViewLayout.of(state, ViewSpec())
+            buffer = snapshot.ViewBuffer(layout)
+            buffer.fill(state)
+            view = rollout_view(state, ViewSpec())
+            for slot in layout.slots:
+                assert buffer.host_bytes(slot).tobytes() == tensor_bytes(view[slot.name]).tobytes(), slot.name

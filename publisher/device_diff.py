@@ -587,21 +587,14 @@ def _hints(old: ViewBuffer, new: ViewBuffer, slots: SlotBatch, counts: np.ndarra
     changed.reshape(-1)[present_h[:removed_at]] = times_h[:removed_at]
     kept, moving = _sampled_counts(old), _sampled_counts(new)
     rows = kept.rows(slots)
-    sampled = kept.table[rows, :bins]  # a view where the rows are consecutive: written through
+    sampled = kept.table[rows, :bins]  # a view (the batch's rows are consecutive): written through
     unknown = np.flatnonzero(info.floating & (counts > 0) & (sampled[:, 0] < 0))
     if unknown.size:  # counted once: they describe the old bytes until `fill` replaces them
         counted, crossed = _count_sampled(old, slots, unknown, bins)
-        sampled[unknown] = counted  # through to the kept table where `sampled` is a view
-        if not isinstance(rows, slice):
-            kept.table[rows[unknown], :bins] = counted
+        sampled[unknown] = counted
         counts_bytes += crossed
-    # the new buffer's counts: the old ones moved by the changes, in place where the rows
-    # are consecutive (a gather and a scatter of the whole table otherwise)
-    moved = (
-        moving.table[rows]
-        if isinstance(rows, slice)
-        else np.empty((len(slots), moving.table.shape[1]), np.int64)
-    )
+    # the new buffer's counts: the old ones moved by the changes, in place
+    moved = moving.table[rows]
     moved[:, bins:] = -1
     moved[:, :bins] = sampled
     # the moves by flat index into the rows (C-contiguous: a view), one fancy index each, not
@@ -613,8 +606,6 @@ def _hints(old: ViewBuffer, new: ViewBuffer, slots: SlotBatch, counts: np.ndarra
             at += at // bins * (width - bins)
         flat[at] += sign * times_h[lo:hi]
     moved[sampled[:, 0] < 0] = -1
-    if not isinstance(rows, slice):
-        moving.table[rows] = moved
     top = (1 << (8 * found.old_bits.element_size() - 1)) - 1
     plans = _plans(slots, counts, sampled, changed, top)
     if plans.picked.size == 0:

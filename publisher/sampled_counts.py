@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from deltaboard.board import codec
-from deltaboard.publisher.exponents import block_or_rows
 
 if TYPE_CHECKING:
     from deltaboard.publisher.snapshot import SlotBatch, ViewLayout
@@ -37,18 +36,14 @@ class SampledCounts:
         )
         self.table = np.full((len(layout.slots), columns), -1, dtype=np.int64)
         self._row = {slot.name: row for row, slot in enumerate(layout.slots)}
-        self._batch_rows: dict[SlotBatch, slice | np.ndarray] = {}
 
-    def rows(self, slots: SlotBatch) -> slice | np.ndarray:
-        """The rows of `slots` (a diff batch: slots of one group, in layout order): a slice
-        where they are consecutive (the layout holds one group, or the batch's group is not
-        interleaved with another's), so that they are read and written in place; else their
-        indices. Found once per batch: every version diffs the same ones."""
-        found = self._batch_rows.get(slots)
-        if found is None:
-            found = block_or_rows(np.array([self._row[slot.name] for slot in slots], dtype=np.int64))
-            self._batch_rows[slots] = found
-        return found
+    def rows(self, slots: SlotBatch) -> slice:
+        """The rows of `slots`, a diff batch: consecutive slots of the layout
+        (`device_diff.batches`), so consecutive rows, read and written in place."""
+        first = self._row[slots[0].name]
+        if self._row[slots[-1].name] != first + len(slots) - 1:
+            raise ValueError("a diff batch's slots are consecutive slots of the layout")
+        return slice(first, first + len(slots))
 
     def forget(self) -> None:
         self.table[:, 0] = -1

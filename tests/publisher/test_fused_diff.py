@@ -302,8 +302,7 @@ def test_hint_keys_in_one_launch_give_the_hints_torch_gives(tile, pair):
     out by masks; and so do the new view's sampled counts, which the sampled changes move
     (the next version's hints start from them)."""
     a, b = _buffers(pair[0], pair[1], SPEC)
-    for group in a.layout.group_numel:
-        slots = SlotBatch(s for s in a.layout.slots if s.group == group)
+    for slots in device_diff.batches(a.layout, 1 << 40):  # the diff's own: runs of one group
         found, moved = [], []
         for triton_runs in (False, True):
             with pytest.MonkeyPatch.context() as patch:

@@ -65,6 +65,7 @@ log = logging.getLogger("deltaboard.board")
 
 MANIFEST_CACHE_SIZE = 512
 KEEPALIVE_S = 15.0
+HEAL_ATTEMPTS = 3  # loads of a missing run, each refused if the index is lost during it
 
 
 def blob_url(run: str, sha256: str) -> str:
@@ -115,10 +116,13 @@ class BoardService:
 
     async def rebuild(self) -> None:
         """Load every run of the store into the index. The index's generation is read
-        first: an index lost while this runs gets a new one, which `check_index` notices."""
+        first: an index lost while this runs gets a new one, the loads after it write
+        nothing (`Index.load_run`), and `check_index` starts again under the new one."""
         generation = await self.index.generation()
         for record in await self.blocking(self.ledger.runs):
-            await self._load(record)
+            if await self._load(record, generation) is None:
+                log.warning("the index was lost again while it was rebuilt: rebuilding it anew")
+                return
         self._generation = generation
 
     async def check_index(self) -> bool:
@@ -131,15 +135,19 @@ class BoardService:
         await self.rebuild()
         return True
 
-    async def _load(self, record: RunRecord) -> Head:
+    async def _load(self, record: RunRecord, generation: str) -> Head | None:
         """The run with its versions and its head, in one write of the index
         (`Index.load_run`): a request that finds the run finds its head, and a poller woken
-        by the head finds its plan. Returns the head."""
+        by the head finds its plan. Returns the index's head after it (a commit may have put
+        a newer one there meanwhile), None where the index is no longer of `generation`
+        (nothing written)."""
         stored, _ = await self.blocking(self.ledger.head, record.name)
         records = await self.blocking(self.ledger.committed_versions, record.name, stored.version, None)
         head = stored.wire(record.name)
-        await self.index.load_run(record, records, head)
-        return head
+        if not await self.index.load_run(record, records, head, generation):
+            return None
+        current = await self.index.get_head(record.name)
+        return head if current is None or head_rank(current) < head_rank(head) else current
 
     async def catch_up(self, run: str, known: Head | None) -> Head:
         """Bring the index's view of `run` up to the store's head (versions first, then the
@@ -181,7 +189,16 @@ class BoardService:
         record = await self.blocking(self.ledger.run, run)
         if record is None:
             raise UnknownRun(f"run {run!r} does not exist")
-        return record, await self._load(record)
+        return record, await self._load_now(record)
+
+    async def _load_now(self, record: RunRecord) -> Head:
+        """`_load` under the index's generation as it is now, again if the index is lost
+        during it (`IndexUnavailable` after `HEAL_ATTEMPTS`)."""
+        for _ in range(HEAL_ATTEMPTS):
+            head = await self._load(record, await self.index.generation())
+            if head is not None:
+                return head
+        raise IndexUnavailable(f"the board's index was lost while run {record.name!r} was read back into it")
 
     # ---- runs and assets ---------------------------------------------------------------
 
@@ -204,7 +221,7 @@ class BoardService:
         """Create the run (idempotent): its info and whether it is new."""
         record, created = await self.blocking(self.ledger.create_run, req)
         if await self.index.get_run(req.name) is None:  # new, or lost by the index: with its versions
-            await self._load(record)
+            await self._load_now(record)
         return await self.run_info(record), created
 
     async def list_runs(self) -> list[RunRecord]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import json
 import secrets
 import time
 from collections.abc import Iterator
@@ -241,3 +242,89 @@ def test_an_index_that_kept_the_run_but_lost_versions_heals_instead_of_answering
         assert [step.version for step in plan.steps] == [0, 1, 2]
     finally:
         board.stop()
+
+
+def _service_over(board: BoardServer, valkey: ValkeyServer) -> Any:
+    """An in-process app over `board`'s data and `valkey` (no periodic check: what the
+    loads do on their own), for a test that steps inside its service."""
+    settings = Settings(
+        data_dir=board.data_dir,
+        auth_config=board.data_dir / "auth.json",
+        redis=valkey.url,
+        index_check_s=3600,
+        fsync=False,
+    )
+    return create_app(settings)
+
+
+def _published(tmp_path: Path, valkey: ValkeyServer) -> BoardServer:
+    board = redis_board(tmp_path, valkey)
+    try:
+        with Publisher(board.client(board.publish_token), "r", assets={}) as pub:
+            for state in states(SIZES, 3):
+                pub.publish(state).result()
+    finally:
+        board.stop()
+    return board
+
+
+def test_a_rebuild_that_read_the_store_before_the_index_was_lost_writes_nothing(tmp_path, valkey_server):
+    """Chaos seed 1030077618: a rebuild read the head from the store (836); commits took
+    the index's head on (843, served); the index was flushed, and the rebuild then wrote 836
+    into the emptied index: the head went back. A load under a generation the index no
+    longer has now writes nothing, and the next check rebuilds from the store."""
+    import redis
+
+    board = _published(tmp_path, valkey_server)
+    app = _service_over(board, valkey_server)
+    service = app.state.board.service
+    read_versions = service.ledger.committed_versions
+    flushed: list[bool] = []
+
+    def flushing(*args: Any) -> Any:
+        if not flushed:  # between the store's head and the index's write: the index is lost
+            valkey_server.flushall()
+            flushed.append(True)
+        return read_versions(*args)
+
+    with TestClient(app) as http, redis.Redis.from_url(valkey_server.url) as raw:
+        portal = http.portal
+        assert portal is not None
+        service.ledger.committed_versions = flushing
+        portal.call(service.rebuild)
+        assert flushed and raw.hget("deltaboard:runs", "r") is None and not raw.exists("deltaboard:head:r")
+        service.ledger.committed_versions = read_versions
+        assert portal.call(service.check_index) is True  # another generation: rebuilt
+        assert portal.call(service.head, "r").version == 2
+
+
+def test_a_heal_answers_the_head_a_commit_put_in_the_index_meanwhile(tmp_path, valkey_server):
+    """A route that misses a run reads it back from the store; a commit that lands in the
+    index during that read is the head it answers, not the older one the store gave first."""
+    import redis
+
+    board = _published(tmp_path, valkey_server)
+    app = _service_over(board, valkey_server)
+    service = app.state.board.service
+    read_versions = service.ledger.committed_versions
+    newer: list[dict[str, Any]] = []
+
+    with TestClient(app) as http, redis.Redis.from_url(valkey_server.url) as raw:
+        stored = json.loads(raw.hget("deltaboard:head:r", "json"))
+
+        def committing(*args: Any) -> Any:
+            if not newer:  # as a commit's `advance_head` would, while the heal reads the store
+                head = {**stored, "version": 9}
+                raw.hset(
+                    "deltaboard:head:r",
+                    mapping={"json": json.dumps(head), "version": "9", "epoch": str(head["epoch"])},
+                )
+                newer.append(head)
+            return read_versions(*args)
+
+        raw.delete("deltaboard:head:r")  # the head lost, the run and the generation kept
+        service.ledger.committed_versions = committing
+        http.headers["Authorization"] = f"Bearer {board.read_token}"
+        answer = http.get("/v1/runs/r/head")
+        assert answer.status_code == 200, answer.text
+        assert newer and answer.json()["version"] == 9

@@ -59,12 +59,20 @@ class Index(Protocol):
         flushed, or restarted without persistence) and must be rebuilt from the store."""
         ...
 
-    async def load_run(self, run: RunRecord, versions: list[VersionRecord], head: Head) -> None:
+    async def load_run(
+        self, run: RunRecord, versions: list[VersionRecord], head: Head, generation: str
+    ) -> bool:
         """Put the run with its versions and its head, all or nothing (the head only where
         it ranks above the cached one, as `advance_head`). A run in the index therefore
         always has the versions its head needs: a Redis restarted between separate writes
         would otherwise hold the run and its head without them, and answer `NoChain` for
-        committed versions until the next rebuild."""
+        committed versions until the next rebuild.
+
+        Nothing is written, and False returned, unless the index is still of `generation`
+        (read before the store was): an index lost meanwhile may have served a head that
+        a commit put there since, and a head read from the store before that commit,
+        written into the emptied index, would take the head back (chaos seed 1030077618:
+        843, then 836)."""
         ...
 
     async def get_run(self, name: str) -> RunRecord | None: ...

@@ -29,10 +29,15 @@ class EmbeddedIndex:
     async def close(self) -> None:
         return None
 
-    async def load_run(self, run: RunRecord, versions: list[VersionRecord], head: Head) -> None:
+    async def load_run(
+        self, run: RunRecord, versions: list[VersionRecord], head: Head, generation: str
+    ) -> bool:
+        if generation != self._generation:
+            return False
         await self.put_versions(run.name, versions)
         await self.advance_head(head)
         self._runs[run.name] = run
+        return True
 
     async def get_run(self, name: str) -> RunRecord | None:
         return self._runs.get(name)

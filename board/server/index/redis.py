@@ -32,18 +32,39 @@ from deltaboard.board.server.records import RunRecord, VersionRecord, head_rank
 
 log = logging.getLogger("deltaboard.board.redis")
 
-ADVANCE_HEAD = """
-local version = tonumber(redis.call('HGET', KEYS[1], 'version') or '-2')
-local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '-2')
-local new_version = tonumber(ARGV[2])
-local new_epoch = tonumber(ARGV[3])
-if new_version > version or (new_version == version and new_epoch > epoch) then
-  redis.call('HSET', KEYS[1], 'json', ARGV[1], 'version', ARGV[2], 'epoch', ARGV[3])
-  redis.call('PUBLISH', KEYS[2], ARGV[1])
-  return 1
+# Moves a run's head only forward (by version, then epoch) and announces it. A Lua function
+# shared by the two scripts below; version and epoch are passed as strings and stored so.
+_ADVANCE = """
+local function advance(head_key, channel, json, new_version, new_epoch)
+  local version = tonumber(redis.call('HGET', head_key, 'version') or '-2')
+  local epoch = tonumber(redis.call('HGET', head_key, 'epoch') or '-2')
+  local v, e = tonumber(new_version), tonumber(new_epoch)
+  if v > version or (v == version and e > epoch) then
+    redis.call('HSET', head_key, 'json', json, 'version', new_version, 'epoch', new_epoch)
+    redis.call('PUBLISH', channel, json)
+    return 1
+  end
+  return 0
 end
-return 0
 """
+ADVANCE_HEAD = _ADVANCE + "return advance(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])"
+# A run loaded from the store (`load_run`): nothing unless the index is still the generation
+# the caller loaded under (-1), else its versions (field, value pairs from ARGV[7], in
+# slices that Lua's unpack takes), its head where it ranks above the index's, its record.
+LOAD_RUN = (
+    _ADVANCE
+    + """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return -1
+end
+for i = 7, #ARGV, 1000 do
+  redis.call('HSET', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+local advanced = advance(KEYS[3], KEYS[5], ARGV[2], ARGV[3], ARGV[4])
+redis.call('HSET', KEYS[4], ARGV[5], ARGV[6])
+return advanced
+"""
+)
 
 RESUBSCRIBE_S = 0.5
 COMMAND_TIMEOUT_S = 5.0
@@ -143,18 +164,25 @@ class RedisIndex:
         return found.decode()
 
     @reachable
-    async def load_run(self, run: RunRecord, versions: list[VersionRecord], head: Head) -> None:
-        """One MULTI/EXEC: a restart lands before it or after it, never inside it."""
+    async def load_run(
+        self, run: RunRecord, versions: list[VersionRecord], head: Head, generation: str
+    ) -> bool:
+        """One script: a restart lands before it or after it, never inside it, and a flush
+        since `generation` was read leaves it writing nothing."""
         version, epoch = head_rank(head)
-        async with self.redis.pipeline(transaction=True) as tx:
-            if versions:
-                tx.hset(self._k("versions", run.name), mapping=_version_fields(versions))
-            head_key = self._k("head", run.name)
-            tx.eval(ADVANCE_HEAD, 2, head_key, self.channel, head.model_dump_json(), version, epoch)
-            tx.hset(self._k("runs"), run.name, run.model_dump_json())
-            answers = await tx.execute()
-        if answers[-2]:  # the head advanced: our own pollers need not wait for the round trip
+        pairs = [item for field in _version_fields(versions).items() for item in field]
+        keys = (
+            self._k("generation"),
+            self._k("versions", run.name),
+            self._k("head", run.name),
+            self._k("runs"),
+            self.channel,
+        )
+        args = (generation, head.model_dump_json(), version, epoch, run.name, run.model_dump_json(), *pairs)
+        answer = await self.redis.eval(LOAD_RUN, len(keys), *keys, *args)
+        if answer == 1:  # the head advanced: our own pollers need not wait for the round trip
             self.waiters.notify(head)
+        return bool(answer >= 0)
 
     @reachable
     async def get_run(self, name: str) -> RunRecord | None:

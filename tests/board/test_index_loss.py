@@ -182,26 +182,37 @@ class Tearing:
         return call
 
 
-def test_an_index_lost_between_any_two_of_its_calls_never_answers_404_for_a_committed_version(
-    tmp_path, valkey_server
-):
-    """Before: a restart between the writes of a run's load left the run and its head in the
-    index without the versions, and every plan answered 404 NoChain until the next rebuild."""
-    board = redis_board(tmp_path, valkey_server)
+def _service_over(board: BoardServer, valkey: ValkeyServer) -> Any:
+    """An in-process app over `board`'s data and `valkey` (no periodic check: what the
+    loads do on their own), for a test that steps inside its service."""
+    settings = Settings(
+        data_dir=board.data_dir,
+        auth_config=board.data_dir / "auth.json",
+        redis=valkey.url,
+        index_check_s=3600,
+        fsync=False,
+    )
+    return create_app(settings)
+
+
+def _published(tmp_path: Path, valkey: ValkeyServer) -> BoardServer:
+    board = redis_board(tmp_path, valkey)
     try:
         with Publisher(board.client(board.publish_token), "r", assets={}) as pub:
             for state in states(SIZES, 3):
                 pub.publish(state).result()
     finally:
         board.stop()
-    settings = Settings(
-        data_dir=board.data_dir,
-        auth_config=board.data_dir / "auth.json",
-        redis=valkey_server.url,
-        index_check_s=3600,  # no rebuild: what the routes do on their own
-        fsync=False,
-    )
-    app = create_app(settings)
+    return board
+
+
+def test_an_index_lost_between_any_two_of_its_calls_never_answers_404_for_a_committed_version(
+    tmp_path, valkey_server
+):
+    """Before: a restart between the writes of a run's load left the run and its head in the
+    index without the versions, and every plan answered 404 NoChain until the next rebuild."""
+    board = _published(tmp_path, valkey_server)
+    app = _service_over(board, valkey_server)
     service = app.state.board.service
     tearing = Tearing(service.index, valkey_server)
     service.index = tearing
@@ -242,30 +253,6 @@ def test_an_index_that_kept_the_run_but_lost_versions_heals_instead_of_answering
         assert [step.version for step in plan.steps] == [0, 1, 2]
     finally:
         board.stop()
-
-
-def _service_over(board: BoardServer, valkey: ValkeyServer) -> Any:
-    """An in-process app over `board`'s data and `valkey` (no periodic check: what the
-    loads do on their own), for a test that steps inside its service."""
-    settings = Settings(
-        data_dir=board.data_dir,
-        auth_config=board.data_dir / "auth.json",
-        redis=valkey.url,
-        index_check_s=3600,
-        fsync=False,
-    )
-    return create_app(settings)
-
-
-def _published(tmp_path: Path, valkey: ValkeyServer) -> BoardServer:
-    board = redis_board(tmp_path, valkey)
-    try:
-        with Publisher(board.client(board.publish_token), "r", assets={}) as pub:
-            for state in states(SIZES, 3):
-                pub.publish(state).result()
-    finally:
-        board.stop()
-    return board
 
 
 def test_a_rebuild_that_read_the_store_before_the_index_was_lost_writes_nothing(tmp_path, valkey_server):

@@ -9,6 +9,9 @@ showing a slot being written:
 
 - `board_kill`, `publisher_kill`, `follower_kill`: SIGKILL, then a restart;
 - `redis_flush` (FLUSHALL) and `redis_restart` (stopped, started empty);
+- `redis_freeze` (SIGSTOP for a random 0.5-8 s: past the board's 5 s command timeout in
+  two of five, so that a command the board gave up on may still run once the
+  server wakes, its reply going nowhere);
 - `s3_freeze` (SIGSTOP for a random 0.5-4 s) and `s3_restart` (SIGKILL, started again);
 - `blob_corrupt`: a stored blob of the newest version gets a flipped byte; a fresh pull of
   that version must be refused, and succeed byte-exact once the blob is restored.
@@ -67,6 +70,7 @@ FAULTS = (
     "follower_kill",
     "redis_flush",
     "redis_restart",
+    "redis_freeze",
     "s3_freeze",
     "s3_restart",
     "blob_corrupt",
@@ -278,6 +282,13 @@ class World:
         self.valkey.stop()
         time.sleep(self.rng.uniform(0, 1.0))
         self.valkey.start()
+
+    def redis_freeze(self) -> None:
+        self.next_ack()
+        assert self.valkey.process is not None
+        self.valkey.process.send_signal(signal.SIGSTOP)
+        time.sleep(self.rng.uniform(0.5, 8.0))
+        self.valkey.process.send_signal(signal.SIGCONT)
 
     def s3_freeze(self) -> None:
         self.next_ack()

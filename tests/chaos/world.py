@@ -284,18 +284,19 @@ class World:
         self.valkey.start()
 
     def redis_freeze(self) -> None:
-        self.next_ack()
-        assert self.valkey.process is not None
-        self.valkey.process.send_signal(signal.SIGSTOP)
-        time.sleep(self.rng.uniform(0.5, 8.0))
-        self.valkey.process.send_signal(signal.SIGCONT)
+        self._freeze(self.valkey.process, 8.0)
 
     def s3_freeze(self) -> None:
+        self._freeze(self.s3.process, 4.0)
+
+    def _freeze(self, process: subprocess.Popen[bytes] | None, longest_s: float) -> None:
+        """Stop `process` (SIGSTOP) at the trainer's next acknowledged version, for a random
+        0.5 s to `longest_s`, then let it go on."""
         self.next_ack()
-        assert self.s3.process is not None
-        self.s3.process.send_signal(signal.SIGSTOP)
-        time.sleep(self.rng.uniform(0.5, 4.0))
-        self.s3.process.send_signal(signal.SIGCONT)
+        assert process is not None
+        process.send_signal(signal.SIGSTOP)
+        time.sleep(self.rng.uniform(0.5, longest_s))
+        process.send_signal(signal.SIGCONT)
 
     def s3_restart(self) -> None:
         self.next_ack()

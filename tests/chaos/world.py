@@ -1,13 +1,13 @@
-"""The chaos suite's world: SeaweedFS (S3), Valkey, a board on both, a trainer process
-publishing for ever (`actor_publisher.py`) and a follower process (`deltaboard follow`),
-all real, all on loopback; faults injected one after another, each followed by the
-invariants.
+"""The chaos suite's world: SeaweedFS (S3), Valkey, two board replicas on both, a trainer
+process publishing for ever (`actor_publisher.py`) through the first and a follower
+process (`deltaboard follow`) through the second, all real, all on loopback; faults
+injected one after another, each followed by the invariants.
 
 Faults (`FAULTS`), each armed on an event rather than a delay tuned to this machine: the
 trainer's next acknowledged version (a line in its ack file), or a follower's journal
 showing a slot being written:
 
-- `board_kill`, `publisher_kill`, `follower_kill`: SIGKILL, then a restart;
+- `board_kill` (either replica), `publisher_kill`, `follower_kill`: SIGKILL, then a restart;
 - `redis_flush` (FLUSHALL) and `redis_restart` (stopped, started empty);
 - `redis_freeze` (SIGSTOP for a random 0.5-8 s: past the board's 5 s command timeout in
   two of five, so that a command the board gave up on may still run once the
@@ -17,9 +17,10 @@ showing a slot being written:
   that version must be refused, and succeed byte-exact once the blob is restored.
 
 Invariants, after every fault (and by a watcher thread polling the board all along):
-no acknowledged version lost (its manifest's state digest is the trainer's), head never
-goes back, no version visible before its manifest and blobs are (every head the watcher
-sees has its manifest, plan and blobs), the follower byte-exact (each tensor's sha256 is
+no acknowledged version lost on either replica (its manifest's state digest is the
+trainer's), no replica's head ever goes back, no version visible before its manifest and
+blobs are (every head the watcher sees on either has its manifest, plan and blobs), the
+follower byte-exact (each tensor's sha256 is
 the trainer's for the version it serves), and every error a JSON 4xx or 503, never a 500
 (nor a run answered 404). Random choices come from one seeded `random.Random`: a failure
 is replayed with the seed it printed.
@@ -89,7 +90,7 @@ class InvariantBroken(AssertionError):
 class Watch:
     """What the watcher saw: heads in order, and every answer that broke a rule."""
 
-    last: int | None = None
+    last: dict[str, int] = field(default_factory=dict)  # per replica's URL: the newest head seen
     heads: int = 0
     answers: Counter[str] = field(default_factory=Counter)
     broken: list[str] = field(default_factory=list)
@@ -135,8 +136,11 @@ class World:
             self.valkey = ValkeyServer(self.root / "valkey").start()
             self._stack.callback(self.valkey.stop)
             settings = {**self.s3.settings(self.bucket), "redis": self.valkey.url}
+            # the trainer's board and the follower's: replicas of one board (one store, one index)
             self.board: BoardServer = board_server(self.root / "board", **settings).start()
             self._stack.callback(self.board.stop)
+            self.replica: BoardServer = board_server(self.root / "replica", **settings).start()
+            self._stack.callback(self.replica.stop)
             self._stack.callback(self._stop_actors)
             self.start_publisher()
             self.wait_acks(1)
@@ -155,8 +159,13 @@ class World:
         if self.s3.process is not None:  # a restarted store is ours to stop
             stop_process(self.s3.process, timeout=2.0)
 
-    def client(self) -> BoardClient:
-        return self.board.client(self.board.read_token, timeout=10.0)
+    @property
+    def boards(self) -> tuple[BoardServer, BoardServer]:
+        return self.board, self.replica
+
+    def client(self, board: BoardServer | None = None) -> BoardClient:
+        board = board or self.board
+        return board.client(board.read_token, timeout=10.0)
 
     def start_publisher(self) -> None:
         log = open(self.root / "publisher.log", "ab")  # noqa: SIM115 (the child holds it)
@@ -180,15 +189,15 @@ class World:
         log = open(self.root / "follower.log", "ab")  # noqa: SIM115 (the child holds it)
         self.follower = subprocess.Popen(
             [str(VENV_BIN / "deltaboard"), "follow", "--run", RUN, "--to", str(self.follower_dir)],
-            env={
-                **os.environ,
-                "DELTABOARD_URL": self.board.url,
-                "DELTABOARD_TOKEN": self.board.read_token,
-            },
+            env=self.reader_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
         log.close()
+
+    def reader_env(self) -> dict[str, str]:
+        """The environment of a `deltaboard` command that reads through the follower's replica."""
+        return {**os.environ, "DELTABOARD_URL": self.replica.url, "DELTABOARD_TOKEN": self.replica.read_token}
 
     def _stop_actors(self) -> None:
         for proc in (self.publisher, self.follower):
@@ -252,11 +261,12 @@ class World:
 
     def board_kill(self) -> None:
         self.next_ack()
-        assert self.board.process is not None
-        self.board.process.send_signal(signal.SIGKILL)
-        self.board.process.wait()
-        self.board.process = None
-        self.board.start()
+        board = self.rng.choice(self.boards)
+        assert board.process is not None
+        board.process.send_signal(signal.SIGKILL)
+        board.process.wait()
+        board.process = None
+        board.start()
 
     def publisher_kill(self) -> None:
         self.next_ack()
@@ -367,7 +377,7 @@ class World:
                 "--version",
                 str(version),
             ],
-            env={**os.environ, "DELTABOARD_URL": self.board.url, "DELTABOARD_TOKEN": self.board.read_token},
+            env=self.reader_env(),
             capture_output=True,
             timeout=CONVERGE_TIMEOUT_S,
         )
@@ -424,8 +434,8 @@ class World:
         self.counts["exact_checks"] += 1
 
     def check_acks(self) -> None:
-        """Every version acknowledged since the last check, and a few older ones, is on the
-        board with the trainer's state digest."""
+        """Every version acknowledged since the last check, and a few older ones, is on
+        both replicas with the trainer's state digest."""
         versions = sorted(self.acks)
         fresh, older = versions[self.checked :], versions[: self.checked]
         sample = fresh + self.rng.sample(older, min(5, len(older)))
@@ -433,43 +443,51 @@ class World:
         self.checked = len(versions)
 
     def verify_acks(self, versions: list[int]) -> None:
-        client = self.client()
-        for version in versions:
-            found = client.manifest(RUN, version)
-            if found.state_digest != self.acks[version]["state_digest"]:
-                raise InvariantBroken(f"{self.fault}: acknowledged version {version} was replaced")
+        for board in self.boards:
+            client = self.client(board)
+            for version in versions:
+                found = client.manifest(RUN, version)
+                if found.state_digest != self.acks[version]["state_digest"]:
+                    raise InvariantBroken(
+                        f"{self.fault}: acknowledged version {version} was replaced ({board.url})"
+                    )
         self.counts["acks_verified"] += len(versions)
 
     def final_check(self) -> None:
-        """At the end: every acknowledged version, and the board's log free of 500s."""
+        """At the end: every acknowledged version, and both replicas' logs free of 500s."""
         self.read_acks()
         self.verify_acks(sorted(self.acks))
-        for log in self.board.data_dir.glob("board-*.log"):
-            if "unhandled error" in log.read_text(errors="replace"):
-                raise InvariantBroken(f"the board answered 500 (see {log})")
+        for board in self.boards:
+            for log in board.data_dir.glob("board-*.log"):
+                if "unhandled error" in log.read_text(errors="replace"):
+                    raise InvariantBroken(f"the board answered 500 (see {log})")
 
     # ---- the watcher -----------------------------------------------------------------------
 
     def _watch(self) -> None:
-        headers = {"Authorization": f"Bearer {self.board.read_token}"}
-        with httpx.Client(headers=headers, timeout=10.0) as http:
+        with contextlib.ExitStack() as clients:
+            https = [
+                (board, clients.enter_context(httpx.Client(headers=_reader(board), timeout=10.0)))
+                for board in self.boards
+            ]
             while not self._stop.wait(0.02):
-                with contextlib.suppress(httpx.TransportError):
-                    self._look(http)
+                for board, http in https:  # each replica in turn
+                    with contextlib.suppress(httpx.TransportError):
+                        self._look(board, http)
 
-    def _look(self, http: httpx.Client) -> None:
-        url = f"{self.board.url}/v1/runs/{RUN}"
+    def _look(self, board: BoardServer, http: httpx.Client) -> None:
+        url = f"{board.url}/v1/runs/{RUN}"
         answer = http.get(f"{url}/head")
         if not self._acceptable(answer, "head"):
             return
         version = answer.json()["version"]
-        watch = self.watch
-        if watch.last is not None and (version is None or version < watch.last):
-            watch.broken.append(f"{self.fault}: head went back from {watch.last} to {version}")
+        watch, last = self.watch, self.watch.last.get(board.url)
+        if last is not None and (version is None or version < last):
+            watch.broken.append(f"{self.fault}: head went back from {last} to {version} on {board.url}")
             return
-        if version is None or version == watch.last:
+        if version is None or version == last:
             return
-        watch.last = version
+        watch.last[board.url] = version
         watch.heads += 1
         for path in (f"/manifests/{version}", f"/plan?to={version}"):
             answer = http.get(url + path)
@@ -499,6 +517,10 @@ class World:
         elif answer.status_code == 404:
             self.watch.broken.append(f"{self.fault}: {what} answered 404 {code} for a committed version")
         return False
+
+
+def _reader(board: BoardServer) -> dict[str, str]:
+    return {"Authorization": f"Bearer {board.read_token}"}
 
 
 def run_chaos(root: Path, seed: int, faults: int, report: Callable[[str], None]) -> Counter[str]:

@@ -34,8 +34,9 @@ test: install chromium
 	$(BIN)/pytest -q -n 2
 
 # The chaos suite's long form: hundreds of faults (kill -9 of board, publisher and follower,
-# Redis flushed, frozen and restarted, SeaweedFS frozen and restarted, corrupted blobs), each followed
-# by the invariants; prints its seed and counts. `make test` runs its short form.
+# a board replica frozen, Redis flushed, frozen and restarted, SeaweedFS frozen and
+# restarted, corrupted blobs), each followed by the invariants; prints its seed and counts.
+# `make test` runs its short form.
 CHAOS_FAULTS ?= 300
 chaos: install
 	DELTABOARD_CHAOS_FAULTS=$(CHAOS_FAULTS) $(BIN)/pytest tests/chaos -q -s -p no:cacheprovider --timeout=0

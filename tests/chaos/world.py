@@ -8,6 +8,8 @@ trainer's next acknowledged version (a line in its ack file), or a follower's jo
 showing a slot being written:
 
 - `board_kill` (either replica), `publisher_kill`, `follower_kill`: SIGKILL, then a restart;
+- `board_freeze`: either replica stopped (SIGSTOP) for a random 0.5-8 s, its clients'
+  requests (a commit among them) waiting, timing out and sent again meanwhile;
 - `redis_flush` (FLUSHALL) and `redis_restart` (stopped, started empty);
 - `redis_freeze` (SIGSTOP for a random 0.5-8 s: past the board's 5 s command timeout in
   two of five, so that a command the board gave up on may still run once the
@@ -63,10 +65,12 @@ from tests.support.servers import (
     stop_process,
     wait_until,
 )
+from tests.support.zygote import ForkedBoard
 
 RUN = "chaos"
 FAULTS = (
     "board_kill",
+    "board_freeze",
     "publisher_kill",
     "follower_kill",
     "redis_flush",
@@ -268,6 +272,9 @@ class World:
         board.process = None
         board.start()
 
+    def board_freeze(self) -> None:
+        self._freeze(self.rng.choice(self.boards).process, 8.0)
+
     def publisher_kill(self) -> None:
         self.next_ack()
         self._kill(self.publisher)
@@ -299,7 +306,7 @@ class World:
     def s3_freeze(self) -> None:
         self._freeze(self.s3.process, 4.0)
 
-    def _freeze(self, process: subprocess.Popen[bytes] | None, longest_s: float) -> None:
+    def _freeze(self, process: subprocess.Popen[bytes] | ForkedBoard | None, longest_s: float) -> None:
         """Stop `process` (SIGSTOP) at the trainer's next acknowledged version, for a random
         0.5 s to `longest_s`, then let it go on."""
         self.next_ack()

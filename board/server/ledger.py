@@ -201,24 +201,30 @@ class Ledger:
 
     def renew_lease(self, run: str, req: LeaseRenew) -> Lease:
         self.head(run)
-        holder, epoch = req.holder, req.epoch
-        record, tag = self._own_lease(run, holder, epoch)
-        renewed = record.model_copy(update={"expires_at": self.clock.now() + req.ttl_s})
-        try:
-            self.store.write_record(lease_key(run), encode(renewed), tag)
-        except PreconditionFailed:
-            raise StaleEpoch("the lease changed while renewing") from None
-        return Lease(run=run, holder=holder, epoch=epoch, expires_at=renewed.expires_at)
+        now = self.clock.now()
+        renewed = self._rewrite_own_lease(run, req.holder, req.epoch, expires_at=now + req.ttl_s)
+        return Lease(run=run, holder=req.holder, epoch=req.epoch, expires_at=renewed.expires_at)
 
     def release_lease(self, run: str, holder: str, epoch: int) -> None:
         """Expire the lease now; the epoch stays, so the next lease gets a higher one."""
         self.head(run)
-        record, tag = self._own_lease(run, holder, epoch)
-        try:
-            released = record.model_copy(update={"expires_at": 0.0})
-            self.store.write_record(lease_key(run), encode(released), tag)
-        except PreconditionFailed:
-            raise StaleEpoch("the lease changed while releasing") from None
+        self._rewrite_own_lease(run, holder, epoch, expires_at=0.0)
+
+    def _rewrite_own_lease(self, run: str, holder: str, epoch: int, expires_at: float) -> LeaseRecord:
+        """The lease of `holder` at `epoch` with a new expiry, by compare-and-set. A record
+        changed between the read and the write is read again: the holder's own renewal can
+        change it (a retry of a renewal that timed out while the first still ran, or a
+        store's retry of a write that had landed), and that is no reason to fence it; a
+        lease another writer took is (`_own_lease`: `StaleEpoch`)."""
+        for _ in range(CAS_ATTEMPTS):
+            record, tag = self._own_lease(run, holder, epoch)
+            rewritten = record.model_copy(update={"expires_at": expires_at})
+            try:
+                self.store.write_record(lease_key(run), encode(rewritten), tag)
+            except PreconditionFailed:
+                continue
+            return rewritten
+        raise Contended("lease record kept changing; retry")
 
     # ---- commit ------------------------------------------------------------------------
 

@@ -13,11 +13,11 @@ import pytest
 import zstandard
 
 from deltaboard.board.contract.errors import BoardError
-from deltaboard.board.contract.schemas import LeaseRequest, Manifest, RunCreate
+from deltaboard.board.contract.schemas import LeaseRenew, LeaseRequest, Manifest, RunCreate
 from deltaboard.board.server.ledger import Ledger
 from deltaboard.board.server.records import encode, packed_manifest
 from deltaboard.board.server.retention import select_versions
-from deltaboard.board.server.storage import head_key, manifest_key
+from deltaboard.board.server.storage import head_key, lease_key, manifest_key
 from deltaboard.board.server.storage.local import LocalStore
 from tests.support.manifests import manifest
 
@@ -163,25 +163,27 @@ def test_fenced_writers_leftover_is_replaced(ledger):
     assert e.value.code == "NotHead"
 
 
-class LeaseDuringCommit(LocalStore):
-    """Injected fault: another trainer takes the lease just before the head CAS."""
+class BeforeCas(LocalStore):
+    """Injected fault: `hook` runs once just before the next compare-and-set of `key` (an
+    update, not a first write), between the ledger's read of the record and its write."""
 
+    key = head_key("r")
     hook: Callable[[], object] | None = None
 
     def _set_record(self, key, data, expected, **kw):
-        if key == head_key("r") and expected is not None and self.hook is not None:
+        if key == self.key and expected is not None and self.hook is not None:
             hook, self.hook = self.hook, None
             hook()
         return super()._set_record(key, data, expected, **kw)
 
 
 def test_fencing_in_the_middle_of_a_commit(tmp_path):
-    store = LeaseDuringCommit(tmp_path / "store", fsync=False)
+    store = BeforeCas(tmp_path / "store", fsync=False)
     ledger = Ledger(store)
     ledger.create_run(RunCreate(name="r"))
     old = lease(ledger, "a")
     commit(ledger, 0, old, b"zero")
-    store.hook = lambda: lease(ledger, "b", steal=True)
+    store.hook = lambda: lease(ledger, "b", steal=True)  # another trainer takes the lease
     with pytest.raises(BoardError) as e:
         commit(ledger, 1, old, b"late")
     assert e.value.code == "StaleEpoch"
@@ -213,6 +215,53 @@ def test_racing_commits_have_one_winner(ledger):
         t.join()
     assert outcomes.count("won") == 1 and set(outcomes) == {"won", "NotHead"}
     assert ledger.head("r")[0].version == 1
+
+
+@pytest.fixture
+def lease_cas(tmp_path) -> tuple[BeforeCas, Ledger]:
+    store = BeforeCas(tmp_path / "store", fsync=False)
+    store.key = lease_key("r")
+    ledger = Ledger(store)
+    ledger.create_run(RunCreate(name="r"))
+    return store, ledger
+
+
+def test_a_renewal_raced_by_the_holders_own_renewal_keeps_the_lease(lease_cas):
+    """The chaos suite's trainer was fenced ("the lease changed while renewing") with no
+    other writer: a renewal that timed out while the store was frozen was sent again, and
+    the two ran at once; the one that lost the compare-and-set fenced its own holder."""
+    store, ledger = lease_cas
+    epoch = lease(ledger, "a")
+    store.hook = lambda: ledger.renew_lease("r", LeaseRenew(holder="a", epoch=epoch, ttl_s=30))
+    renewed = ledger.renew_lease("r", LeaseRenew(holder="a", epoch=epoch, ttl_s=60))
+    assert store.hook is None  # the other renewal ran between the read and the write
+    found = ledger.lease("r")
+    assert found is not None
+    assert (found[0].holder, found[0].epoch, found[0].expires_at) == ("a", epoch, renewed.expires_at)
+    commit(ledger, 0, epoch, b"zero")  # still the writer
+
+
+@pytest.mark.parametrize("step", ["renew", "release"])
+def test_a_lease_taken_between_the_read_and_the_write_still_fences(lease_cas, step):
+    store, ledger = lease_cas
+    old = lease(ledger, "a")
+    store.hook = lambda: lease(ledger, "b", steal=True)
+    with pytest.raises(BoardError) as e:
+        if step == "renew":
+            ledger.renew_lease("r", LeaseRenew(holder="a", epoch=old, ttl_s=60))
+        else:
+            ledger.release_lease("r", "a", old)
+    assert e.value.code == "StaleEpoch"
+    found = ledger.lease("r")
+    assert found is not None and (found[0].holder, found[0].epoch) == ("b", old + 1)
+
+
+def test_a_release_raced_by_a_renewal_still_releases(lease_cas):
+    store, ledger = lease_cas
+    epoch = lease(ledger, "a")
+    store.hook = lambda: ledger.renew_lease("r", LeaseRenew(holder="a", epoch=epoch, ttl_s=60))
+    ledger.release_lease("r", "a", epoch)
+    assert lease(ledger, "b") == epoch + 1  # released: another holder takes it without stealing
 
 
 def test_lease_rules(ledger):

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Protocol
 
-from deltaboard.board.contract.errors import BoardError, BoardUnavailable, LeaseHeld
+from deltaboard.board.contract.errors import BoardError, BoardUnavailable, Contended, LeaseHeld
 from deltaboard.board.contract.schemas import Lease
 
 
@@ -114,8 +114,9 @@ class LeaseKeeper:
                 if self.epoch != epoch:
                     continue  # `take_new_epoch` replaced the lease we were renewing
                 # The client already retried transport errors and 5xx; any other refusal is
-                # the board's answer.
-                if isinstance(exc, BoardError) and not isinstance(exc, BoardUnavailable):
+                # the board's answer, but `Contended` (the lease record kept changing under
+                # the board's compare-and-set), which asks for another try.
+                if isinstance(exc, BoardError) and not isinstance(exc, BoardUnavailable | Contended):
                     self.fence(f"the board refused to renew the lease ({exc.code}: {exc.message})")
                     return
                 if time.monotonic() >= self._expires_at:
